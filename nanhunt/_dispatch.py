@@ -1,0 +1,86 @@
+"""Private: every ``torch._``/``torch.utils._`` import of nanhunt lives here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "TraceMode",
+    "OpInfo",
+    "op_info",
+    "current_autograd_node",
+    "peek_sequence_nr",
+    "WeakIdKeyDictionary",
+]
+
+current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
+# The next autograd sequence number of this thread. The autograd kernel creates an
+# op's backward node *before* the op reaches a dispatch mode, so when the number
+# moved since the previous op, the node of this op is number - 1.
+peek_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+# Views whose output holds exactly the elements of their input: a NaN in one is a
+# NaN in the other, so the output shares the input's record instead of a new pass.
+_SAME_SET_VIEWS = frozenset(
+    {
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute",
+        "unsqueeze", "squeeze", "alias", "detach", "expand", "view_as", "expand_as",
+        "flatten", "unflatten", "movedim", "swapaxes", "swapdims", "lift_fresh",
+        "numpy_T", "mT", "mH", "adjoint", "_conj", "conj", "_neg_view", "view_as_real",
+    }
+)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str  # "aten::addmm"
+    same_set_view: bool
+    written_args: tuple[int, ...]  # positional indices of arguments the op writes to
+    written_kwargs: tuple[str, ...]
+
+
+_cache: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _cache.get(func)
+    if info is not None:
+        return info
+    schema = func._schema
+    returns_alias = bool(schema.returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
+    written_pos: list[int] = []
+    written_kw: list[str] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            if a.kwarg_only:
+                written_kw.append(a.name)
+            else:
+                written_pos.append(i)
+    base = func._overloadpacket.__name__
+    info = OpInfo(
+        name=schema.name,
+        same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
+        written_args=tuple(written_pos),
+        written_kwargs=tuple(written_kw),
+    )
+    _cache[func] = info
+    return info
+
+
+class TraceMode(TorchDispatchMode):
+    """Hands every aten op to ``on_op(func, args, kwargs)``, which must run it."""
+
+    def __init__(self, on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+        super().__init__()
+        self._on_op = on_op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        return self._on_op(func, args, kwargs or {})

@@ -1,0 +1,69 @@
+"""Dataflow among records (networkx): where a non-finite value went after it was born."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+
+from .records import Phase, Record, Role
+
+__all__ = ["nonfinite_graph", "reached_sinks", "propagation_path"]
+
+# What a value "reaching" means, in the order a report names them.
+SINKS = ("output", "loss", "gradients", "update")
+
+
+def nonfinite_graph(records: Sequence[Record]) -> nx.DiGraph:
+    """Producer -> consumer edges between non-finite records only."""
+    g: nx.DiGraph = nx.DiGraph()
+    for r in records:
+        if r.finite:
+            continue
+        g.add_node(r.index)
+        for i in r.inputs:
+            if not records[i].finite:
+                g.add_edge(i, r.index)
+    return g
+
+
+def _sink_kind(r: Record, root_outputs: frozenset[int]) -> str | None:
+    if r.phase is Phase.UPDATE:
+        return "update"
+    if r.phase is Phase.BACKWARD or r.role is Role.GRAD:
+        return "gradients"
+    if r.phase is Phase.LOSS:
+        return "loss"
+    if r.index in root_outputs:
+        return "output"
+    return None
+
+
+def reached_sinks(
+    g: nx.DiGraph, records: Sequence[Record], origin: int, root_outputs: frozenset[int]
+) -> tuple[tuple[str, ...], int | None]:
+    """Which sinks the origin's non-finite value reached, and the first sink record reached."""
+    if origin not in g:
+        return (), None
+    found: dict[str, int] = {}
+    for i in sorted({origin} | nx.descendants(g, origin)):
+        kind = _sink_kind(records[i], root_outputs)
+        if kind is not None and kind not in found:
+            found[kind] = i
+    reached = tuple(k for k in SINKS if k in found)
+    target = None
+    for k in ("loss", "output", "gradients", "update"):
+        if k in found:
+            target = found[k]
+            break
+    return reached, target
+
+
+def propagation_path(g: nx.DiGraph, origin: int, target: int | None) -> tuple[int, ...]:
+    """Record indices from the origin to ``target`` through non-finite values only."""
+    if target is None or origin not in g:
+        return (origin,)
+    try:
+        return tuple(nx.shortest_path(g, origin, target))
+    except nx.NetworkXNoPath:
+        return (origin,)

@@ -1,0 +1,144 @@
+"""First-occurrence rules: records -> origins -> the first one.
+
+An **origin** is a record whose non-finite value was created there: an op output
+holding a NaN while none of the op's inputs (tensors or Python scalars) holds
+one, or an Inf while all of them are finite; or a tensor that entered the step
+non-finite (batch, weights, optimizer state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .graph import nonfinite_graph, propagation_path, reached_sinks
+from .records import Occurrence, Phase, Record, Role
+
+__all__ = ["LocateResult", "locate", "origin_kind", "is_allowed"]
+
+_ENTERING = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.STATE)
+_MODULE_GRADS = (Role.GRAD_OUTPUT, Role.GRAD)
+
+
+@dataclass(frozen=True)
+class LocateResult:
+    first: Occurrence | None
+    origins: tuple[Occurrence, ...]
+    path: tuple[int, ...]
+
+
+def origin_kind(r: Record, records: Sequence[Record]) -> str | None:
+    """``"nan"``/``"inf"`` when ``r`` creates a non-finite value from finite inputs, else ``None``."""
+    if r.finite:
+        return None
+    if r.role in _ENTERING:
+        return "nan" if r.has_nan else "inf"
+    if r.role is not Role.OUTPUT:
+        return None
+    ins = [records[i] for i in r.inputs]
+    if r.has_nan:
+        if r.nonfinite_scalar == "nan" or any(i.has_nan for i in ins):
+            return None
+        return "nan"
+    if r.nonfinite_scalar is not None or not all(i.finite for i in ins):
+        return None
+    return "inf"
+
+
+def is_allowed(module: str | None, op: str | None, allow: Sequence[str]) -> bool:
+    for a in allow:
+        if module is not None and (module == a or module.startswith(a + ".")):
+            return True
+        if op is not None and (a == op or a == op.split("::", 1)[-1]):
+            return True
+    return False
+
+
+def locate(
+    records: Sequence[Record],
+    *,
+    level: str,
+    classes: Mapping[str, str],
+    root_outputs: frozenset[int],
+    spans: Mapping[int, int],
+    allow: Sequence[str] = (),
+    start: int = 0,
+    final: bool = True,
+) -> LocateResult:
+    """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
+
+    ``spans`` (module level) maps a module output record to the index where its
+    call began: a module is no origin when one of its children already was.
+    With ``final=False`` (a check while the step runs) no propagation is computed.
+    """
+    found: list[tuple[Record, str]] = []
+    grads_nonfinite = any(not r.finite and r.role in _MODULE_GRADS for r in records[:start])
+    root_nonfinite = any(not records[i].finite for i in root_outputs if i < len(records))
+    for r in records[start:]:
+        if r.finite:
+            continue
+        kind = origin_kind(r, records)
+        if kind is None and level == "module" and r.role in _MODULE_GRADS:
+            # Module level sees no backward ops: the first non-finite gradient is where
+            # backward went bad, unless the forward output already was.
+            if not grads_nonfinite and not root_nonfinite:
+                kind = "nan" if r.has_nan else "inf"
+        if r.role in _MODULE_GRADS:
+            grads_nonfinite = True
+        if kind is None:
+            continue
+        s = spans.get(r.index)
+        if s is not None and any(not x.finite and x.phase is Phase.FORWARD for x in records[s : r.index]):
+            continue  # a child of this module already made it
+        found.append((r, kind))
+
+    if final and not found:
+        seeded = _scalar_seeded(records, root_outputs)
+        if seeded is not None:
+            found.append(seeded)
+
+    g = nonfinite_graph(records) if final else None
+    origins: list[Occurrence] = []
+    first: Occurrence | None = None
+    first_path: tuple[int, ...] = ()
+    for r, kind in found:
+        reached: tuple[str, ...] = ()
+        path: tuple[int, ...] = (r.index,)
+        if g is not None:
+            reached, target = reached_sinks(g, records, r.index, root_outputs)
+            path = propagation_path(g, r.index, target)
+        allowed = is_allowed(r.module, r.op, allow)
+        occ = Occurrence(
+            phase=r.phase,
+            module=r.module,
+            module_class=classes.get(r.module) if r.module is not None else None,
+            call_index=r.call_index,
+            op=r.op,
+            kind=kind,
+            source=r.source,
+            output=r,
+            inputs=tuple(records[i] for i in r.inputs),
+            reached=reached,
+            allowed=allowed,
+            path=path,
+        )
+        origins.append(occ)
+        if first is None and not allowed:
+            first, first_path = occ, path
+    return LocateResult(first=first, origins=tuple(origins), path=first_path)
+
+
+def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:
+    """No origin, yet the loss/gradients/output are non-finite: the value came from a
+    non-finite Python scalar (``torch.full(..., nan)``); name the first op that used one."""
+    sinks_bad = any(
+        not r.finite and (r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.index in root_outputs)
+        for r in records
+    )
+    if not sinks_bad:
+        return None
+    for r in records:
+        if not r.finite and r.role is Role.OUTPUT and r.nonfinite_scalar is not None:
+            if all(records[i].finite for i in r.inputs):
+                return r, "nan" if r.has_nan else "inf"
+    return None

@@ -1,0 +1,109 @@
+"""On-device tensor statistics with one batched read-back.
+
+The cheap statistic is one ``torch.aminmax`` per tensor: min and max propagate
+NaN, and an Inf shows up in one of them, so it gives the finite flag, the range
+and the largest magnitude in a single pass. Results stay on the device until
+:meth:`PendingStats.read` stacks them per (device, dtype) and reads each group
+back once, the way GradScaler reads its found-inf flag once per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .records import FullStats
+
+__all__ = ["PendingStats", "full_stats", "FP16_MAX", "BF16_MAX", "dtype_max", "dtype_tiny"]
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+def dtype_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def dtype_tiny(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).tiny)
+
+
+class PendingStats:
+    """Collects ``aminmax`` results on the device; reads them back in bulk."""
+
+    def __init__(self) -> None:
+        # (device, dtype) -> (slots, mins, maxs); slots are caller-chosen ids
+        self._groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.values: dict[int, tuple[float, float]] = {}
+
+    def add(self, slot: int, t: torch.Tensor) -> None:
+        """Queue the statistics of ``t`` under ``slot``; no host synchronisation."""
+        if t.numel() == 0:
+            self.values[slot] = (0.0, 0.0)
+            return
+        # Under inference_mode or no_grad the stats must not join an autograd graph.
+        lo, hi = torch.aminmax(t.detach())
+        key = (t.device, t.dtype)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = ([], [], [])
+        group[0].append(slot)
+        group[1].append(lo)
+        group[2].append(hi)
+
+    def __len__(self) -> int:
+        return sum(len(g[0]) for g in self._groups.values())
+
+    def read(self) -> dict[int, tuple[float, float]]:
+        """Read every queued statistic back to the host: one copy per group."""
+        for slots, mins, maxs in self._groups.values():
+            both = torch.stack([torch.stack(mins), torch.stack(maxs)])
+            # float64 holds every float16/bfloat16/float32 value exactly.
+            host = both.to(device="cpu", dtype=torch.float64).tolist()
+            for slot, lo, hi in zip(slots, host[0], host[1]):
+                self.values[slot] = (lo, hi)
+        self._groups.clear()
+        return self.values
+
+
+def full_stats(t: torch.Tensor) -> FullStats:
+    """All counts for one tensor. About 100x the cost of ``aminmax``: use sparingly."""
+    x = t.detach()
+    n = x.numel()
+    if n == 0:
+        return FullStats(0, 0, 0, 0, 0, None, 0, 0, 0)
+    x = x.reshape(-1)
+    xf = x.double() if x.dtype != torch.float64 else x
+    nan = torch.isnan(xf)
+    posinf = torch.isposinf(xf)
+    neginf = torch.isneginf(xf)
+    finite = torch.isfinite(xf)
+    a = xf.abs()
+    zero = xf == 0
+    nonzero_finite = finite & ~zero
+    tiny = dtype_tiny(x.dtype) if x.dtype.is_floating_point else 0.0
+    big = torch.tensor(math.inf, dtype=torch.float64, device=xf.device)
+    counts = torch.stack(
+        [
+            nan.sum(),
+            posinf.sum(),
+            neginf.sum(),
+            zero.sum(),
+            (finite & (a > FP16_MAX)).sum(),
+            (finite & (a > BF16_MAX)).sum(),
+            (nonzero_finite & (a < tiny)).sum(),
+        ]
+    ).tolist()
+    mn = torch.where(nonzero_finite, a, big).min().item()
+    return FullStats(
+        nan=int(counts[0]),
+        posinf=int(counts[1]),
+        neginf=int(counts[2]),
+        zeros=int(counts[3]),
+        numel=n,
+        min_nonzero_abs=None if math.isinf(mn) else float(mn),
+        over_fp16=int(counts[4]),
+        over_bf16=int(counts[5]),
+        subnormal=int(counts[6]),
+    )

@@ -1,0 +1,645 @@
+"""``nanhunt.trace``: observe one step and find where its first non-finite value was born.
+
+The tracer installs module hooks (module stack, call indices), a dispatch mode
+that sees every aten op of forward, loss, backward and update, and
+post-accumulate-grad hooks on the parameters. Every floating tensor becomes a
+record whose statistics stay on the device until the trace ends, when they are
+read back in one copy per (device, dtype). It owns every handle and removes
+them all on exit, also when the block raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from types import CodeType, TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _dispatch
+from ._errors import NonFiniteError, TraceStateError
+from .locate import LocateResult, locate
+from .records import FullStats, Occurrence, Phase, Record, Role
+from .stats import PendingStats, full_stats
+
+__all__ = ["trace", "Trace"]
+
+_LEVELS = ("op", "module")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANHUNT_DIR = os.path.dirname(__file__) + os.sep
+_SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + "contextlib.py")
+_MAX_NEST = 6  # how deep module inputs/outputs are searched for tensors
+
+
+class _Raw:
+    """A record under construction; its statistics are still on the device."""
+
+    __slots__ = ("phase", "module", "call", "op", "role", "dtype", "shape", "inputs", "source", "scalar", "alias_of", "full")
+
+    def __init__(
+        self,
+        phase: Phase,
+        module: str | None,
+        call: int,
+        op: str | None,
+        role: Role,
+        t: torch.Tensor,
+        inputs: tuple[int, ...],
+        source: tuple[str, int, str] | None,
+        scalar: str | None = None,
+        alias_of: int | None = None,
+    ) -> None:
+        self.phase = phase
+        self.module = module
+        self.call = call
+        self.op = op
+        self.role = role
+        self.dtype = str(t.dtype).replace("torch.", "")
+        self.shape = tuple(t.shape)
+        self.inputs = inputs
+        self.source = source
+        self.scalar = scalar
+        self.alias_of = alias_of
+        self.full: FullStats | None = None
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside module arguments/outputs: tuples, lists, dicts, ModelOutput, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth >= _MAX_NEST:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def _format_source(src: tuple[str, int, str] | None) -> str | None:
+    if src is None:
+        return None
+    return f"{src[0]}:{src[1]} in {src[2]}"
+
+
+class Trace:
+    """Observes one training step; after the ``with`` block, ``first`` says where NaN/Inf was born.
+
+    Use :func:`trace` to make one. Attributes, readable only once the block has
+    exited: ``first`` (an :class:`Occurrence` or ``None``), ``origins`` (every
+    origin, in execution order), ``path`` (records from the first origin to the
+    loss or gradients), ``records``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        *,
+        level: str = "op",
+        stop_at_first: bool = False,
+        allow: Iterable[str] = (),
+        _zoom: Iterable[int] = (),
+    ) -> None:
+        if level not in _LEVELS:
+            raise ValueError(f"level must be one of {_LEVELS}, not {level!r}")
+        if isinstance(allow, str):
+            allow = (allow,)
+        self.level = level
+        self.stop_at_first = stop_at_first
+        self.allow: tuple[str, ...] = tuple(allow)
+        self.compiled = False
+        if model is not None and hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            # torch.compile: trace the eager original; compiled graphs hide their ops.
+            model = model._orig_mod
+            self.compiled = True
+        self._model_ref = None if model is None else weakref.ref(model)
+        self._zoom = frozenset(_zoom)
+        self._state = "new"
+        self._result: LocateResult | None = None
+        self._records: list[Record] = []
+        self._stopped: Occurrence | None = None
+        self._reset()
+
+    # ----------------------------------------------------------------- state
+    def _reset(self) -> None:
+        self._raw: list[_Raw] = []
+        self._pending = PendingStats()
+        self._known: Any = _dispatch.WeakIdKeyDictionary()  # tensor -> (record index, version)
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._classes: dict[str, str] = {}
+        self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
+        self._root_name: str | None = None
+        self._stack: list[tuple[str, int]] = []
+        self._mstack: list[tuple[int, tuple[int, ...]]] = []  # module level: (start, input records)
+        self._calls: dict[str, int] = {}
+        self._seqmap: dict[int, tuple[str | None, int, tuple[str, int, str] | None]] = {}
+        self._last_seq = -1
+        self._forward_seen = False
+        self._backward_seen = False
+        self._loss_pending: list[int] = []
+        self._root_outputs: set[int] = set()
+        self._spans: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self._mode: _dispatch.TraceMode | None = None
+        self._busy = False
+        self._checked = 0
+        self._code_skip: dict[CodeType, bool] = {}
+        self._dynamo_prev: bool | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Trace:
+        if self._state != "new":
+            raise TraceStateError("this trace was already started; make a new nanhunt.trace(...) for each step")
+        self._state = "running"
+        try:
+            self._start()
+        except BaseException:
+            self._teardown()
+            self._state = "failed"
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._teardown()
+        try:
+            self._finish()
+        finally:
+            self._state = "done"
+
+    def _start(self) -> None:
+        model = None if self._model_ref is None else self._model_ref()
+        if self.compiled:
+            warnings.warn(
+                "nanhunt: the model is torch.compile'd; tracing its eager original (compiled kernels can differ)",
+                stacklevel=3,
+            )
+            self._disable_dynamo()
+        if model is not None:
+            self._install_module_hooks(model)
+            self._record_weights(model)
+        if self.level == "op":
+            self._last_seq = _dispatch.peek_sequence_nr()
+            self._mode = _dispatch.TraceMode(self._on_op)
+            self._mode.__enter__()
+
+    def _disable_dynamo(self) -> None:
+        try:
+            import torch._dynamo.config as dynamo_config
+
+            self._dynamo_prev = bool(dynamo_config.disable)
+            dynamo_config.disable = True
+        except Exception:  # pragma: no cover - torch without dynamo
+            self._dynamo_prev = None
+
+    def _teardown(self) -> None:
+        """Remove everything installed. Safe to call twice; every step runs even if one fails."""
+        errors: list[BaseException] = []
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            try:
+                mode.__exit__(None, None, None)
+            except BaseException as e:  # pragma: no cover - defensive
+                errors.append(e)
+        handles, self._handles = self._handles, []
+        for h in handles:
+            try:
+                h.remove()
+            except BaseException as e:  # pragma: no cover - defensive
+                errors.append(e)
+        if self._dynamo_prev is not None:
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.disable = self._dynamo_prev
+            self._dynamo_prev = None
+        self._stack.clear()
+        self._mstack.clear()
+        if errors:
+            raise errors[0]
+
+    def _finish(self) -> None:
+        values = self._pending.read()
+        raws = self._raw
+        records: list[Record] = []
+        for i, r in enumerate(raws):
+            src = r.alias_of if r.alias_of is not None else i
+            lo, hi = values.get(src, (math.nan, math.nan)) if src == i else (records[src].min, records[src].max)
+            records.append(
+                Record(
+                    index=i,
+                    phase=r.phase,
+                    module=r.module,
+                    call_index=r.call,
+                    op=r.op,
+                    role=r.role,
+                    dtype=r.dtype,
+                    shape=r.shape,
+                    min=lo,
+                    max=hi,
+                    inputs=r.inputs,
+                    source=_format_source(r.source),
+                    nonfinite_scalar=r.scalar,
+                    full=r.full,
+                )
+            )
+        self._records = records
+        self._result = locate(
+            records,
+            level=self.level,
+            classes=self._classes,
+            root_outputs=frozenset(self._root_outputs),
+            spans=self._spans,
+            allow=self.allow,
+        )
+        # Drop references that could keep user objects alive.
+        self._raw = []
+        self._known = _dispatch.WeakIdKeyDictionary()
+        self._seqmap = {}
+
+    # --------------------------------------------------------------- results
+    def _done(self) -> LocateResult:
+        if self._state == "running":
+            raise TraceStateError("the trace is still running: read its results after the `with nanhunt.trace(...)` block")
+        if self._result is None:
+            raise TraceStateError("the trace has not run: use it as `with nanhunt.trace(model) as t:`")
+        return self._result
+
+    @property
+    def first(self) -> Occurrence | None:
+        """The first origin in execution order that is not allowed, or ``None`` when all stayed finite."""
+        if self._stopped is not None and self._state != "running":
+            return self._stopped
+        return self._done().first
+
+    @property
+    def origins(self) -> list[Occurrence]:
+        return list(self._done().origins)
+
+    @property
+    def path(self) -> list[Record]:
+        res = self._done()
+        return [self._records[i] for i in res.path]
+
+    @property
+    def records(self) -> list[Record]:
+        self._done()
+        return list(self._records)
+
+    @property
+    def finite(self) -> bool:
+        """True when every recorded tensor stayed finite."""
+        return all(r.finite for r in self.records)
+
+    def module_classes(self) -> dict[str, str]:
+        return dict(self._classes)
+
+    # ------------------------------------------------------------ recording
+    def _new(self, raw: _Raw, t: torch.Tensor) -> int:
+        idx = len(self._raw)
+        self._raw.append(raw)
+        if raw.alias_of is None:
+            self._pending.add(idx, t)
+        if idx in self._zoom:
+            raw.full = full_stats(t)
+        if raw.phase is Phase.LOSS:
+            self._loss_pending.append(idx)
+        return idx
+
+    def _source(self) -> tuple[str, int, str] | None:
+        """The innermost frame outside torch and nanhunt: the user's line that ran the op."""
+        f = sys._getframe(2)
+        skip_cache = self._code_skip
+        while f is not None:
+            code = f.f_code
+            skip = skip_cache.get(code)
+            if skip is None:
+                fn = code.co_filename
+                skip = skip_cache[code] = fn.startswith(_SKIP_DIRS) or fn.startswith("<frozen")
+            if not skip:
+                return (code.co_filename, f.f_lineno, code.co_name)
+            f = f.f_back
+        return None
+
+    def _context(self, node: Any) -> tuple[Phase, str | None, int, tuple[str, int, str] | None, bool]:
+        """Phase, module, call index and (for backward) the forward source line of the current op."""
+        if node is not None:
+            if not self._backward_seen:
+                self._backward_seen = True
+                self._loss_pending.clear()
+            ctx = self._seqmap.get(node._sequence_nr())
+            if ctx is not None:
+                return Phase.BACKWARD, ctx[0], ctx[1], ctx[2], False
+            var = getattr(node, "variable", None)  # AccumulateGrad: the parameter it fills
+            owner = self._owner.get(var) if isinstance(var, torch.Tensor) else None
+            return Phase.BACKWARD, owner, 0, None, False
+        if self._stack:
+            name, call = self._stack[-1]
+            return Phase.FORWARD, name, call, None, True
+        if self._backward_seen:
+            return Phase.UPDATE, None, 0, None, True
+        if self._forward_seen:
+            return Phase.LOSS, None, 0, None, True
+        return Phase.INPUT, None, 0, None, True
+
+    def _lookup(self, t: torch.Tensor, phase: Phase, module: str | None, call: int) -> int:
+        """The record that holds ``t``'s current values, measuring it when unknown or changed."""
+        ent = self._known.get(t)
+        ver = _version(t)
+        if ent is not None:
+            if ent[1] == ver:
+                return int(ent[0])
+            raw = _Raw(phase, module, call, None, Role.REMEASURED, t, (int(ent[0]),), None)
+        elif phase is Phase.BACKWARD:
+            raw = _Raw(phase, module, call, None, Role.REMEASURED, t, (), None)
+        elif phase is Phase.UPDATE:
+            raw = _Raw(phase, None, 0, None, Role.STATE, t, (), None)
+        else:
+            raw = _Raw(Phase.INPUT, module, call, None, Role.INPUT, t, (), None)
+        idx = self._new(raw, t)
+        self._known[t] = (idx, ver)
+        return idx
+
+    # ------------------------------------------------------------- op level
+    def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._busy:
+            return func(*args, **kwargs)
+        info = _dispatch.op_info(func)
+        node = _dispatch.current_autograd_node()
+        phase, module, call, src, want_src = self._context(node)
+        new_node = False
+        if node is None:
+            seq = _dispatch.peek_sequence_nr()
+            if seq != self._last_seq:
+                self._last_seq = seq
+                new_node = True
+        ins: list[int] = []
+        scalar: str | None = None
+        lookup = self._lookup
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                if a.is_floating_point():
+                    ins.append(lookup(a, phase, module, call))
+            elif isinstance(a, float):
+                if a != a:
+                    scalar = "nan"
+                elif scalar is None and (a == math.inf or a == -math.inf):
+                    scalar = "inf"
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor) and b.is_floating_point():
+                        ins.append(lookup(b, phase, module, call))
+        if want_src and (new_node or ins):
+            src = self._source()
+        if new_node:
+            self._seqmap[seq - 1] = (module, call, src)
+
+        out = func(*args, **kwargs)
+
+        if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self._known[out] = (ins[0], _version(out))
+            return out
+        outs: list[torch.Tensor] = []
+        if isinstance(out, torch.Tensor):
+            outs.append(out)
+        elif isinstance(out, (tuple, list)):
+            outs.extend(o for o in out if isinstance(o, torch.Tensor))
+        for i in info.written_args:
+            if i < len(args):
+                outs.extend(_tensors(args[i], _MAX_NEST - 1))
+        for k in info.written_kwargs:
+            outs.extend(_tensors(kwargs.get(k), _MAX_NEST - 1))
+        if not outs:
+            return out
+        inputs = tuple(ins)
+        new: list[int] = []
+        seen_ids: set[int] = set()
+        for o in outs:
+            if id(o) in seen_ids or not o.is_floating_point():
+                continue
+            seen_ids.add(id(o))
+            idx = self._new(_Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar), o)
+            self._known[o] = (idx, _version(o))
+            new.append(idx)
+        if self.stop_at_first and new:
+            self._check_now(args, kwargs, outs)
+        return out
+
+    def _check_now(self, args: Sequence[Any], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> None:
+        """stop_at_first: read back what is pending and raise at the first origin."""
+        values = self._pending.read()
+        raws = self._raw
+        recs: list[Record] = []
+        for i, r in enumerate(raws):
+            src = r.alias_of if r.alias_of is not None else i
+            lo, hi = values.get(src, (math.nan, math.nan))
+            recs.append(
+                Record(i, r.phase, r.module, r.call, r.op, r.role, r.dtype, r.shape, lo, hi, r.inputs,
+                       _format_source(r.source), r.scalar, r.full)
+            )
+        res = locate(recs, level=self.level, classes=self._classes, root_outputs=frozenset(),
+                     spans=self._spans, allow=self.allow, start=self._checked, final=False)
+        self._checked = len(raws)
+        if res.first is None:
+            return
+        occ = res.first
+        if occ.op is not None and occ.output.index >= len(raws) - len(outs):
+            # The culprit op is this one: its tensors are alive, so give the full statistics.
+            ins = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            fulls_in = tuple(
+                dataclasses.replace(r, full=full_stats(t)) for r, t in zip(occ.inputs, ins)
+            ) if len(ins) == len(occ.inputs) else occ.inputs
+            out_t = next((o for o in outs if o.is_floating_point()), None)
+            output = occ.output if out_t is None else dataclasses.replace(occ.output, full=full_stats(out_t))
+            occ = dataclasses.replace(occ, inputs=fulls_in, output=output)
+        self._stopped = occ
+        raise NonFiniteError(occ)
+
+    # ---------------------------------------------------------- module hooks
+    def _install_module_hooks(self, model: nn.Module) -> None:
+        for name, mod in model.named_modules():
+            self._names[mod] = name
+            self._classes[name] = type(mod).__name__
+            for pname, p in mod.named_parameters(recurse=False):
+                if p not in self._owner:
+                    self._owner[p] = name
+        self._root_name = self._names.get(model)
+        for mod in model.modules():
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
+        for p in model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def _record_weights(self, model: nn.Module) -> None:
+        for qual, t in (*model.named_parameters(), *model.named_buffers()):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            owner, _, _ = qual.rpartition(".")
+            role = Role.PARAM if isinstance(t, nn.Parameter) else Role.BUFFER
+            idx = self._new(_Raw(Phase.WEIGHTS, owner, 0, None, role, t, (), None), t)
+            self._known[t] = (idx, _version(t))
+            self._owner.setdefault(t, owner)
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self._names.get(module)
+        if name is None:
+            return
+        self._busy = True
+        try:
+            if _dispatch.current_autograd_node() is not None:
+                # Recomputation (torch.utils.checkpoint) inside backward: same call, not a new one.
+                self._stack.append((name, max(self._calls.get(name, 1) - 1, 0)))
+                if self.level == "module":
+                    self._mstack.append((len(self._raw), ()))
+                return
+            if self._backward_seen:  # a new step starts
+                self._backward_seen = False
+            if self._loss_pending:  # glue between module calls is forward, not loss
+                for i in self._loss_pending:
+                    self._raw[i].phase = Phase.FORWARD
+                self._loss_pending.clear()
+            parent = self._stack[-1] if self._stack else None
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._stack.append((name, call))
+            self._forward_seen = True
+            ins: list[int] = []
+            for t in _tensors((args, kwargs)):
+                if not t.is_floating_point():
+                    continue
+                ent = self._known.get(t)
+                if ent is not None and ent[1] == _version(t):
+                    ins.append(int(ent[0]))
+                    continue
+                if self.level == "module" and parent is not None:
+                    # Not seen at a module boundary: made by the parent's own code between child calls.
+                    raw = _Raw(Phase.FORWARD, parent[0], parent[1], None, Role.OUTPUT, t, (), None)
+                else:
+                    raw = _Raw(Phase.INPUT, name, call, None, Role.INPUT, t, (), None)
+                idx = self._new(raw, t)
+                self._known[t] = (idx, _version(t))
+                ins.append(idx)
+            if self.level == "module":
+                self._mstack.append((len(self._raw), tuple(ins)))
+        finally:
+            self._busy = False
+
+    def _post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        name = self._names.get(module)
+        if name is None or not self._stack or self._stack[-1][0] != name:
+            return
+        _, call = self._stack.pop()
+        in_backward = _dispatch.current_autograd_node() is not None
+        self._busy = True
+        try:
+            start, ins = self._mstack.pop() if self.level == "module" and self._mstack else (0, ())
+            if in_backward:
+                return
+            is_root = name == self._root_name
+            for t in _tensors(output):
+                if not t.is_floating_point():
+                    continue
+                if self.level == "module":
+                    ent = self._known.get(t)
+                    if ent is not None and ent[1] == _version(t) and ent[0] >= start:
+                        idx = int(ent[0])  # a child's output returned as is
+                    else:
+                        idx = self._new(_Raw(Phase.FORWARD, name, call, None, Role.OUTPUT, t, ins, None), t)
+                        self._known[t] = (idx, _version(t))
+                        self._spans[idx] = start
+                    if t.requires_grad and torch.is_grad_enabled():
+                        self._handles.append(t.register_hook(self._grad_output_hook(name, call, is_root)))
+                else:
+                    ent = self._known.get(t)
+                    idx = int(ent[0]) if ent is not None else self._lookup(t, Phase.FORWARD, name, call)
+                if is_root:
+                    self._root_outputs.add(idx)
+            if self.stop_at_first and self.level == "module":
+                self._check_now((), {}, [])
+        finally:
+            self._busy = False
+
+    def _grad_output_hook(self, name: str, call: int, is_root: bool) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self._state != "running" or not grad.is_floating_point():
+                return
+            self._busy = True
+            try:
+                # The gradient w.r.t. the root output is made by the loss's backward.
+                phase, module = (Phase.LOSS, None) if is_root else (Phase.BACKWARD, name)
+                idx = self._new(_Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (), None), grad)
+                self._known[grad] = (idx, _version(grad))
+                if self.stop_at_first:
+                    self._check_now((), {}, [])
+            finally:
+                self._busy = False
+
+        return hook
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if self._state != "running" or g is None or not g.is_floating_point():
+            return
+        self._busy = True
+        try:
+            owner = self._owner.get(p)
+            ent = self._known.get(g)
+            if ent is not None and ent[1] == _version(g):
+                raw = _Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, (int(ent[0]),), None, alias_of=int(ent[0]))
+            else:
+                prev = () if ent is None else (int(ent[0]),)
+                raw = _Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, prev, None)
+            idx = self._new(raw, g)
+            self._known[g] = (idx, _version(g))
+        finally:
+            self._busy = False
+
+
+def trace(
+    model: nn.Module | None = None,
+    *,
+    level: str = "op",
+    stop_at_first: bool = False,
+    allow: Iterable[str] = (),
+) -> Trace:
+    """Observe everything run inside the block and find where the first NaN/Inf was born.
+
+    Args:
+        model: the model whose modules name the records (``named_modules()`` names).
+            ``None`` traces ops only. A ``torch.compile``d model is traced through its
+            eager original (with a warning).
+        level: ``"op"`` records every aten op (forward, loss, backward, update);
+            ``"module"`` records module boundaries and gradients only, for speed.
+        stop_at_first: raise :class:`nanhunt.NonFiniteError` inside the op that
+            created the first non-finite value, so a debugger lands there. Reads
+            statistics back after every op: slow, for interactive use.
+        allow: module names (a module covers its submodules) or op names
+            (``"aten::softmax"`` or ``"softmax"``) whose non-finite values are
+            intentional: listed in ``origins``, never ``first``.
+
+    Example::
+
+        with nanhunt.trace(model) as t:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            scaler.scale(loss).backward()
+        print(t.first)   # e.g. NaN born in phase forward, module encoder.1.fc ...
+    """
+    return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow)
