@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from ._errors import NanhuntError, NonFiniteError
 from .records import FullStats, Occurrence, Phase, Record, Role
+from .capture import save_capture
+from .records import Report
+from .replay import replay
 from .tracer import Trace, trace
 
 __all__ = [
     "trace",
+    "replay",
+    "save_capture",
+    "Report",
     "Trace",
     "Occurrence",
     "Record",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import networkx as nx
+
 from .graph import nonfinite_graph, propagation_path, reached_sinks
 from .records import Occurrence, Phase, Record, Role
 
@@ -25,6 +27,7 @@ class LocateResult:
     first: Occurrence | None
     origins: tuple[Occurrence, ...]
     path: tuple[int, ...]
+    tainted: frozenset[int] = frozenset()  # origins and every non-finite record they fed
 
 
 def origin_kind(r: Record, records: Sequence[Record]) -> str | None:
@@ -87,6 +90,8 @@ def locate(
             grads_nonfinite = True
         if kind is None:
             continue
+        if found and _same_op_call(found[-1][0], r):
+            continue  # another output of the same op call (e.g. layer_norm's mean and rstd)
         s = spans.get(r.index)
         if s is not None and any(not x.finite and x.phase is Phase.FORWARD for x in records[s : r.index]):
             continue  # a child of this module already made it
@@ -101,12 +106,15 @@ def locate(
     origins: list[Occurrence] = []
     first: Occurrence | None = None
     first_path: tuple[int, ...] = ()
+    tainted: set[int] = set()
     for r, kind in found:
         reached: tuple[str, ...] = ()
         path: tuple[int, ...] = (r.index,)
         if g is not None:
             reached, target = reached_sinks(g, records, r.index, root_outputs)
             path = propagation_path(g, r.index, target)
+            tainted.add(r.index)
+            tainted.update(nx.descendants(g, r.index))
         allowed = is_allowed(r.module, r.op, allow)
         occ = Occurrence(
             phase=r.phase,
@@ -125,7 +133,14 @@ def locate(
         origins.append(occ)
         if first is None and not allowed:
             first, first_path = occ, path
-    return LocateResult(first=first, origins=tuple(origins), path=first_path)
+    return LocateResult(first=first, origins=tuple(origins), path=first_path, tainted=frozenset(tainted))
+
+
+def _same_op_call(a: Record, b: Record) -> bool:
+    return (
+        a.op is not None and b.index == a.index + 1 and a.op == b.op and a.inputs == b.inputs
+        and a.module == b.module and a.call_index == b.call_index and a.phase is b.phase
+    )
 
 
 def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:

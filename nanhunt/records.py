@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "PHASE_ORDER"]
+__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "PHASE_ORDER"]
 
 SCHEMA_VERSION = 1
 
@@ -261,3 +261,110 @@ def _from_json_float(x: Any) -> float:
 
 def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything one replay found, as plain data; renderers only format it.
+
+    ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
+    ``"not-reproducible"`` (two replays of the same step disagreed).
+    """
+
+    status: str
+    first: Occurrence | None
+    origins: tuple[Occurrence, ...] = ()
+    path: tuple[Record, ...] = ()
+    runs: tuple[Occurrence | None, ...] = ()
+    loss: float | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)  # module -> "nan" / "inf" / "finite"
+    module_classes: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+    command: str | None = None
+    notes: tuple[str, ...] = ()
+    n_records: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "status": self.status,
+            "first": None if self.first is None else self.first.to_dict(),
+            "origins": [o.to_dict() for o in self.origins],
+            "path": [r.to_dict() for r in self.path],
+            "runs": [None if o is None else o.to_dict() for o in self.runs],
+            "loss": None if self.loss is None else _json_float(self.loss),
+            "config": dict(self.config),
+            "modules": dict(self.modules),
+            "module_classes": dict(self.module_classes),
+            "environment": dict(self.environment),
+            "command": self.command,
+            "notes": list(self.notes),
+            "n_records": self.n_records,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        def occ(x: Any) -> Occurrence | None:
+            return None if x is None else Occurrence.from_dict(x)
+
+        loss = d.get("loss")
+        return cls(
+            status=str(d.get("status", "clean")),
+            first=occ(d.get("first")),
+            origins=tuple(o for o in (occ(x) for x in d.get("origins", ())) if o is not None),
+            path=tuple(Record.from_dict(r) for r in d.get("path", ())),
+            runs=tuple(occ(x) for x in d.get("runs", ())),
+            loss=None if loss is None else float(loss),
+            config=dict(d.get("config", {})),
+            modules=dict(d.get("modules", {})),
+            module_classes=dict(d.get("module_classes", {})),
+            environment=dict(d.get("environment", {})),
+            command=d.get("command"),
+            notes=tuple(d.get("notes", ())),
+            n_records=int(d.get("n_records", 0)),
+            schema_version=int(d.get("schema_version", 1)),
+        )
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        import json
+
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """One stored tensor of a checkpoint (a parameter, buffer or optimizer moment)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nan: int
+    inf: int
+    absmax: float  # largest finite magnitude
+
+    @property
+    def fp16_headroom(self) -> float:
+        return math.inf if self.absmax == 0 else 65504.0 / self.absmax
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What ``nanhunt inspect`` found in a checkpoint."""
+
+    path: str
+    n_tensors: int
+    flagged: tuple[TensorSummary, ...]  # non-finite, or within 16x of the float16 max
+    scaler: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(t.nan or t.inf for t in self.flagged)

@@ -303,6 +303,11 @@ class Trace:
         return list(self._records)
 
     @property
+    def tainted(self) -> frozenset[int]:
+        """Indices of the origins' records and of every non-finite record they fed."""
+        return self._done().tainted
+
+    @property
     def finite(self) -> bool:
         """True when every recorded tensor stayed finite."""
         return all(r.finite for r in self.records)

@@ -1,0 +1,449 @@
+"""Saving and safely loading what a step needs: model, optimizer, scaler, batch, RNG.
+
+Everything is loaded with ``torch.load(..., weights_only=True)``: a checkpoint
+attached to a bug ticket is untrusted input, and a full pickle executes code.
+The pickled-``nn.Module`` path exists only behind an explicit ``trust_pickle``.
+Names of callables stored in a file (model factory, loss) are resolved only when
+they are an ``nn.Module`` class or a function of ``torch`` itself; anything else
+must be confirmed on the command line (``--model``/``--loss``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import sys
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import CommandError
+
+__all__ = [
+    "save_capture",
+    "load_file",
+    "resolve",
+    "callable_path",
+    "LoadedStep",
+    "load_step",
+    "map_state_dict",
+    "split_batch",
+    "rng_state",
+    "set_rng_state",
+]
+
+CAPTURE_FORMAT = 1
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+# --------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = list(state["cuda"])
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ------------------------------------------------------------ callable paths
+def callable_path(obj: Any) -> str | None:
+    """``"package.module:qualname"`` for a function or class (or an instance's class)."""
+    target = obj if (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)) else type(obj)
+    mod = getattr(target, "__module__", None)
+    qual = getattr(target, "__qualname__", None)
+    if not mod or not qual or "<" in qual or mod == "__main__":
+        return None
+    return f"{mod}:{qual}"
+
+
+def resolve(path: str, *, what: str, trusted: bool) -> Any:
+    """Import ``"package.module:callable"``. Untrusted names (from a file) must be an
+    ``nn.Module`` class or a torch function."""
+    mod_name, sep, qual = path.partition(":")
+    if not sep or not mod_name or not qual:
+        raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except Exception as e:
+        raise CommandError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); "
+                           f"run from the project directory or install its package") from e
+    for part in qual.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise CommandError(f"{what} {path!r}: module {mod_name!r} has no attribute {part!r}") from e
+    if not callable(obj):
+        raise CommandError(f"{what} {path!r} is not callable")
+    if not trusted and not _safe_by_name(obj, mod_name, what):
+        flag = {"model factory": "--model", "loss function": "--loss"}.get(what)
+        fix = f"pass {flag} {path} to confirm you trust it" if flag else "rebuild it yourself"
+        raise CommandError(f"the file names {what} {path!r}, which nanhunt does not call unconfirmed; {fix}")
+    return obj
+
+
+def _safe_by_name(obj: Any, mod_name: str, what: str) -> bool:
+    """What a name read from an untrusted file may resolve to: a model class, an optimizer
+    class, or a loss (class or torch function called on tensors, never on file paths)."""
+    if what == "model factory":
+        return inspect.isclass(obj) and issubclass(obj, nn.Module)
+    if what == "optimizer class":
+        return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
+    if inspect.isclass(obj):
+        return issubclass(obj, nn.Module)
+    return mod_name in ("torch", "torch.nn.functional")
+
+
+# ------------------------------------------------------------------- saving
+def save_capture(
+    checkpoint_path: str | os.PathLike[str],
+    batch_path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    model_factory: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    device_type: str | None = None,
+    dtype: torch.dtype | None = None,
+    rng: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
+
+    ``batch`` is ``(inputs, targets)``, a tensor, or a dict of model keyword
+    arguments. ``model_factory`` is ``"package.module:callable"`` (called with
+    ``model_kwargs``); by default the model's class. ``loss_fn`` must be importable
+    by name (a module-level function or an ``nn.Module`` loss with default
+    arguments); ``None`` means the model returns its loss. ``rng`` defaults to the
+    RNG state now: save before the step runs. Both files load with
+    ``torch.load(..., weights_only=True)``.
+    """
+    factory = model_factory or callable_path(model)
+    if factory is None:
+        raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
+    loss_path = None
+    if loss_fn is not None:
+        loss_path = callable_path(loss_fn)
+        if loss_path is None:
+            raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ckpt: dict[str, Any] = {
+        "nanhunt_capture": CAPTURE_FORMAT,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "model_factory": factory,
+        "model_kwargs": dict(model_kwargs or {}),
+        "training": bool(model.training),
+        "loss_fn": loss_path,
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "optimizer_class": None if optimizer is None else callable_path(optimizer),
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "autocast": {
+            "device_type": device_type or dev.type,
+            "dtype": str(dtype or torch.float16).replace("torch.", ""),
+        },
+        "torch_version": str(torch.__version__),
+        "device": str(dev),
+    }
+    inputs, targets = split_batch(batch)
+    bfile = {
+        "nanhunt_batch": CAPTURE_FORMAT,
+        "inputs": _to_cpu(inputs),
+        "targets": _to_cpu(targets),
+        "rng": dict(rng) if rng is not None else rng_state(),
+    }
+    torch.save(ckpt, os.fspath(checkpoint_path))
+    torch.save(bfile, os.fspath(batch_path))
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(o) for o in obj)
+    if isinstance(obj, list):
+        return [_to_cpu(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+# ------------------------------------------------------------------ loading
+def load_file(path: str, *, what: str, trust_pickle: bool = False) -> Any:
+    """``torch.load`` with ``weights_only=True`` and one clear error per failure."""
+    if not os.path.exists(path):
+        raise CommandError(f"{what} {path!r} does not exist; check the path")
+    if os.path.isdir(path):
+        raise CommandError(f"{what} {path!r} is a directory; give the .pt file")
+    if not os.access(path, os.R_OK):
+        raise CommandError(f"{what} {path!r} is not readable; check its permissions")
+    if os.path.getsize(path) == 0:
+        raise CommandError(f"{what} {path!r} is empty; the job that wrote it probably died while saving")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" not in str(e) and "Weights only" not in str(e):
+            raise CommandError(f"{what} {path!r} is not a readable torch file (corrupt or truncated): {_first_line(e)}") from e
+        if not trust_pickle:
+            raise CommandError(
+                f"{what} {path!r} holds pickled Python objects, which can execute code when loaded; "
+                f"if you trust its source, rerun with --trust-pickle"
+            ) from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError) as e:
+        raise CommandError(f"{what} {path!r} is not a readable torch file (corrupt or truncated): {_first_line(e)}") from e
+    warnings.warn(f"nanhunt: loading {path} with weights_only=False (--trust-pickle): this runs code from the file",
+                  stacklevel=2)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CommandError(f"{what} {path!r} could not be unpickled: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"
+
+
+def map_state_dict(sd: Mapping[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Map DDP (``module.``), torch.compile (``_orig_mod.``) and wrapper prefixes to the model's keys,
+    and check every key and shape; one error listing the first mismatches."""
+    want = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        key = k
+        changed = True
+        while changed:
+            changed = False
+            for p in _PREFIXES:
+                if key.startswith(p):
+                    key, changed = key[len(p):], True
+        out[key] = v
+    if not (set(out) & set(want)) and out:
+        # Lightning and other wrappers: a common leading component ("model.").
+        heads = {k.split(".", 1)[0] for k in out}
+        if len(heads) == 1:
+            head = next(iter(heads)) + "."
+            out = {k[len(head):]: v for k, v in out.items()}
+    missing = [k for k in want if k not in out]
+    unexpected = [k for k in out if k not in want]
+    shapes = [f"{k} {tuple(out[k].shape)} vs {tuple(want[k].shape)}"
+              for k in want if k in out and tuple(out[k].shape) != tuple(want[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_few(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatch {_few(shapes)}")
+        raise CommandError("checkpoint keys don't match the model: " + "; ".join(parts)
+                           + " — is --model the factory that built this checkpoint?")
+    return out
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` from the batch shapes users have."""
+    if isinstance(batch, Mapping):
+        if "nanhunt_batch" in batch:
+            return batch.get("inputs"), batch.get("targets")
+        if "inputs" in batch:
+            return batch["inputs"], batch.get("targets")
+        return dict(batch), None  # keyword arguments of the model (HF style)
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) == 1:
+            return batch[0], None
+        raise CommandError(f"the batch is a sequence of {len(batch)} items; expected (inputs, targets)")
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    raise CommandError(f"the batch is a {type(batch).__name__}; expected a tensor, (inputs, targets) or a dict")
+
+
+@dataclass
+class LoadedStep:
+    model: nn.Module
+    inputs: Any
+    targets: Any
+    loss_fn: Callable[..., Any] | None
+    optimizer: torch.optim.Optimizer | None
+    scaler: torch.amp.GradScaler | None
+    device_type: str
+    dtype: torch.dtype
+    training: bool
+    rng: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.replace("torch.", "")]
+    except KeyError:
+        raise CommandError(f"unknown dtype {name!r}; use float16, bfloat16 or float32") from None
+
+
+def load_step(
+    checkpoint: str,
+    batch: str,
+    *,
+    model_factory: str | None = None,
+    loss: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    no_scaler: bool = False,
+    train: bool | None = None,
+    trust_pickle: bool = False,
+) -> LoadedStep:
+    """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
+    notes: list[str] = []
+    dev = torch.device(device) if device else None
+    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda was given but no CUDA device is available here; use --device cpu")
+    ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
+    bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
+
+    model: nn.Module | None = None
+    sd: Mapping[str, Any] | None = None
+    opt_sd = scaler_sd = None
+    opt_class = None
+    training = True
+    loss_path = loss
+    autocast: Mapping[str, Any] = {}
+    if isinstance(ck, nn.Module):
+        model = ck
+    elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
+        sd = ck["model"]
+        opt_sd, scaler_sd, opt_class = ck.get("optimizer"), ck.get("scaler"), ck.get("optimizer_class")
+        training = bool(ck.get("training", True))
+        loss_path = loss or ck.get("loss_fn")
+        autocast = ck.get("autocast") or {}
+        saved_dev = str(ck.get("device", "cpu"))
+        if model_factory is None:
+            model = _build(ck["model_factory"], ck.get("model_kwargs") or {}, trusted=False)
+        if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
+            notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
+                         "so the result may differ")
+        torch_v = ck.get("torch_version")
+        if torch_v and torch_v != torch.__version__:
+            notes.append(f"captured with torch {torch_v}, replayed with {torch.__version__}")
+    elif isinstance(ck, Mapping):
+        if isinstance(ck.get("model"), nn.Module):
+            model = ck["model"]
+        elif isinstance(ck.get("model"), Mapping):
+            sd = ck["model"]
+        elif isinstance(ck.get("state_dict"), Mapping):
+            sd = ck["state_dict"]
+        elif ck and all(isinstance(v, torch.Tensor) for v in ck.values()):
+            sd = ck
+        else:
+            keys = ", ".join(list(map(str, ck))[:5])
+            raise CommandError(f"checkpoint holds keys {keys}; expected a state_dict, {{'model': ...}} or {{'state_dict': ...}}")
+        o = ck.get("optimizer")
+        opt_sd = o if isinstance(o, Mapping) else None
+        s = ck.get("scaler")
+        scaler_sd = s if isinstance(s, Mapping) else None
+    else:
+        raise CommandError(f"checkpoint holds a {type(ck).__name__}; expected a state_dict or a dict with 'model'")
+
+    if model_factory is not None:
+        model = _build(model_factory, {}, trusted=True)
+    if model is None:
+        raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
+    if sd is not None:
+        mapped = map_state_dict(sd, model)
+        model.load_state_dict(mapped, strict=True)
+
+    if dev is None:
+        dev = torch.device("cpu")
+    model.to(dev)
+    model.train(training if train is None else train)
+
+    if isinstance(bt, nn.Module):
+        raise CommandError("the batch file holds a model, not a batch")
+    inputs, targets = split_batch(bt)
+    rng = bt.get("rng") if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
+    inputs, targets = to_device(inputs, dev), to_device(targets, dev)
+
+    loss_fn = None
+    if loss_path:
+        obj = resolve(loss_path, what="loss function", trusted=loss is not None)
+        loss_fn = obj() if inspect.isclass(obj) else obj
+
+    optimizer = None
+    if opt_sd is not None:
+        optimizer = _build_optimizer(model, opt_sd, opt_class)
+        if optimizer is None:
+            notes.append("optimizer state present but its class is unknown: phase update not replayed")
+    scaler = None
+    if scaler_sd is not None and not no_scaler:
+        scaler = torch.amp.GradScaler(dev.type)
+        scaler.load_state_dict(dict(scaler_sd))
+    dt = parse_dtype(dtype or str(autocast.get("dtype", "float16")))
+    return LoadedStep(model, inputs, targets, loss_fn, optimizer, scaler, dev.type, dt, model.training, rng, notes)
+
+
+def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:
+    factory = resolve(path, what="model factory", trusted=trusted)
+    try:
+        model = factory(**kwargs)
+    except Exception as e:
+        raise CommandError(f"model factory {path!r} raised {_first_line(e)}") from e
+    if not isinstance(model, nn.Module):
+        raise CommandError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | None) -> torch.optim.Optimizer | None:
+    if not cls_path:
+        return None
+    cls = resolve(cls_path, what="optimizer class", trusted=False)
+    params = list(model.parameters())
+    groups = []
+    try:
+        for g in sd["param_groups"]:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"params": [params[i] for i in g["params"]], **hyper})
+        opt = cls(groups)
+        opt.load_state_dict(dict(sd))
+    except Exception as e:
+        raise CommandError(f"cannot rebuild the optimizer {cls_path}: {_first_line(e)}") from e
+    return opt  # type: ignore[no-any-return]

@@ -1,0 +1,332 @@
+"""Deterministic one-step replay, with every piece of user state restored afterwards."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import platform
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import CommandError
+from .capture import rng_state, set_rng_state, split_batch
+from .records import Occurrence, Phase, Record, Report, Role
+from .tracer import Trace
+
+__all__ = ["replay", "StepState", "run_step", "environment"]
+
+
+class StepState:
+    """A snapshot of everything one training step can change, restorable in place.
+
+    Covers parameter and buffer values *and* the objects registered on each module
+    (a step may rebind a buffer), ``.grad`` references, ``requires_grad``,
+    ``training`` flags, optimizer state and hyper-parameters, GradScaler state,
+    the RNG and the grad mode.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.grad_enabled = torch.is_grad_enabled()
+        self.rng = rng_state()
+        self.modules = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in model.modules()]
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for _, params, buffers, _ in self.modules:
+            for t in (*params.values(), *buffers.values()):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    self.values.append((t, t.detach().clone()))
+        self.params = [p for p in model.parameters()]
+        self.grads = [p.grad for p in self.params]
+        self.requires_grad = [p.requires_grad for p in self.params]
+        self.opt_state: dict[Any, dict[str, Any]] | None = None
+        self.opt_groups: list[dict[str, Any]] | None = None
+        if optimizer is not None:
+            self.opt_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+            self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.scaler_dict: dict[str, Any] | None = None
+        if scaler is not None:
+            self.scaler_dict = {k: _clone(v) for k, v in vars(scaler).items()}
+
+    def reset(self, rng: Mapping[str, Any] | None = None) -> None:
+        """Back to the snapshot, with no ``.grad`` (a replayed step starts from zero gradients)."""
+        self.restore()
+        for p in self.params:
+            p.grad = None
+        if rng is not None:
+            set_rng_state(rng)
+
+    def restore(self) -> None:
+        for m, params, buffers, training in self.modules:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            m.training = training
+        with torch.no_grad():
+            for t, saved in self.values:
+                t.data.copy_(saved)
+        for p, g, rg in zip(self.params, self.grads, self.requires_grad):
+            p.grad = g
+            p.requires_grad_(rg)
+        opt = self.optimizer
+        if opt is not None and self.opt_state is not None and self.opt_groups is not None:
+            for p in list(opt.state.keys()):
+                if p not in self.opt_state:
+                    del opt.state[p]
+            for p, saved_state in self.opt_state.items():
+                cur = opt.state.get(p)
+                if cur is None:
+                    opt.state[p] = {k: _clone(v) for k, v in saved_state.items()}
+                    continue
+                for k in list(cur):
+                    if k not in saved_state:
+                        del cur[k]
+                for k, v in saved_state.items():
+                    old = cur.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                        old.data.copy_(v)
+                    else:
+                        cur[k] = _clone(v)
+            for g, saved_group in zip(opt.param_groups, self.opt_groups):
+                for k in list(g):
+                    if k != "params" and k not in saved_group:
+                        del g[k]
+                g.update(copy.deepcopy(saved_group))
+        if self.scaler is not None and self.scaler_dict is not None:
+            for k, v in self.scaler_dict.items():
+                cur = getattr(self.scaler, k, None)
+                if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                    cur.data.copy_(v)
+                else:
+                    setattr(self.scaler, k, _clone(v))
+        set_rng_state(self.rng)
+        torch.set_grad_enabled(self.grad_enabled)
+
+
+def _clone(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        args, kwargs = (inputs,), {}
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        shape = "keyword arguments " + ", ".join(kwargs) if kwargs else f"{len(args)} positional argument(s)"
+        raise CommandError(f"the batch gives {shape}, which {type(model).__name__}.forward does not take ({e})") from e
+    except ValueError:  # no signature available
+        pass
+    return model(*args, **kwargs)
+
+
+def _loss_of(output: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output) if targets is None else loss_fn(output, targets)  # type: ignore[no-any-return]
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        if isinstance(output, Mapping) and "loss" in output:
+            loss = output["loss"]
+        elif getattr(output, "loss", None) is not None:
+            loss = output.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = type(output).__name__ if not isinstance(output, torch.Tensor) else f"tensor of shape {tuple(output.shape)}"
+        raise CommandError(f"the model returned a {what}, not a loss; give a loss function (--loss package.module:fn)")
+    return loss
+
+
+def run_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    *,
+    loss_fn: Callable[..., Any] | None,
+    dtype: torch.dtype,
+    device_type: str,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> torch.Tensor:
+    """One step as training runs it: forward and loss under autocast, scaled backward, update."""
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = _loss_of(_call_model(model, inputs), targets, loss_fn)
+    if loss.requires_grad:
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if optimizer is not None:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+    return loss
+
+
+def environment(device_type: str) -> dict[str, str]:
+    from . import __version__
+
+    env = {
+        "nanhunt": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "device_type": device_type,
+    }
+    if device_type == "cuda" and torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+    else:
+        env["device"] = _cpu_name()
+    if torch.version.cuda:
+        env["cuda"] = str(torch.version.cuda)
+    if getattr(torch.version, "hip", None):
+        env["rocm"] = str(torch.version.hip)
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _same(a: Occurrence | None, b: Occurrence | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    key = lambda o: (o.phase, o.module, o.call_index, o.op, o.kind, o.output.index)  # noqa: E731
+    return key(a) == key(b)
+
+
+def _sinks_finite(records: Sequence[Record]) -> bool:
+    return all(r.finite for r in records if r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.role is Role.GRAD)
+
+
+def _module_status(records: Sequence[Record], tainted: frozenset[int], classes: Mapping[str, str]) -> dict[str, str]:
+    """Per module: ``"inf in forward"``/``"nan in backward"``... for the first value that went
+    non-finite there because of an origin (contained intentional -inf masks don't count)."""
+    status = {name: "finite" for name in classes}
+    for i in sorted(tainted):
+        r = records[i]
+        if r.module is None or status.get(r.module, "finite") != "finite":
+            continue
+        status[r.module] = f"{'nan' if r.has_nan else 'inf'} in {r.phase.value}"
+    return status
+
+
+def replay(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+    device_type: str = "cpu",
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    level: str = "op",
+    train: bool | None = None,
+    rng: Mapping[str, Any] | None = None,
+    allow: Iterable[str] = (),
+    command: str | None = None,
+    notes: Sequence[str] = (),
+) -> Report:
+    """Replay one training step twice inside :func:`nanhunt.trace` and report where NaN/Inf was born.
+
+    ``batch`` is ``(inputs, targets)``; ``inputs`` a tensor, a tuple of positional
+    arguments or a dict of keyword arguments; ``loss_fn(output, targets)`` gives
+    the loss, or with no ``loss_fn`` the model's output is the loss (a scalar,
+    ``.loss`` or ``["loss"]``). Forward and loss run under autocast
+    (``dtype=torch.float32`` disables it), backward is ``scaler.scale(loss)``
+    with the scaler's current scale, and with an optimizer the update runs too
+    (phase ``update``). Both runs start from the same weights, buffers, RNG state
+    (``rng`` or the current one) and scaler state; the model, optimizer and
+    scaler are restored exactly afterwards, also on an exception.
+
+    Example::
+
+        report = nanhunt.replay(model, (x, y), loss_fn=F.cross_entropy, dtype=torch.float16)
+        print(report.first)
+    """
+    inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
+    allow = tuple(allow)
+    state = StepState(model, optimizer, scaler)
+    start_rng = dict(rng) if rng is not None else state.rng
+    config: dict[str, Any] = {
+        "dtype": str(dtype).replace("torch.", ""),
+        "device_type": device_type,
+        "level": level,
+        "train": model.training if train is None else train,
+        "loss_fn": getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None),
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+    }
+    if scaler is not None:
+        config["scaler_scale"] = float(scaler.get_scale()) if scaler.is_enabled() else None
+        config["scaler_growth_tracker"] = int(scaler.state_dict().get("_growth_tracker", 0)) if scaler.is_enabled() else None
+    traces: list[Trace] = []
+    loss_value: float | None = None
+    try:
+        zoom: frozenset[int] = frozenset()
+        for _ in range(2):
+            state.reset(start_rng)
+            if train is not None:
+                model.train(train)
+            t = Trace(model, level=level, allow=allow, _zoom=zoom)
+            with t:
+                loss = run_step(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type,
+                                scaler=scaler, optimizer=optimizer)
+            loss_value = float(loss.detach().float())
+            traces.append(t)
+            first = t.first
+            if first is not None:
+                zoom = frozenset((first.output.index, *first.output.inputs))
+    finally:
+        state.restore()
+
+    a, b = traces
+    runs = (a.first, b.first)
+    reproducible = _same(*runs)
+    final = b if reproducible else a
+    records = final.records
+    grads = [r for r in records if r.role is Role.GRAD]
+    config["grads_finite"] = all(r.finite for r in grads)
+    if scaler is not None:
+        config["scaler_would_skip"] = not config["grads_finite"]
+    first = final.first
+    if not reproducible:
+        status = "not-reproducible"
+    elif first is None and not final.tainted and _sinks_finite(records):
+        status = "clean"
+    else:
+        status = "nonfinite"
+    return Report(
+        status=status,
+        first=first,
+        origins=tuple(final.origins),
+        path=tuple(final.path),
+        runs=runs,
+        loss=loss_value,
+        config=config,
+        modules=_module_status(records, final.tainted, final.module_classes()),
+        module_classes=final.module_classes(),
+        environment=environment(device_type),
+        command=command,
+        notes=tuple(notes) + (("the model is torch.compile'd: the eager original was replayed",) if final.compiled else ()),
+        n_records=len(records),
+    )

@@ -1,0 +1,160 @@
+"""Console report (rich): the verdict first, then the op's statistics, the path, the module tree."""
+
+from __future__ import annotations
+
+import io
+import math
+
+from rich.console import Console, Group, RenderableType
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from ..records import Inspection, Occurrence, Record, Report
+
+__all__ = ["render", "render_text", "render_inspection", "summary_line"]
+
+_FP16_MAX = 65504.0
+_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.4g}"
+
+
+def _label(module: str | None) -> str:
+    if module is None:
+        return "outside the model"
+    return module or "<root>"
+
+
+def summary_line(report: Report) -> str:
+    if report.status == "not-reproducible":
+        return "NOT REPRODUCIBLE: two replays of the same step disagree on where the first non-finite value is born"
+    occ = report.first
+    if occ is None:
+        if report.status == "clean":
+            return "CLEAN: the step stayed finite (loss, activations, gradients)"
+        return "NON-FINITE, but every origin is allowed or none could be located"
+    what = "NaN" if occ.kind == "nan" else "Inf"
+    where = _label(occ.module)
+    op = occ.op or occ.output.role.value
+    return f"{what} born in phase {occ.phase.value}: {where} · {op}"
+
+
+def _headroom(r: Record) -> str:
+    limit = _LIMITS.get(r.dtype)
+    if limit is None or not r.finite:
+        return "-"
+    a = r.absmax
+    return "inf" if a == 0 else f"{limit / a:.3g}x"
+
+
+def _stats_table(occ: Occurrence) -> Table:
+    t = Table(title="the op's tensors", title_justify="left", show_lines=False)
+    for col in ("", "dtype", "shape", "min", "max", "max |x|", "headroom", "nan", "+inf", "-inf"):
+        t.add_column(col, justify="right" if col not in ("", "dtype", "shape") else "left")
+    rows = [(f"in{i}", r) for i, r in enumerate(occ.inputs)] + [("out", occ.output)]
+    for name, r in rows:
+        f = r.full
+        t.add_row(
+            name, r.dtype, escape(str(list(r.shape))), _num(r.min), _num(r.max), _num(r.absmax), _headroom(r),
+            "-" if f is None else str(f.nan), "-" if f is None else str(f.posinf), "-" if f is None else str(f.neginf),
+        )
+    return t
+
+
+def _tree(report: Report) -> Tree | None:
+    if not report.modules:
+        return None
+    def style_of(status: str) -> str:
+        if status == "finite":
+            return "green"
+        return "bold red" if status.startswith("nan") else "bold yellow"
+
+    root = Tree(Text("modules", style="bold"))
+    nodes: dict[str, Tree] = {}
+    for name in sorted(report.modules, key=lambda n: (n.count("."), n)):
+        status = report.modules[name]
+        cls = report.module_classes.get(name, "")
+        label = Text(f"{name or '<root>'} ({cls}) ", style=style_of(status))
+        label.append(status, style=style_of(status))
+        parent_name = name.rpartition(".")[0] if "." in name else ("" if name else None)
+        parent = nodes.get(parent_name) if parent_name is not None else None
+        nodes[name] = (parent or root).add(label)
+    return root
+
+
+def render(report: Report) -> RenderableType:
+    parts: list[RenderableType] = []
+    colour = "green" if report.status == "clean" else "red"
+    parts.append(Text(summary_line(report), style=f"bold {colour}"))
+    occ = report.first
+    if occ is not None:
+        lines = Text()
+        lines.append(f"phase      {occ.phase.value}\n")
+        lines.append(f"module     {_label(occ.module)}")
+        if occ.module_class:
+            lines.append(f" ({occ.module_class}), call {occ.call_index}")
+        lines.append(f"\nop         {occ.op or '-'}\n")
+        lines.append(f"kind       {'NaN' if occ.kind == 'nan' else 'Inf'}\n")
+        lines.append(f"source     {occ.source or '-'}\n")
+        lines.append(f"reached    {', '.join(occ.reached) if occ.reached else 'nothing (silent: absorbed)'}")
+        parts.append(lines)
+        parts.append(_stats_table(occ))
+    if report.path:
+        path = Text("propagation: ", style="bold")
+        path.append(" -> ".join(r.where() for r in report.path[:12]))
+        if len(report.path) > 12:
+            path.append(f" -> ... ({len(report.path) - 12} more)")
+        parts.append(path)
+    others = [o for o in report.origins if o is not occ]
+    if others:
+        parts.append(Text(f"{len(others)} other origin(s): " + "; ".join(o.describe() for o in others[:5])))
+    if report.status == "not-reproducible":
+        for i, o in enumerate(report.runs):
+            parts.append(Text(f"run {i + 1}: {o.describe() if o else 'finite'}"))
+    cfg = report.config
+    if cfg:
+        bits = [f"{k}={v}" for k, v in cfg.items() if v is not None]
+        parts.append(Text("config: " + ", ".join(bits), style="dim"))
+    tree = _tree(report)
+    if tree is not None:
+        parts.append(tree)
+    for n in report.notes:
+        parts.append(Text(f"note: {n}", style="yellow"))
+    return Group(*parts)
+
+
+def render_text(report: Report, width: int = 100) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, force_terminal=False).print(render(report))
+    return buf.getvalue()
+
+
+def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
+    parts: list[RenderableType] = []
+    bad = [t for t in found.flagged if t.nan or t.inf]
+    near = [t for t in found.flagged if not (t.nan or t.inf)]
+    head = f"{found.n_tensors} floating tensors: {len(bad)} non-finite, {len(near)} within 16x of the float16 max"
+    parts.append(Text(head, style="bold red" if bad else ("bold yellow" if near else "bold green")))
+    if found.flagged:
+        t = Table()
+        for col in ("tensor", "dtype", "shape", "nan", "inf", "max |x| (finite)", "fp16 headroom"):
+            t.add_column(col)
+        for s in found.flagged[:limit]:
+            t.add_row(escape(s.name), s.dtype, escape(str(list(s.shape))), str(s.nan), str(s.inf), _num(s.absmax),
+                      f"{s.fp16_headroom:.3g}x")
+        parts.append(t)
+        if len(found.flagged) > limit:
+            parts.append(Text(f"... and {len(found.flagged) - limit} more"))
+    if found.scaler:
+        parts.append(Text("GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())))
+    return Group(*parts)

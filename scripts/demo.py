@@ -1,0 +1,17 @@
+"""./scripts/demo: replay the bundled overflow capture and print where its Inf was born."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from nanhunt.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.chdir(ROOT)  # the fixture's model factory (fixtures.models) is importable from here
+fixture = os.path.join("fixtures", "overflow")
+argv = ["replay", os.path.join(fixture, "checkpoint.pt"), os.path.join(fixture, "batch.pt"), *sys.argv[1:]]
+print("$ nanhunt " + " ".join(argv), flush=True)
+code = main(argv)
+# Exit code 1 means "a non-finite value was found": what this fixture is for.
+sys.exit(0 if code == 1 else (code or 1))

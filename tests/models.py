@@ -1,0 +1,325 @@
+"""Tiny fixture models with known, injected faults.
+
+Every model here is deterministic: weights come from a fixed seed (``seeded``)
+or are set explicitly, and each fault sits at a place the tests name exactly
+(module qualified name, aten op, call index). Sizes are tiny so the whole
+suite stays fast on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def seeded(seed: int = 0) -> None:
+    torch.manual_seed(seed)
+
+
+def batch(*shape: int, seed: int = 1, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale
+
+
+# --------------------------------------------------------------------- clean
+
+
+class MLP(nn.Module):
+    """fc1 -> act -> fc2. Clean unless its weights or activation are tampered with."""
+
+    def __init__(self, d_in: int = 4, d_hidden: int = 8, d_out: int = 3, act: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.act = act if act is not None else nn.ReLU()
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def clean_mlp(seed: int = 0) -> MLP:
+    seeded(seed)
+    return MLP()
+
+
+# ------------------------------------------------------- float16 overflow
+
+
+def fp16_overflow_mlp() -> MLP:
+    """fc1 under float16 autocast overflows: 4 inputs of 100 times weights of 1000
+    = 4e5 > 65504. Weights (1000) and inputs (100) are exactly representable in
+    float16, so the casts stay finite and the matmul creates the Inf."""
+    seeded(0)
+    m = MLP(d_in=4, d_hidden=8, d_out=3)
+    with torch.no_grad():
+        m.fc1.weight.fill_(1000.0)
+        m.fc1.bias.zero_()
+    return m
+
+
+# --------------------------------------------------------------- exp / act
+
+
+class ExpActivation(nn.Module):
+    """A custom activation: exp overflows float32 for inputs above ~88.7."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)  # FAULT: exp overflow
+
+
+def exp_overflow_mlp() -> MLP:
+    seeded(0)
+    m = MLP(act=ExpActivation())
+    with torch.no_grad():
+        m.fc1.weight.fill_(50.0)  # fc1 output = 4 * 50 * x, x = 1 -> 200 -> exp(200) = inf
+        m.fc1.bias.zero_()
+    return m
+
+
+# --------------------------------------------------------------- loss side
+
+
+def log_zero_loss(out: torch.Tensor) -> torch.Tensor:
+    """A loss that takes log of a probability that is exactly 0."""
+    p = torch.relu(out - 1e6)  # all zeros for small outputs
+    return -torch.log(p).mean()  # FAULT: log(0) = -inf
+
+
+# ----------------------------------------------------------- sqrt backward
+
+
+class SqrtNorm(nn.Module):
+    """sqrt of a sum of squares: finite forward at 0, Inf gradient at 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x)  # FAULT: d sqrt(u)/du at u = 0 is Inf
+
+
+class SqrtModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = SqrtNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+def sqrt_model() -> SqrtModel:
+    seeded(0)
+    m = SqrtModel()
+    with torch.no_grad():
+        m.fc.weight[0].zero_()  # output unit 0 is exactly 0 for every sample
+        m.fc.bias[0] = 0.0
+    return m
+
+
+# --------------------------------------------------------------- 0/0, inf-inf
+
+
+class ZeroOverZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x - x  # exact zeros
+        return d / d  # FAULT: 0/0
+
+
+class InfMinusInf(nn.Module):
+    """Builds +inf by masked_fill (no origin: the scalar is already inf), then subtracts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = x > 0
+        a = x.masked_fill(mask, math.inf)
+        return a - a  # FAULT: inf - inf
+
+
+class Wrap(nn.Module):
+    """Linear then a faulty block: names the faulty block ``block``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.fc(x))
+
+
+# --------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Hand-written single-head attention with an additive ``-inf`` mask."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.d = d
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        # keep: (T, T) bool, True where query i may look at key j
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d)
+        scores = scores.masked_fill(~keep, float("-inf"))
+        w = torch.softmax(scores, dim=-1)  # a row of only -inf becomes NaN
+        return self.proj(w @ v)
+
+
+class AttnModel(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.attn = Attention(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, keep))
+
+
+def attn_model() -> AttnModel:
+    seeded(0)
+    return AttnModel()
+
+
+def causal_keep(t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()
+
+
+# ------------------------------------------------------ custom autograd
+
+
+class BadGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies by sqrt(-1 - x^2): NaN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return grad * torch.sqrt(-1.0 - x * x)  # FAULT: sqrt of a negative
+
+
+class BadGradModule(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return BadGrad.apply(x)
+
+
+# ------------------------------------------------------------ called twice
+
+
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class TwiceModel(nn.Module):
+    """``scale`` is called twice: 1e25 once is finite, twice overflows float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = Scale(1e25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).abs() + 1.0
+        return self.scale(self.scale(h))
+
+
+# --------------------------------------------------------------- in-place
+
+
+class InplaceMulHalf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.abs().half() + 1.0
+        h.mul_(1e5)  # FAULT: in place, float16 max is 65504
+        return h.float()
+
+
+class InplaceExp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.abs() + 100.0
+        h.exp_()  # FAULT: in place exp overflow
+        return h
+
+
+class InplaceViewWrite(nn.Module):
+    """Writes through a view: only column 0 overflows, via ``select`` + ``mul_``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.abs() + 1.0
+        col = h[:, 0]
+        col.mul_(1e30).mul_(1e30)  # FAULT: the second mul_ overflows, through a view
+        return h
+
+
+class InplaceViewExp(nn.Module):
+    """exp_ on a narrow() view of a fresh tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.abs() + 100.0
+        h.narrow(1, 1, 2).exp_()  # FAULT: exp_ through a view
+        return h * 1.0
+
+
+# ------------------------------------------------------------ real-model shapes
+
+
+class DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.act = ExpActivation()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(x)
+        return {"logits": self.act(h), "hidden": h, "count": torch.tensor(3)}
+
+
+class TupleOut(DictOut):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        h = self.body(x)
+        return (h, (self.act(h), torch.tensor(1)))
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    extra: int = 0
+
+
+class DataclassOut(DictOut):
+    def forward(self, x: torch.Tensor) -> Output:  # type: ignore[override]
+        h = self.body(x)
+        return Output(logits=self.act(h), hidden=h)
+
+
+def big_body(m: DictOut) -> DictOut:
+    seeded(0)
+    with torch.no_grad():
+        m.body.weight.fill_(50.0)
+        m.body.bias.zero_()
+    return m
+
+
+class Tied(nn.Module):
+    """``dec`` shares its weight with ``enc`` (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4, bias=False)
+        self.dec = nn.Linear(4, 4, bias=False)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.enc(x))
