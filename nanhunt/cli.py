@@ -32,7 +32,10 @@ class Command(Protocol):
 def _print(renderable: Any) -> None:
     from rich.console import Console
 
-    Console(highlight=False).print(renderable)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=120)  # pipes and logs: don't wrap tables at 80
+    console.print(renderable)
 
 
 class ReplayCommand:

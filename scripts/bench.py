@@ -580,27 +580,37 @@ print(json.dumps(out))
 
 # ============================================== replay + bisection (future)
 # >>> REPLAY/BISECTION HOOK ---------------------------------------------------
-# Measures replay + bisection on a chain of N cells with one culprit (N = 16, 64,
-# 256; scripts/_bench_models.make_chain, float16 autocast, the culprit's input is
-# scaled past float16's range). Skipped until ``nanhunt.replay`` exists. When it
-# lands, make ``_replay_bisect`` call the real API and return the number of
-# replays (step re-executions) it needed, the culprit it named and its verdict;
-# everything else (timing, JSON, table) is already wired. Expect replays to grow
-# like log2(N) and wall time like replays x step time.
+# Replay (+ bisection, once it exists) on a chain of N cells with one culprit
+# (N = 16, 64, 256; scripts/_bench_models.make_chain, float16 autocast, the
+# culprit cell scales its input past float16's range). Skipped while
+# ``nanhunt.replay`` does not exist. ``_replay_bisect`` is the only place that
+# knows nanhunt's API: when bisection lands (``nanhunt.bisect`` or a replay
+# option), make it run the bisection and return how many step re-executions it
+# needed ("replays") and its verdict; timing, JSON and table are already wired.
+# Expect replays to grow like log2(N) and wall time like replays x step time.
 
 REPLAY_NS = (16, 64, 256)
 
 
 def _replay_bisect(w: models.Workload) -> dict[str, Any]:
-    """ADAPT to the real nanhunt.replay API. Must return {"replays": int, "culprit": str, "verdict": str}."""
+    """Returns {"replays": int | None, "culprit": str, "verdict": str, ...}. ADAPT when the API changes."""
     rep = nanhunt.replay(  # type: ignore[attr-defined]
-        w.model, (w.x, w.y), loss_fn=w.loss_fn, scaler=w.scaler, device_type=w.device, dtype=w.dtype,
+        w.model, (w.x, w.y), loss_fn=w.loss_fn, dtype=w.dtype, device_type=w.device, scaler=w.scaler,
     )
-    return {
-        "replays": getattr(rep, "replays", None),
-        "culprit": str(getattr(rep, "culprit", getattr(rep, "first", None))),
-        "verdict": str(getattr(rep, "verdict", None)),
+    first = getattr(rep, "first", None)
+    out: dict[str, Any] = {
+        # replay() runs the step twice (a reproducibility check, then the zoom pass).
+        "replays": len(getattr(rep, "runs", ()) or ()) or None,
+        "culprit": None if first is None else f"{first.module} {first.op}",
+        "verdict": getattr(rep, "verdict", None) or getattr(rep, "status", None),
+        "records": getattr(rep, "n_records", None),
     }
+    bisect = getattr(nanhunt, "bisect", None)
+    if bisect is None:
+        out["bisect"] = "nanhunt.bisect does not exist yet"
+    else:  # ADAPT: call the bisection here and fill "replays"/"verdict" from its result.
+        out["bisect"] = "present, but scripts/bench.py does not call it yet"
+    return out
 
 
 def bench_replay(device: str) -> dict[str, Any]:
@@ -609,18 +619,22 @@ def bench_replay(device: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in REPLAY_NS:
         w = models.make_chain(n, device=device)
-        plain = time.perf_counter()
+        w.step()  # warm
+        _sync(device)
+        t0 = time.perf_counter()
         w.step()
-        plain = time.perf_counter() - plain
+        _sync(device)
+        step_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
             res = _replay_bisect(w)
         except Exception as e:  # noqa: BLE001  an API mismatch must not sink the timing run
             res = {"error": f"{type(e).__name__}: {e} (update _replay_bisect in scripts/bench.py)"}
+        _sync(device)
         res["wall_s"] = time.perf_counter() - t0
-        res["step_s"] = plain
+        res["step_s"] = step_s
+        res["modules"] = sum(1 for _ in w.model.modules())
         res["expected_culprit"] = getattr(w, "culprit", None)
-        res["log2_n"] = math.log2(n)
         out[str(n)] = res
     return out
 # <<< REPLAY/BISECTION HOOK ---------------------------------------------------
@@ -683,8 +697,13 @@ def print_table(res: dict[str, Any]) -> None:
                 ok = r["ratio"]["median"] <= TARGETS[n]
                 tgt = f"<= {TARGETS[n]:.2f}x {'met' if ok else 'MISSED'}"
             print(f"{n:<17}{ms:>10.1f}{med:>9}{iqr:>12}{p1090:>12}{pk:>10}{ex:>10}{pct:>8}{recs!s:>9}  {tgt}")
-        print(f"  memory: {wr['memory_method']}; plain step footprint {wr['plain_footprint_mib']:.0f} MiB. "
-              "records: nanhunt records; stats: tensors the other tracers looked at.")
+        pt = wr["variants"]["plain"]["time_s"]
+        print(f"  plain step p10-p90 {pt['p10'] * 1e3:.1f}-{pt['p90'] * 1e3:.1f} ms. memory: {wr['memory_method']}; "
+              f"plain step footprint {wr['plain_footprint_mib']:.0f} MiB. records: nanhunt records; "
+              "stats: tensors the other tracers looked at.")
+        if pt["p90"] > 1.3 * pt["p10"]:
+            print("  NOTE: the plain step varied by more than 30% between repetitions: the machine was busy. "
+                  "Medians of paired ratios resist that, but re-run on an idle machine before quoting the figures.")
     c = res.get("cold")
     if c and "error" not in c:
         print(f"\nfirst use in a fresh process (gpt): import torch+nanhunt {c['import_s']:.2f} s; first module trace "
@@ -699,8 +718,9 @@ def print_table(res: dict[str, Any]) -> None:
         else:
             print("\nreplay + bisection (chain with one culprit):")
             for n, r in rp.items():
-                print(f"  N={n:>4}: replays {r.get('replays')}, wall {r['wall_s']:.2f} s, culprit {r.get('culprit')} "
-                      f"(expected {r.get('expected_culprit')}), {r.get('verdict') or r.get('error')}")
+                print(f"  N={n:>4} ({r['modules']} modules): replays {r.get('replays')}, wall {r['wall_s']:.2f} s "
+                      f"(plain step {r['step_s'] * 1e3:.1f} ms), culprit {r.get('culprit')} (expected "
+                      f"{r.get('expected_culprit')}), {r.get('verdict') or r.get('error')}; bisection: {r.get('bisect')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions per workload (default 40, quick 5)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up rounds over all variants (default 2, quick 1)")
     ap.add_argument("--mem-reps", type=int, default=None, help="peak-memory measurements per variant (default 3, quick 1)")
-    ap.add_argument("--min-reps", type=int, default=5, help="repetitions run even past the time budget")
+    ap.add_argument("--min-reps", type=int, default=None, help="repetitions run even past the time budget (default 5, quick 3)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop adding repetitions after this (default 240, quick 40)")
     ap.add_argument("--workloads", default="gpt,convnet", help="comma list of: " + ",".join(models.WORKLOADS))
     ap.add_argument("--variants", default=None, help="comma list (plain is always run); default all available")
@@ -724,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps if args.reps is not None else (5 if args.quick else 40)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.mem_reps = args.mem_reps if args.mem_reps is not None else (1 if args.quick else 3)
+    args.min_reps = args.min_reps if args.min_reps is not None else (3 if args.quick else 5)
     args.budget_s = args.budget_s if args.budget_s is not None else (40.0 if args.quick else 240.0)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -323,3 +323,91 @@ class Tied(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dec(self.enc(x))
+
+
+# ------------------------------------------------------------- more shapes
+
+
+class RootFunctional(nn.Module):
+    """A functional op run by the root module's own forward (no submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.fc(x) * 1000.0)  # FAULT: functional exp in the root
+
+
+class TwiceSqrt(nn.Module):
+    """``norm`` is called twice; only its second call sees exact zeros, so only the
+    backward of that call divides by zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = SqrtNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a = self.norm(h.abs() + 1.0)  # call 0: no zeros
+        b = self.norm(h)  # call 1: column 0 is exactly zero
+        return a + b
+
+
+def twice_sqrt() -> TwiceSqrt:
+    seeded(0)
+    m = TwiceSqrt()
+    with torch.no_grad():
+        m.fc.weight[0].zero_()
+        m.fc.bias[0] = 0.0
+    return m
+
+
+class BNModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.fc(x)))
+
+
+class SilentOverflow(nn.Module):
+    """exp overflows, then clamp hides it: a silent finding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(torch.exp(x + 200.0), max=1.0)  # FAULT: exp overflow, absorbed
+
+
+class MaskedSoftmax(nn.Module):
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(scores + mask, dim=-1)
+
+
+class InplaceMaskAttention(nn.Module):
+    """Builds an additive -inf mask *in place* (as ``F._canonical_mask`` does for
+    ``nn.MultiheadAttention``) and hands it to a child module. No row is fully masked."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qk = nn.Linear(d, 2 * d)
+        self.softmax = MaskedSoftmax()
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        mask = torch.zeros(keep.shape, dtype=x.dtype)
+        mask.masked_fill_(~keep, float("-inf"))
+        w = self.softmax(q @ k.transpose(-2, -1), mask)
+        return w @ x
+
+
+class EmptyThenFill(nn.Module):
+    """Allocates with ``torch.empty`` and fills it before any read: nothing non-finite."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(x.shape)
+        buf.copy_(x)
+        return buf * 2.0
