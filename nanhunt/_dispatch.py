@@ -37,10 +37,16 @@ _SAME_SET_VIEWS = frozenset(
 )
 
 
+# Ops whose output memory is uninitialised: whatever bits it holds (NaN included)
+# are no value yet. The op that fills it is the one to judge.
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+
+
 @dataclass(frozen=True)
 class OpInfo:
     name: str  # "aten::addmm"
     same_set_view: bool
+    uninitialised: bool
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
     written_kwargs: tuple[str, ...]
 
@@ -68,6 +74,7 @@ def op_info(func: Any) -> OpInfo:
     info = OpInfo(
         name=schema.name,
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
+        uninitialised=base in _UNINITIALISED,
         written_args=tuple(written_pos),
         written_kwargs=tuple(written_kw),
     )

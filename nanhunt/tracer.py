@@ -41,7 +41,8 @@ _MAX_NEST = 6  # how deep module inputs/outputs are searched for tensors
 class _Raw:
     """A record under construction; its statistics are still on the device."""
 
-    __slots__ = ("phase", "module", "call", "op", "role", "dtype", "shape", "inputs", "source", "scalar", "alias_of", "full")
+    __slots__ = ("phase", "module", "call", "op", "role", "dtype", "shape", "inputs", "source", "scalar", "alias_of",
+                 "full", "blank")
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class _Raw:
         self.scalar = scalar
         self.alias_of = alias_of
         self.full: FullStats | None = None
+        self.blank = False  # uninitialised memory: no value to measure, counts as finite
 
 
 def _version(t: torch.Tensor) -> int:
@@ -319,7 +321,9 @@ class Trace:
     def _new(self, raw: _Raw, t: torch.Tensor) -> int:
         idx = len(self._raw)
         self._raw.append(raw)
-        if raw.alias_of is None:
+        if raw.blank:
+            self._pending.values[idx] = (0.0, 0.0)
+        elif raw.alias_of is None:
             self._pending.add(idx, t)
         if idx in self._zoom:
             raw.full = full_stats(t)
@@ -439,7 +443,9 @@ class Trace:
             if id(o) in seen_ids or not o.is_floating_point():
                 continue
             seen_ids.add(id(o))
-            idx = self._new(_Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar), o)
+            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar)
+            raw.blank = info.uninitialised
+            idx = self._new(raw, o)
             self._known[o] = (idx, _version(o))
             new.append(idx)
         if self.stop_at_first and new:
