@@ -77,7 +77,13 @@ def locate(
     found: list[tuple[Record, str]] = []
     grads_nonfinite = any(not r.finite and r.role in _MODULE_GRADS for r in records[:start])
     root_nonfinite = any(not records[i].finite for i in root_outputs if i < len(records))
+    group, prev, last_group = 0, None, -1
     for r in records[start:]:
+        # Consecutive outputs of one op call (layer_norm's out, mean, rstd) form one group.
+        key = (r.op, r.inputs, r.module, r.call_index, r.phase) if r.op is not None else None
+        if key is None or key != prev:
+            group += 1
+        prev = key
         if r.finite:
             continue
         kind = origin_kind(r, records)
@@ -90,8 +96,9 @@ def locate(
             grads_nonfinite = True
         if kind is None:
             continue
-        if found and _same_op_call(found[-1][0], r):
-            continue  # another output of the same op call (e.g. layer_norm's mean and rstd)
+        if group == last_group:
+            continue  # another output of the same op call
+        last_group = group
         s = spans.get(r.index)
         if s is not None and any(not x.finite and x.phase is Phase.FORWARD for x in records[s : r.index]):
             continue  # a child of this module already made it
@@ -134,13 +141,6 @@ def locate(
         if first is None and not allowed:
             first, first_path = occ, path
     return LocateResult(first=first, origins=tuple(origins), path=first_path, tainted=frozenset(tainted))
-
-
-def _same_op_call(a: Record, b: Record) -> bool:
-    return (
-        a.op is not None and b.index == a.index + 1 and a.op == b.op and a.inputs == b.inputs
-        and a.module == b.module and a.call_index == b.call_index and a.phase is b.phase
-    )
 
 
 def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:
