@@ -5,7 +5,8 @@ from __future__ import annotations
 from ._errors import NanhuntError, NonFiniteError
 from .records import FullStats, Occurrence, Phase, Record, Role
 from .capture import save_capture
-from .records import Report
+from .precision import keep_fp32, keep_fp32_permanently
+from .records import Report, Verdict
 from .replay import replay
 from .tracer import Trace, trace
 
@@ -14,6 +15,9 @@ __all__ = [
     "replay",
     "save_capture",
     "Report",
+    "Verdict",
+    "keep_fp32",
+    "keep_fp32_permanently",
     "Trace",
     "Occurrence",
     "Record",

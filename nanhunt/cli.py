@@ -55,6 +55,7 @@ class ReplayCommand:
         mode.add_argument("--train", dest="train", action="store_const", const=True, help="replay in train mode")
         mode.add_argument("--eval", dest="train", action="store_const", const=False, help="replay in eval mode")
         p.add_argument("--allow", action="append", default=[], metavar="NAME", help="module or op whose NaN/Inf is intentional")
+        p.add_argument("--no-bisect", action="store_true", help="don't confirm the culprit by local float32 replays")
         p.add_argument("--report", metavar="PATH", help="also write the report (.json)")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
@@ -75,11 +76,13 @@ class ReplayCommand:
         for n in step.notes:
             print(f"warning: {n}", file=sys.stderr)
         try:
-            report = replay(
-                step.model, (step.inputs, step.targets), loss_fn=step.loss_fn, dtype=step.dtype,
-                device_type=step.device_type, scaler=step.scaler, optimizer=step.optimizer, level=args.level,
-                rng=step.rng, allow=args.allow, command=_command_line(), notes=step.notes,
-            )
+            with _Progress() as progress:
+                report = replay(
+                    step.model, (step.inputs, step.targets), loss_fn=step.loss_fn, dtype=step.dtype,
+                    device_type=step.device_type, scaler=step.scaler, optimizer=step.optimizer, level=args.level,
+                    rng=step.rng, allow=args.allow, command=_command_line(), notes=step.notes,
+                    bisect=not args.no_bisect, progress=progress.update,
+                )
         except NanhuntError:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -89,6 +92,36 @@ class ReplayCommand:
         if args.report and render_file is not None:
             _write(args.report, render_file(report))
         return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
+
+
+class _Progress:
+    """A rich status line during bisection (stderr, so reports on stdout stay clean)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True)
+        self._status: Any = None
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def update(self, n: int, label: str) -> None:
+        from rich.markup import escape
+
+        text = f"bisecting: replay {n} ({escape(label)})"
+        if not self._console.is_terminal:
+            return
+        if self._status is None:
+            self._status = self._console.status(text)
+            self._status.start()
+        else:
+            self._status.update(text)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
 
 
 class InspectCommand:

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "PHASE_ORDER"]
+__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "PHASE_ORDER"]
 
 SCHEMA_VERSION = 1
 
@@ -284,6 +284,7 @@ class Report:
     command: str | None = None
     notes: tuple[str, ...] = ()
     n_records: int = 0
+    verdict: Verdict | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -302,6 +303,7 @@ class Report:
             "command": self.command,
             "notes": list(self.notes),
             "n_records": self.n_records,
+            "verdict": None if self.verdict is None else self.verdict.to_dict(),
         }
 
     @classmethod
@@ -324,6 +326,7 @@ class Report:
             command=d.get("command"),
             notes=tuple(d.get("notes", ())),
             n_records=int(d.get("n_records", 0)),
+            verdict=None if d.get("verdict") is None else Verdict.from_dict(d["verdict"]),
             schema_version=int(d.get("schema_version", 1)),
         )
 
@@ -368,3 +371,48 @@ class Inspection:
     @property
     def nonfinite(self) -> bool:
         return any(t.nan or t.inf for t in self.flagged)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the float32 bisection proved.
+
+    ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
+    ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
+    scale overflows the gradients), ``not-reproducible``, ``clean``.
+    """
+
+    kind: str
+    culprits: tuple[str, ...] = ()
+    origin_alone_fixes: bool | None = None
+    confirmed: bool = False
+    replays: int = 0
+    seconds: float = 0.0
+    alternatives: dict[str, bool] = field(default_factory=dict)  # e.g. {"bfloat16": True, "scale 1": False}
+    fix: str | None = None
+    float32_first: Occurrence | None = None  # where the step fails in float32 (not-precision)
+    interrupted: bool = False
+    candidates: int = 0  # modules (and the loss) bisection chose among
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["culprits"] = list(self.culprits)
+        d["float32_first"] = None if self.float32_first is None else self.float32_first.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        f = d.get("float32_first")
+        return cls(
+            kind=str(d.get("kind", "clean")),
+            culprits=tuple(d.get("culprits", ())),
+            origin_alone_fixes=d.get("origin_alone_fixes"),
+            confirmed=bool(d.get("confirmed", False)),
+            replays=int(d.get("replays", 0)),
+            seconds=float(d.get("seconds", 0.0)),
+            alternatives={str(k): bool(v) for k, v in d.get("alternatives", {}).items()},
+            fix=d.get("fix"),
+            float32_first=None if f is None else Occurrence.from_dict(f),
+            interrupted=bool(d.get("interrupted", False)),
+            candidates=int(d.get("candidates", 0)),
+        )

@@ -14,7 +14,8 @@ from torch import nn
 
 from ._errors import CommandError
 from .capture import rng_state, set_rng_state, split_batch
-from .records import Occurrence, Phase, Record, Report, Role
+from .precision import fp32_call
+from .records import Occurrence, Phase, Record, Report, Role, Verdict
 from .tracer import Trace
 
 __all__ = ["replay", "StepState", "run_step", "environment"]
@@ -161,8 +162,12 @@ def run_step(
     device_type: str,
     scaler: torch.amp.GradScaler | None,
     optimizer: torch.optim.Optimizer | None,
+    fp32_loss: bool = False,
 ) -> torch.Tensor:
-    """One step as training runs it: forward and loss under autocast, scaled backward, update."""
+    """One step as training runs it: forward and loss under autocast, scaled backward, update.
+    ``fp32_loss`` computes the loss with autocast off on float32 inputs (a bisection trial)."""
+    if fp32_loss and loss_fn is not None:
+        loss_fn = fp32_call(loss_fn, device_type)
     with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
         loss = _loss_of(_call_model(model, inputs), targets, loss_fn)
     if loss.requires_grad:
@@ -215,6 +220,24 @@ def _same(a: Occurrence | None, b: Occurrence | None) -> bool:
     return key(a) == key(b)
 
 
+def _bisect(model: nn.Module, batch: tuple[Any, Any], status: str, first: Occurrence | None, *,
+            loss_fn: Callable[..., Any] | None, dtype: torch.dtype, device_type: str,
+            scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer | None,
+            rng: Mapping[str, Any], progress: Callable[[int, str], None] | None, level: str,
+            allow: tuple[str, ...]) -> Verdict:
+    from .bisect import bisect
+
+    if status != "nonfinite":
+        return Verdict(kind=status)
+
+    def locate_fp32() -> Occurrence | None:
+        return replay(model, batch, loss_fn=loss_fn, dtype=torch.float32, device_type=device_type, scaler=scaler,
+                      optimizer=optimizer, level=level, rng=rng, allow=allow).first
+
+    return bisect(model, batch, origin=first, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
+                  optimizer=optimizer, rng=rng, progress=progress, locate_fp32=locate_fp32)
+
+
 def _sinks_finite(records: Sequence[Record]) -> bool:
     return all(r.finite for r in records if r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.role is Role.GRAD)
 
@@ -246,6 +269,8 @@ def replay(
     allow: Iterable[str] = (),
     command: str | None = None,
     notes: Sequence[str] = (),
+    bisect: bool = False,
+    progress: Callable[[int, str], None] | None = None,
 ) -> Report:
     """Replay one training step twice inside :func:`nanhunt.trace` and report where NaN/Inf was born.
 
@@ -258,6 +283,11 @@ def replay(
     (phase ``update``). Both runs start from the same weights, buffers, RNG state
     (``rng`` or the current one) and scaler state; the model, optimizer and
     scaler are restored exactly afterwards, also on an exception.
+
+    With ``bisect=True`` and a non-finite step, :func:`nanhunt.bisect.bisect`
+    then proves why: ``report.verdict`` names a minimal set of modules whose
+    float32 execution makes the step finite (``progress(n, label)`` is called
+    before each of its replays).
 
     Example::
 
@@ -315,7 +345,13 @@ def replay(
         status = "clean"
     else:
         status = "nonfinite"
+    verdict = None
+    if bisect:
+        verdict = _bisect(model, (inputs, targets), status, first, loss_fn=loss_fn, dtype=dtype,
+                          device_type=device_type, scaler=scaler, optimizer=optimizer, rng=start_rng,
+                          progress=progress, level=level, allow=allow)
     return Report(
+        verdict=verdict,
         status=status,
         first=first,
         origins=tuple(final.origins),

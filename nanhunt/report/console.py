@@ -92,6 +92,40 @@ def _tree(report: Report) -> Tree | None:
     return root
 
 
+def verdict_line(report: Report) -> str:
+    v = report.verdict
+    if v is None:
+        return ""
+    if v.kind == "precision":
+        who = ", ".join(c or "<root>" for c in v.culprits)
+        state = "confirmed" if v.confirmed else "NOT confirmed"
+        head = f"precision problem: running {who} in float32 makes the step finite ({state}"
+        return head + f", {v.replays} replays, {v.seconds:.1f} s)" + (" [interrupted]" if v.interrupted else "")
+    if v.kind == "not-precision":
+        where = f"; in float32: {v.float32_first.describe()}" if v.float32_first is not None else ""
+        return f"not a precision problem: the step fails in float32 too{where}"
+    if v.kind == "scale-induced":
+        return ("scale-induced: the gradients overflow only because of the loss scale; GradScaler will back off "
+                "and skip this step (a bug only if it keeps happening)")
+    if v.kind == "not-reproducible":
+        return "not reproducible: the original configuration ran finite when replayed again"
+    return "clean: nothing to bisect"
+
+
+def _verdict(report: Report) -> RenderableType:
+    v = report.verdict
+    assert v is not None
+    parts: list[RenderableType] = [Text("verdict: " + verdict_line(report), style="bold")]
+    if v.origin_alone_fixes is not None:
+        parts.append(Text(f"origin module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}"))
+    if v.alternatives:
+        parts.append(Text("alternatives: " + ", ".join(
+            f"{k}: {'finite' if ok else 'still non-finite'}" for k, ok in v.alternatives.items())))
+    if v.fix:
+        parts.append(Text("suggested fix:\n" + v.fix, style="cyan"))
+    return Group(*parts)
+
+
 def render(report: Report) -> RenderableType:
     parts: list[RenderableType] = []
     colour = "green" if report.status == "clean" else "red"
@@ -121,6 +155,9 @@ def render(report: Report) -> RenderableType:
     if report.status == "not-reproducible":
         for i, o in enumerate(report.runs):
             parts.append(Text(f"run {i + 1}: {o.describe() if o else 'finite'}"))
+    v = report.verdict
+    if v is not None:
+        parts.append(_verdict(report))
     cfg = report.config
     if cfg:
         bits = [f"{k}={v}" for k, v in cfg.items() if v is not None]

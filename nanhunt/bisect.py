@@ -1,0 +1,231 @@
+"""Prove why: replay the step with module sets in float32 until a minimal set makes it finite.
+
+Each trial replays the same step from the same state and RNG (no tracing: one
+question, is the whole step finite?) with the chosen modules run by
+:func:`nanhunt.keep_fp32`. The search descends the module tree from coarse to
+fine, trying the child on the path to the origin first, then splitting the
+children in halves; with one culprit it costs about two trials per tree level
+plus two per halving, i.e. it grows with log(modules), not with their number.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .precision import LOSS_REGION, keep_fp32
+from .records import Occurrence, Verdict
+from .replay import StepState, run_step
+
+__all__ = ["bisect", "suggested_fix"]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Trials:
+    """Runs one finite/non-finite trial per call and counts them."""
+
+    def __init__(self, model: nn.Module, inputs: Any, targets: Any, *, loss_fn: Callable[..., Any] | None,
+                 dtype: torch.dtype, device_type: str, scaler: torch.amp.GradScaler | None,
+                 optimizer: torch.optim.Optimizer | None, state: StepState, rng: Mapping[str, Any],
+                 progress: Callable[[int, str], None] | None) -> None:
+        self.model, self.inputs, self.targets = model, inputs, targets
+        self.loss_fn, self.dtype, self.device_type = loss_fn, dtype, device_type
+        self.scaler, self.optimizer, self.state, self.rng = scaler, optimizer, state, rng
+        self.progress = progress
+        self.count = 0
+        self.cache: dict[tuple[Any, ...], bool] = {}
+
+    def finite(self, fp32: frozenset[str], *, dtype: torch.dtype | None = None, unscaled: bool = False,
+               label: str = "") -> bool:
+        key = (fp32, dtype, unscaled)
+        if key in self.cache:
+            return self.cache[key]
+        self.count += 1
+        if self.progress is not None:
+            self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
+        self.state.reset(self.rng)
+        try:
+            with keep_fp32(self.model, fp32):
+                loss = run_step(self.model, self.inputs, self.targets, loss_fn=self.loss_fn,
+                                dtype=dtype or self.dtype, device_type=self.device_type,
+                                scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
+                                fp32_loss=LOSS_REGION in fp32)
+            ok = _step_finite(self.model, loss)
+        except KeyboardInterrupt as e:
+            raise _Interrupted from e
+        finally:
+            self.state.restore()
+        self.cache[key] = ok
+        return ok
+
+
+def _step_finite(model: nn.Module, loss: torch.Tensor) -> bool:
+    """Loss, every gradient and every parameter (after the update) finite: one host read."""
+    flags = [torch.isfinite(loss.detach()).all()]
+    for p in model.parameters():
+        flags.append(torch.isfinite(p.detach()).all())
+        if p.grad is not None:
+            flags.append(torch.isfinite(p.grad).all())
+    return bool(torch.stack(flags).all())
+
+
+def suggested_fix(culprits: Sequence[str]) -> str | None:
+    mods = [c for c in culprits if c != LOSS_REGION]
+    lines = []
+    if mods:
+        lines.append("import nanhunt")
+        lines.append(f"nanhunt.keep_fp32_permanently(model, {mods!r})  # after building the model")
+    if LOSS_REGION in culprits:
+        lines.append("# compute the loss in float32, outside autocast:")
+        lines.append("with torch.autocast(device_type, enabled=False):")
+        lines.append("    loss = loss_fn(output.float(), targets)")
+    return "\n".join(lines) or None
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their forward runs nothing
+
+
+def _children(model: nn.Module) -> dict[str, list[str]]:
+    """Module tree for the search; containers are transparent (their children move up)."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def kids(m: nn.Module) -> list[str]:
+        out: list[str] = []
+        for c in m.children():
+            if isinstance(c, _CONTAINERS):
+                out.extend(kids(c))
+            elif id(c) in names:
+                out.append(names[id(c)])
+        return out
+
+    return {n: kids(m) for n, m in model.named_modules() if not isinstance(m, _CONTAINERS)}
+
+
+def bisect(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    *,
+    origin: Occurrence | None,
+    loss_fn: Callable[..., Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+    device_type: str = "cpu",
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    rng: Mapping[str, Any] | None = None,
+    progress: Callable[[int, str], None] | None = None,
+    locate_fp32: Callable[[], Occurrence | None] | None = None,
+) -> Verdict:
+    """Find a minimal set of modules (and ``<loss>``) whose float32 execution makes the step finite.
+
+    Restores the model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the
+    verdict then says ``interrupted`` and holds what was found so far).
+    """
+    inputs, targets = batch
+    state = StepState(model, optimizer, scaler)
+    start_rng = dict(rng) if rng is not None else state.rng
+    trials = _Trials(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
+                     optimizer=optimizer, state=state, rng=start_rng, progress=progress)
+    t0 = time.perf_counter()
+    alternatives: dict[str, bool] = {}
+    children = _children(model)
+    root = next(n for n, m in model.named_modules() if m is model)
+    with_loss = loss_fn is not None
+    n_candidates = len(children) + (1 if with_loss else 0)
+
+    def verdict(kind: str, culprits: tuple[str, ...] = (), **kw: Any) -> Verdict:
+        return Verdict(kind=kind, culprits=culprits, replays=trials.count, seconds=time.perf_counter() - t0,
+                       alternatives=dict(alternatives), fix=suggested_fix(culprits) if kind == "precision" else None,
+                       candidates=n_candidates, **kw)
+
+    found: list[str] = []
+    origin_alone: bool | None = None
+    try:
+        try:
+            if dtype != torch.float32 and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere"):
+                return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None)
+            if trials.finite(frozenset(), label="original configuration"):
+                return verdict("not-reproducible")
+            if dtype == torch.float16:
+                alternatives["bfloat16"] = trials.finite(frozenset(), dtype=torch.bfloat16, label="bfloat16 instead")
+            if scaler is not None and scaler.is_enabled():
+                alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
+                if alternatives["scale 1"] and origin is not None and origin.phase.value == "backward":
+                    return verdict("scale-induced")
+            origin_mod = origin.module if origin is not None else None
+            if origin_mod is not None and origin_mod in children:
+                origin_alone = trials.finite(frozenset({origin_mod}), label=f"{origin_mod or '<root>'} alone")
+            elif origin is not None and origin.phase.value == "loss" and with_loss:
+                origin_alone = trials.finite(frozenset({LOSS_REGION}), label="<loss> alone")
+            top = [root] + ([LOSS_REGION] if with_loss else [])
+            if not trials.finite(frozenset(top), label="whole model and loss"):
+                return verdict("not-precision", origin_alone_fixes=origin_alone)
+            found = _search(trials, top, frozenset(), children, origin_mod)
+            found = _refine(trials, found, children, origin_mod)
+            # The confirmation is one more clean run of exactly that set, not a cached answer.
+            trials.cache.pop((frozenset(found), None, False), None)
+            confirmed = trials.finite(frozenset(found), label="confirm (clean run)")
+            return verdict("precision", tuple(found), origin_alone_fixes=origin_alone, confirmed=confirmed)
+        except _Interrupted:
+            return verdict("precision" if found else "clean", tuple(found), origin_alone_fixes=origin_alone,
+                           interrupted=True)
+    finally:
+        state.restore()
+
+
+def _on_path(c: str, origin_mod: str | None) -> bool:
+    """``c`` is the origin's module or one of its ancestors."""
+    return origin_mod is not None and c != LOSS_REGION and (c == "" or origin_mod == c or origin_mod.startswith(c + "."))
+
+
+def _order(cands: list[str], origin_mod: str | None) -> list[str]:
+    """Candidates on the path to the origin first (stable otherwise)."""
+    return sorted(cands, key=lambda c: not _on_path(c, origin_mod))
+
+
+def _search(trials: _Trials, cands: list[str], base: frozenset[str], children: Mapping[str, list[str]],
+            origin_mod: str | None) -> list[str]:
+    """A minimal subset of ``cands`` that, with ``base`` in float32, makes the step finite.
+    Assumes ``base | cands`` does (and that more float32 never makes it worse)."""
+    cands = _order(cands, origin_mod)
+    if len(cands) == 1:
+        return cands
+    first = cands[0]
+    if _on_path(first, origin_mod) and trials.finite(base | {first}):
+        return [first]
+    half = len(cands) // 2
+    a, b = cands[:half], cands[half:]
+    if trials.finite(base | set(a)):
+        return _search(trials, a, base, children, origin_mod)
+    if trials.finite(base | set(b)):
+        return _search(trials, b, base, children, origin_mod)
+    got_a = _search(trials, a, base | set(b), children, origin_mod)
+    got_b = _search(trials, b, base | set(got_a), children, origin_mod)
+    return got_a + got_b
+
+
+def _refine(trials: _Trials, found: list[str], children: Mapping[str, list[str]],
+            origin_mod: str | None) -> list[str]:
+    """Descend: replace each module by the fewest of its children that still make the step finite."""
+    result = list(found)
+    changed = True
+    while changed:
+        changed = False
+        for m in list(result):
+            kids = children.get(m, []) if m != LOSS_REGION else []
+            if not kids:
+                continue
+            rest = frozenset(x for x in result if x != m)
+            if not trials.finite(rest | set(kids)):
+                continue  # m's own code (between its children) needs float32: keep m
+            sub = _search(trials, kids, rest, children, origin_mod)
+            result = [x for x in result if x != m] + sub
+            changed = True
+            break
+    return sorted(result, key=lambda c: (c == LOSS_REGION, c))
