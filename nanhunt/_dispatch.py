@@ -46,6 +46,7 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 class OpInfo:
     name: str  # "aten::addmm"
     same_set_view: bool
+    is_view: bool
     uninitialised: bool
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
     written_kwargs: tuple[str, ...]
@@ -74,6 +75,7 @@ def op_info(func: Any) -> OpInfo:
     info = OpInfo(
         name=schema.name,
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
+        is_view=returns_alias,
         uninitialised=base in _UNINITIALISED,
         written_args=tuple(written_pos),
         written_kwargs=tuple(written_kw),

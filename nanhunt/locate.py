@@ -115,7 +115,7 @@ def locate(
     first_path: tuple[int, ...] = ()
     tainted: set[int] = set()
     for r, kind in found:
-        reached: tuple[str, ...] = ()
+        reached: tuple[str, ...] | None = None  # unknown until the step is over
         path: tuple[int, ...] = (r.index,)
         if g is not None:
             reached, target = reached_sinks(g, records, r.index, root_outputs)

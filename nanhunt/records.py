@@ -193,13 +193,13 @@ class Occurrence:
     source: str | None
     output: Record
     inputs: tuple[Record, ...] = ()
-    reached: tuple[str, ...] = ()
+    reached: tuple[str, ...] | None = ()  # None: not measured (stop_at_first stops before)
     allowed: bool = False
     path: tuple[int, ...] = field(default=())
 
     @property
     def silent(self) -> bool:
-        return not self.reached
+        return self.reached == ()
 
     def describe(self) -> str:
         where = "outside the model" if self.module is None else f"module {self.module or '<root>'!s}"
@@ -207,7 +207,7 @@ class Occurrence:
             where += f" ({self.module_class}, call {self.call_index})"
         op = f"op {self.op}" if self.op else f"role {self.output.role.value}"
         what = "NaN" if self.kind == "nan" else "Inf"
-        tail = "" if self.reached else " [silent: absorbed before the loss and gradients]"
+        tail = " [silent: absorbed before the loss and gradients]" if self.silent else ""
         return f"{what} born in phase {self.phase.value}, {where}, {op}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,7 +221,7 @@ class Occurrence:
             "source": self.source,
             "output": self.output.to_dict(),
             "inputs": [r.to_dict() for r in self.inputs],
-            "reached": list(self.reached),
+            "reached": None if self.reached is None else list(self.reached),
             "allowed": self.allowed,
             "path": list(self.path),
         }
@@ -238,7 +238,7 @@ class Occurrence:
             source=d.get("source"),
             output=Record.from_dict(d["output"]),
             inputs=tuple(Record.from_dict(r) for r in d.get("inputs", ())),
-            reached=tuple(d.get("reached", ())),
+            reached=None if d.get("reached", ()) is None else tuple(d.get("reached", ())),
             allowed=bool(d.get("allowed", False)),
             path=tuple(int(i) for i in d.get("path", ())),
         )

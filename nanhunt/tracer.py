@@ -79,6 +79,13 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return -id(t)
+
+
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside module arguments/outputs: tuples, lists, dicts, ModelOutput, dataclasses."""
     if isinstance(obj, torch.Tensor):
@@ -165,6 +172,7 @@ class Trace:
         self._checked = 0
         self._code_skip: dict[CodeType, bool] = {}
         self._dynamo_prev: bool | None = None
+        self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
 
     # ------------------------------------------------------------- lifecycle
     def __enter__(self) -> Trace:
@@ -365,7 +373,7 @@ class Trace:
             return Phase.UPDATE, None, 0, None, True
         if self._forward_seen:
             return Phase.LOSS, None, 0, None, True
-        return Phase.INPUT, None, 0, None, True
+        return Phase.FORWARD, None, 0, None, True  # glue code before the model: no module
 
     def _lookup(self, t: torch.Tensor, phase: Phase, module: str | None, call: int) -> int:
         """The record that holds ``t``'s current values, measuring it when unknown or changed."""
@@ -374,7 +382,10 @@ class Trace:
         if ent is not None:
             if ent[1] == ver:
                 return int(ent[0])
-            raw = _Raw(phase, module, call, None, Role.REMEASURED, t, (int(ent[0]),), None)
+            # Changed in place, perhaps through a view: link the last write into its storage.
+            w = self._writes.get(_storage_key(t))
+            links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
+            raw = _Raw(phase, module, call, None, Role.REMEASURED, t, links, None)
         elif phase is Phase.BACKWARD:
             raw = _Raw(phase, module, call, None, Role.REMEASURED, t, (), None)
         elif phase is Phase.UPDATE:
@@ -429,13 +440,18 @@ class Trace:
             outs.append(out)
         elif isinstance(out, (tuple, list)):
             outs.extend(o for o in out if isinstance(o, torch.Tensor))
+        written: list[torch.Tensor] = []
         for i in info.written_args:
             if i < len(args):
-                outs.extend(_tensors(args[i], _MAX_NEST - 1))
+                written.extend(_tensors(args[i], _MAX_NEST - 1))
         for k in info.written_kwargs:
-            outs.extend(_tensors(kwargs.get(k), _MAX_NEST - 1))
+            written.extend(_tensors(kwargs.get(k), _MAX_NEST - 1))
+        outs.extend(written)
         if not outs:
             return out
+        written_ids = {id(w) for w in written}
+        # A view of uninitialised memory is no value either, until something writes it.
+        blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
         inputs = tuple(ins)
         new: list[int] = []
         seen_ids: set[int] = set()
@@ -444,9 +460,14 @@ class Trace:
                 continue
             seen_ids.add(id(o))
             raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar)
-            raw.blank = info.uninitialised
+            raw.blank = blank and id(o) not in written_ids
             idx = self._new(raw, o)
-            self._known[o] = (idx, _version(o))
+            ver = _version(o)
+            if id(o) in written_ids:
+                # The autograd layer bumps the version of a written tensor after this mode returns.
+                ver = ver + 1 if ver >= 0 else ver
+                self._writes[_storage_key(o)] = idx
+            self._known[o] = (idx, ver)
             new.append(idx)
         if self.stop_at_first and new:
             self._check_now(args, kwargs, outs)
@@ -548,6 +569,10 @@ class Trace:
                 self._known[t] = (idx, _version(t))
                 ins.append(idx)
             if self.level == "module":
+                for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                    ent = self._known.get(t)
+                    if ent is not None:
+                        ins.append(int(ent[0]))
                 self._mstack.append((len(self._raw), tuple(ins)))
         finally:
             self._busy = False

@@ -140,7 +140,7 @@ def render(report: Report) -> RenderableType:
         lines.append(f"\nop         {occ.op or '-'}\n")
         lines.append(f"kind       {'NaN' if occ.kind == 'nan' else 'Inf'}\n")
         lines.append(f"source     {occ.source or '-'}\n")
-        lines.append(f"reached    {', '.join(occ.reached) if occ.reached else 'nothing (silent: absorbed)'}")
+        lines.append(f"reached    {', '.join(occ.reached) if occ.reached else ('not measured' if occ.reached is None else 'nothing (silent: absorbed)')}")
         parts.append(lines)
         parts.append(_stats_table(occ))
     if report.path:
