@@ -285,6 +285,8 @@ class Report:
     notes: tuple[str, ...] = ()
     n_records: int = 0
     verdict: Verdict | None = None
+    # One point per record, in execution order: (index, phase, largest finite |x| or NaN, "finite"/"nan"/"inf").
+    timeline: tuple[tuple[int, str, float, str], ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -304,6 +306,7 @@ class Report:
             "notes": list(self.notes),
             "n_records": self.n_records,
             "verdict": None if self.verdict is None else self.verdict.to_dict(),
+            "timeline": [[i, ph, _json_float(m), k] for i, ph, m, k in self.timeline],
         }
 
     @classmethod
@@ -327,6 +330,7 @@ class Report:
             notes=tuple(d.get("notes", ())),
             n_records=int(d.get("n_records", 0)),
             verdict=None if d.get("verdict") is None else Verdict.from_dict(d["verdict"]),
+            timeline=tuple((int(i), str(ph), _from_json_float(m), str(k)) for i, ph, m, k in d.get("timeline", ())),
             schema_version=int(d.get("schema_version", 1)),
         )
 

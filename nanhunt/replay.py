@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import platform
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -350,7 +351,12 @@ def replay(
         verdict = _bisect(model, (inputs, targets), status, first, loss_fn=loss_fn, dtype=dtype,
                           device_type=device_type, scaler=scaler, optimizer=optimizer, rng=start_rng,
                           progress=progress, level=level, allow=allow)
+    timeline = tuple(
+        (r.index, r.phase.value, r.absmax if r.finite else math.nan, "finite" if r.finite else ("nan" if r.has_nan else "inf"))
+        for r in records
+    )
     return Report(
+        timeline=timeline,
         verdict=verdict,
         status=status,
         first=first,
