@@ -122,12 +122,18 @@ def locate(
             path = propagation_path(g, r.index, target)
             tainted.add(r.index)
             tainted.update(nx.descendants(g, r.index))
-        allowed = is_allowed(r.module, r.op, allow)
+        module, call_index = r.module, r.call_index
+        if level == "module" and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
+            # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
+            consumer = _consumer(records, r.inputs[0])
+            if consumer is not None:
+                module, call_index = consumer.module, consumer.call_index
+        allowed = is_allowed(module, r.op, allow)
         occ = Occurrence(
             phase=r.phase,
-            module=r.module,
-            module_class=classes.get(r.module) if r.module is not None else None,
-            call_index=r.call_index,
+            module=module,
+            module_class=classes.get(module) if module is not None else None,
+            call_index=call_index,
             op=r.op,
             kind=kind,
             source=r.source,
@@ -141,6 +147,21 @@ def locate(
         if first is None and not allowed:
             first, first_path = occ, path
     return LocateResult(first=first, origins=tuple(origins), path=first_path, tainted=frozenset(tainted))
+
+
+def _consumer(records: Sequence[Record], produced: int) -> Record | None:
+    """Module level: the innermost module call that took record ``produced`` as an input
+    (the last one in forward order, whose backward ran first)."""
+    users = [
+        r for r in records
+        if r.role is Role.OUTPUT and r.op is None and r.phase is Phase.FORWARD and r.module is not None
+        and produced in r.inputs
+    ]
+    inner = [u for u in users if not any(
+        v.module is not None and u.module is not None and v.module.startswith(u.module + ".") if u.module else
+        v.module not in (None, "")
+        for v in users)]
+    return inner[-1] if inner else None
 
 
 def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:

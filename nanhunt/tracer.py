@@ -103,6 +103,20 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(getattr(obj, f.name, None), depth + 1)
 
 
+def _apply_caller() -> tuple[str, int, str] | None:
+    """The user's frame that called ``Function.apply`` (the innermost one on the stack)."""
+    f = sys._getframe(2)
+    found = False
+    while f is not None:
+        code = f.f_code
+        if found and not code.co_filename.startswith(_SKIP_DIRS):
+            return (code.co_filename, f.f_lineno, code.co_name)
+        if code.co_name == "apply" and code.co_filename.endswith(os.path.join("autograd", "function.py")):
+            found = True
+        f = f.f_back
+    return None
+
+
 def _format_source(src: tuple[str, int, str] | None) -> str | None:
     if src is None:
         return None
@@ -157,6 +171,7 @@ class Trace:
         self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
         self._root_name: str | None = None
         self._stack: list[tuple[str, int]] = []
+        self._recompute_depth = 0  # module calls entered inside backward (torch.utils.checkpoint)
         self._mstack: list[tuple[int, tuple[int, ...]]] = []  # module level: (start, input records)
         self._calls: dict[str, int] = {}
         self._seqmap: dict[int, tuple[str | None, int, tuple[str, int, str] | None]] = {}
@@ -360,6 +375,10 @@ class Trace:
             if not self._backward_seen:
                 self._backward_seen = True
                 self._loss_pending.clear()
+            if self._recompute_depth and self._stack:
+                # A forward recomputed during backward: it belongs to the module running it.
+                name, call = self._stack[-1]
+                return Phase.BACKWARD, name, call, None, True
             ctx = self._seqmap.get(node._sequence_nr())
             if ctx is not None:
                 return Phase.BACKWARD, ctx[0], ctx[1], ctx[2], False
@@ -428,12 +447,17 @@ class Trace:
         if want_src and (new_node or ins):
             src = self._source()
         if new_node:
-            self._seqmap[seq - 1] = (module, call, src)
+            node_src = src
+            if not torch.is_grad_enabled():
+                # A node made while grad mode is off is a custom Function's, created by
+                # .apply() before its forward ran this op: its line is the apply call.
+                node_src = _apply_caller() or src
+            self._seqmap[seq - 1] = (module, call, node_src)
 
         out = func(*args, **kwargs)
 
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.is_floating_point():
-            self._known[out] = (ins[0], _version(out))
+            self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
         outs: list[torch.Tensor] = []
         if isinstance(out, torch.Tensor):
@@ -462,7 +486,8 @@ class Trace:
             raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar)
             raw.blank = blank and id(o) not in written_ids
             idx = self._new(raw, o)
-            ver = _version(o)
+            # A view shares its base's version counter, but only once this mode has returned.
+            ver = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else _version(o)
             if id(o) in written_ids:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
@@ -538,6 +563,7 @@ class Trace:
             if _dispatch.current_autograd_node() is not None:
                 # Recomputation (torch.utils.checkpoint) inside backward: same call, not a new one.
                 self._stack.append((name, max(self._calls.get(name, 1) - 1, 0)))
+                self._recompute_depth += 1
                 if self.level == "module":
                     self._mstack.append((len(self._raw), ()))
                 return
@@ -583,6 +609,8 @@ class Trace:
             return
         _, call = self._stack.pop()
         in_backward = _dispatch.current_autograd_node() is not None
+        if in_backward and self._recompute_depth:
+            self._recompute_depth -= 1
         self._busy = True
         try:
             start, ins = self._mstack.pop() if self.level == "module" and self._mstack else (0, ())
@@ -601,10 +629,9 @@ class Trace:
                         self._known[t] = (idx, _version(t))
                         self._spans[idx] = start
                     if t.requires_grad and torch.is_grad_enabled():
-                        self._handles.append(t.register_hook(self._grad_output_hook(name, call, is_root)))
+                        self._handles.append(t.register_hook(self._grad_output_hook(name, call, is_root, idx)))
                 else:
-                    ent = self._known.get(t)
-                    idx = int(ent[0]) if ent is not None else self._lookup(t, Phase.FORWARD, name, call)
+                    idx = self._lookup(t, Phase.FORWARD, name, call)
                 if is_root:
                     self._root_outputs.add(idx)
             if self.stop_at_first and self.level == "module":
@@ -612,7 +639,7 @@ class Trace:
         finally:
             self._busy = False
 
-    def _grad_output_hook(self, name: str, call: int, is_root: bool) -> Any:
+    def _grad_output_hook(self, name: str, call: int, is_root: bool, forward_idx: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             if self._state != "running" or not grad.is_floating_point():
                 return
@@ -620,7 +647,9 @@ class Trace:
             try:
                 # The gradient w.r.t. the root output is made by the loss's backward.
                 phase, module = (Phase.LOSS, None) if is_root else (Phase.BACKWARD, name)
-                idx = self._new(_Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (), None), grad)
+                # The edge from the forward output lets locate name the module whose backward made it.
+                raw = _Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (forward_idx,), None)
+                idx = self._new(raw, grad)
                 self._known[grad] = (idx, _version(grad))
                 if self.stop_at_first:
                     self._check_now((), {}, [])
