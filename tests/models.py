@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -391,15 +390,18 @@ class InplaceMaskAttention(nn.Module):
     """Builds an additive -inf mask *in place* (as ``F._canonical_mask`` does for
     ``nn.MultiheadAttention``) and hands it to a child module. No row is fully masked."""
 
-    def __init__(self, d: int = 8) -> None:
+    def __init__(self, d: int = 8, mask_view: bool = False) -> None:
         super().__init__()
         self.qk = nn.Linear(d, 2 * d)
         self.softmax = MaskedSoftmax()
+        self.mask_view = mask_view
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         q, k = self.qk(x).chunk(2, dim=-1)
         mask = torch.zeros(keep.shape, dtype=x.dtype)
         mask.masked_fill_(~keep, float("-inf"))
+        if self.mask_view:
+            mask = mask.unsqueeze(0)  # a view of the in-place-written mask
         w = self.softmax(q @ k.transpose(-2, -1), mask)
         return w @ x
 
@@ -411,3 +413,100 @@ class EmptyThenFill(nn.Module):
         buf = torch.empty(x.shape)
         buf.copy_(x)
         return buf * 2.0
+
+
+class SliceAssign(nn.Module):
+    """Writes one column from another: its backward allocates with new_empty_strided."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        h[:, 0] = h[:, 1] * 2.0
+        return h
+
+
+class PiecewiseFill(nn.Module):
+    """Fills ``torch.empty`` through two slices; every element is written before it is read."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], 2 * x.shape[1])
+        out[:, : x.shape[1]] = x
+        out[:, x.shape[1] :] = x * 2.0
+        return out
+
+
+class MHAModel(nn.Module):
+    """nn.MultiheadAttention with an additive float -inf mask built inside the model."""
+
+    def __init__(self, need_weights: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+        self.need_weights = need_weights
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(~keep, float("-inf"))
+        h = self.attn(x, x, x, attn_mask=mask, need_weights=self.need_weights)[0]
+        return self.head(h)
+
+
+class TinyLM(nn.Module):
+    """Embedding -> 2 causal TransformerEncoder layers -> head."""
+
+    def __init__(self, vocab: int = 11, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        h = self.enc(self.emb(ids), mask=causal, src_key_padding_mask=pad)
+        return self.head(h)
+
+
+class Mixed(nn.Module):
+    """Integer and empty tensors in and out, next to floating ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.emb = nn.Embedding(5, 4)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, empty: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.fc(x)[idx] + self.emb(idx) + empty.sum()
+        return y, idx * 2, empty * 3.0, torch.empty(0, 4)
+
+
+class Blocks(nn.Module):
+    """``inner`` run through torch.utils.checkpoint (non-reentrant), then a head."""
+
+    def __init__(self, inner: nn.Module, d_out: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(d_out, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.inner, x, use_reentrant=False))
+
+
+@dataclass
+class HFStyleOutput(dict):  # type: ignore[type-arg]
+    """Like transformers' ModelOutput: a dataclass that is also a mapping of its non-None fields."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("logits", "hidden_states"):
+            value = getattr(self, name)
+            if value is not None:
+                self[name] = value
+
+
+class HFStyle(DictOut):
+    def forward(self, x: torch.Tensor) -> HFStyleOutput:  # type: ignore[override]
+        h = self.body(x)
+        return HFStyleOutput(logits=self.act(h), hidden_states=(h,))
