@@ -8,6 +8,7 @@ non-finite (batch, weights, optimizer state).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ def origin_kind(r: Record, records: Sequence[Record]) -> str | None:
     if r.finite:
         return None
     if r.role in _ENTERING:
+        if not r.has_nan and r.max < math.inf:
+            return None  # only -inf: an intentional mask (a causal-mask buffer, an additive attention mask)
         return "nan" if r.has_nan else "inf"
     if r.role is not Role.OUTPUT:
         return None
@@ -167,10 +170,11 @@ def _consumer(records: Sequence[Record], produced: int) -> Record | None:
 def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:
     """No origin, yet the loss/gradients/output are non-finite: the value came from a
     non-finite Python scalar (``torch.full(..., nan)``); name the first op that used one."""
-    sinks_bad = any(
-        not r.finite and (r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.index in root_outputs)
-        for r in records
-    )
+    # The loss value (the last loss-phase record), the parameters' gradients and the update:
+    # not the model's output nor intermediate values, where -inf may sit on purpose.
+    loss_recs = [r for r in records if r.phase is Phase.LOSS]
+    sinks_bad = (bool(loss_recs) and not loss_recs[-1].finite) or any(
+        not r.finite and (r.role is Role.GRAD or r.phase is Phase.UPDATE) for r in records)
     if not sinks_bad:
         return None
     for r in records:

@@ -406,7 +406,8 @@ class Trace:
             links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
             raw = _Raw(phase, module, call, None, Role.REMEASURED, t, links, None)
         elif phase is Phase.BACKWARD:
-            raw = _Raw(phase, module, call, None, Role.REMEASURED, t, (), None)
+            # Never seen in this step: state from before it (a stale .grad being accumulated into).
+            raw = _Raw(phase, module, call, None, Role.STATE, t, (), None)
         elif phase is Phase.UPDATE:
             raw = _Raw(phase, None, 0, None, Role.STATE, t, (), None)
         else:

@@ -274,14 +274,7 @@ def test_nan_in_weight() -> None:
 @pytest.mark.parametrize(
     "level",
     [
-        pytest.param(
-            "op",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="nanhunt bug: a tensor first seen in backward (a stale .grad) is recorded 'remeasured', never an origin, so t.first is None",
-            ),
-        ),
+        "op",
         "module",
     ],
 )
