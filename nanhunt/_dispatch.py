@@ -17,6 +17,7 @@ __all__ = [
     "current_autograd_node",
     "peek_sequence_nr",
     "WeakIdKeyDictionary",
+    "set_dynamo_disabled",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -82,6 +83,18 @@ def op_info(func: Any) -> OpInfo:
     )
     _cache[func] = info
     return info
+
+
+def set_dynamo_disabled(disabled: bool) -> bool | None:
+    """Turn torch.compile off (compiled models then run eagerly); returns the previous setting,
+    or None when this torch has no dynamo."""
+    try:
+        import torch._dynamo.config as dynamo_config
+    except Exception:  # pragma: no cover - torch without dynamo
+        return None
+    previous = bool(dynamo_config.disable)
+    dynamo_config.disable = disabled
+    return previous
 
 
 class TraceMode(TorchDispatchMode):

@@ -216,7 +216,7 @@ class Trace:
                 "nanhunt: the model is torch.compile'd; tracing its eager original (compiled kernels can differ)",
                 stacklevel=3,
             )
-            self._disable_dynamo()
+            self._dynamo_prev = _dispatch.set_dynamo_disabled(True)
         if model is not None:
             self._install_module_hooks(model)
             self._record_weights(model)
@@ -224,15 +224,6 @@ class Trace:
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
             self._mode.__enter__()
-
-    def _disable_dynamo(self) -> None:
-        try:
-            import torch._dynamo.config as dynamo_config
-
-            self._dynamo_prev = bool(dynamo_config.disable)
-            dynamo_config.disable = True
-        except Exception:  # pragma: no cover - torch without dynamo
-            self._dynamo_prev = None
 
     def _teardown(self) -> None:
         """Remove everything installed. Safe to call twice; every step runs even if one fails."""
@@ -250,9 +241,7 @@ class Trace:
             except BaseException as e:  # pragma: no cover - defensive
                 errors.append(e)
         if self._dynamo_prev is not None:
-            import torch._dynamo.config as dynamo_config
-
-            dynamo_config.disable = self._dynamo_prev
+            _dispatch.set_dynamo_disabled(self._dynamo_prev)
             self._dynamo_prev = None
         self._stack.clear()
         self._mstack.clear()
