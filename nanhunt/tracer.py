@@ -249,30 +249,7 @@ class Trace:
             raise errors[0]
 
     def _finish(self) -> None:
-        values = self._pending.read()
-        raws = self._raw
-        records: list[Record] = []
-        for i, r in enumerate(raws):
-            src = r.alias_of if r.alias_of is not None else i
-            lo, hi = values.get(src, (math.nan, math.nan)) if src == i else (records[src].min, records[src].max)
-            records.append(
-                Record(
-                    index=i,
-                    phase=r.phase,
-                    module=r.module,
-                    call_index=r.call,
-                    op=r.op,
-                    role=r.role,
-                    dtype=r.dtype,
-                    shape=r.shape,
-                    min=lo,
-                    max=hi,
-                    inputs=r.inputs,
-                    source=_format_source(r.source),
-                    nonfinite_scalar=r.scalar,
-                    full=r.full,
-                )
-            )
+        records = self._build_records(self._pending.read(), [])
         self._records = records
         self._result = locate(
             records,
@@ -488,18 +465,29 @@ class Trace:
             self._check_now(args, kwargs, outs)
         return out
 
+    def _build_records(self, values: dict[int, tuple[float, float]], done: list[Record]) -> list[Record]:
+        """Records for every raw one; ``done`` (already built, still valid) is extended, not rebuilt."""
+        records = done
+        for i in range(len(done), len(self._raw)):
+            r = self._raw[i]
+            if r.alias_of is not None:
+                lo, hi = records[r.alias_of].min, records[r.alias_of].max
+            else:
+                lo, hi = values.get(i, (math.nan, math.nan))
+            records.append(
+                Record(
+                    index=i, phase=r.phase, module=r.module, call_index=r.call, op=r.op, role=r.role,
+                    dtype=r.dtype, shape=r.shape, min=lo, max=hi, inputs=r.inputs,
+                    source=_format_source(r.source), nonfinite_scalar=r.scalar, full=r.full,
+                )
+            )
+        return records
+
     def _check_now(self, args: Sequence[Any], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> None:
         """stop_at_first: read back what is pending and raise at the first origin."""
-        values = self._pending.read()
+        recs = self._build_records(self._pending.read(), self._records)
+        self._records = recs
         raws = self._raw
-        recs: list[Record] = []
-        for i, r in enumerate(raws):
-            src = r.alias_of if r.alias_of is not None else i
-            lo, hi = values.get(src, (math.nan, math.nan))
-            recs.append(
-                Record(i, r.phase, r.module, r.call, r.op, r.role, r.dtype, r.shape, lo, hi, r.inputs,
-                       _format_source(r.source), r.scalar, r.full)
-            )
         res = locate(recs, level=self.level, classes=self._classes, root_outputs=frozenset(),
                      spans=self._spans, allow=self.allow, start=self._checked, final=False)
         self._checked = len(raws)
@@ -507,10 +495,13 @@ class Trace:
             return
         occ = res.first
         if occ.op is not None and occ.output.index >= len(raws) - len(outs):
-            # The culprit op is this one: its tensors are alive, so give the full statistics.
+            # The culprit op is this one: its tensors are alive, so give the full statistics
+            # (not for inputs it wrote into: they no longer hold what the op read).
             ins = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            out_ids = {id(o) for o in outs}
             fulls_in = tuple(
-                dataclasses.replace(r, full=full_stats(t)) for r, t in zip(occ.inputs, ins)
+                r if id(t) in out_ids else dataclasses.replace(r, full=full_stats(t))
+                for r, t in zip(occ.inputs, ins)
             ) if len(ins) == len(occ.inputs) else occ.inputs
             out_t = next((o for o in outs if o.is_floating_point()), None)
             output = occ.output if out_t is None else dataclasses.replace(occ.output, full=full_stats(out_t))
