@@ -1,0 +1,56 @@
+"""The same faults on a GPU when there is one (CI has none: these are skipped there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _overflowing() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    with torch.no_grad():
+        m[2].weight.mul_(3e4)
+    return m.cuda()
+
+
+def test_float16_overflow_on_cuda() -> None:
+    m = _overflowing()
+    x, y = torch.randn(8, 16, device="cuda") * 10, torch.randn(8, 4, device="cuda")
+    scaler = torch.amp.GradScaler("cuda")
+    with nanhunt.trace(m) as t:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.mse_loss(m(x), y)
+        scaler.scale(loss).backward()
+    assert t.first is not None
+    assert (t.first.phase.value, t.first.module, t.first.kind) == ("forward", "2", "inf")
+    assert t.first.op in ("aten::addmm", "aten::mm", "aten::linear")
+
+
+def test_backward_on_cuda_is_attributed() -> None:
+    class Sqrt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x * 0)
+
+    m = nn.Sequential(nn.Linear(4, 4), Sqrt()).cuda()
+    with nanhunt.trace(m) as t:
+        m(torch.randn(2, 4, device="cuda")).sum().backward()
+    assert t.first is not None
+    assert (t.first.phase.value, t.first.module, t.first.op) == ("backward", "1", "aten::div")
+
+
+def test_replay_and_bisect_on_cuda() -> None:
+    m = _overflowing()
+    x, y = torch.randn(8, 16, device="cuda") * 10, torch.randn(8, 4, device="cuda")
+    rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, device_type="cuda", bisect=True)
+    assert rep.first is not None and rep.first.module == "2"
+    assert rep.verdict is not None and rep.verdict.kind == "precision" and rep.verdict.culprits == ("2",)
