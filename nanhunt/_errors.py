@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .guard import GuardEvent
     from .records import Occurrence
 
-__all__ = ["NanhuntError", "NonFiniteError", "TraceStateError", "CommandError"]
+__all__ = ["NanhuntError", "NonFiniteError", "GuardError", "TraceStateError", "CommandError"]
 
 
 class NanhuntError(Exception):
@@ -24,6 +25,19 @@ class NonFiniteError(NanhuntError, FloatingPointError):
     def __init__(self, occurrence: Occurrence) -> None:
         super().__init__(occurrence.describe())
         self.occurrence = occurrence
+
+
+class GuardError(NonFiniteError):
+    """Raised by :class:`nanhunt.Guard` (``on_fail="raise"``) at the first bad step of a training loop.
+
+    ``event`` (a :class:`nanhunt.guard.GuardEvent`) says what went wrong, at which step and rank, and where the
+    capture is. The guard does not trace ops, so ``occurrence`` is None: replay the capture to find the origin.
+    """
+
+    def __init__(self, event: GuardEvent) -> None:
+        NanhuntError.__init__(self, event.describe())
+        self.event = event
+        self.occurrence = None  # type: ignore[assignment]
 
 
 class CommandError(NanhuntError):

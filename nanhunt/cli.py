@@ -2,11 +2,14 @@
 
 Exit codes: 0 the step is finite, 1 a non-finite value was found, 2 usage or
 input error, 3 not reproducible.
+``compare``: 0 the acceptance rule held, 1 it was violated, 2 usage or input error.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shlex
 import sys
 import warnings
@@ -56,13 +59,15 @@ class ReplayCommand:
         mode.add_argument("--eval", dest="train", action="store_const", const=False, help="replay in eval mode")
         p.add_argument("--allow", action="append", default=[], metavar="NAME", help="module or op whose NaN/Inf is intentional")
         p.add_argument("--no-bisect", action="store_true", help="don't confirm the culprit by local float32 replays")
-        p.add_argument("--report", metavar="PATH", help="also write the report (.json)")
+        p.add_argument("--report", metavar="PATH", help="also write the report (.json, .md, .html + .png beside, .txt)")
+        p.add_argument("--bundle", metavar="DIR", help="write report.md/.json/.html/.png and a verified repro of the "
+                       "origin op (repro.py, repro_inputs.pt) into DIR")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
         from .capture import load_step
         from .replay import replay
-        from .report import renderer_for
+        from .report import renderer_for, write, write_bundle
         from .report.console import render
 
         render_file = renderer_for(args.report) if args.report else None  # fail before the long part
@@ -83,6 +88,13 @@ class ReplayCommand:
                     rng=step.rng, allow=args.allow, command=_command_line(), notes=step.notes,
                     bisect=not args.no_bisect, progress=progress.update,
                 )
+            if args.bundle:
+                from .repro import make_repro
+
+                rp = make_repro(step.model, (step.inputs, step.targets), report.first, args.bundle,
+                                loss_fn=step.loss_fn, dtype=step.dtype, device_type=step.device_type,
+                                scaler=step.scaler, optimizer=step.optimizer, rng=step.rng)
+                report = dataclasses.replace(report, repro=rp)
         except NanhuntError:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -90,7 +102,14 @@ class ReplayCommand:
             raise CommandError(f"replaying the step raised {type(e).__name__}: {msg} — does the batch fit the model?") from e
         _print(render(report))
         if args.report and render_file is not None:
-            _write(args.report, render_file(report))
+            write(report, args.report)
+        if args.bundle:
+            written = write_bundle(report, args.bundle)
+            if report.repro is not None:
+                written += [os.path.join(args.bundle, f) for f in report.repro.files]
+            rp = report.repro
+            state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
+            print(f"bundle: {', '.join(written)} ({state})", file=sys.stderr)
         return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
 
 
@@ -141,19 +160,118 @@ class InspectCommand:
         return EXIT_NONFINITE if found.nonfinite else EXIT_CLEAN
 
 
-COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand())
+class ReportCommand:
+    name = "report"
+    help = "render a saved JSON report again: Markdown, HTML (with its picture) or console text"
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("input", metavar="IN.json", help="a report written by nanhunt replay --report x.json or --bundle")
+        p.add_argument("--format", choices=("md", "html", "console", "json"),
+                       help="default: from the suffix of -o, else console")
+        p.add_argument("-o", "--output", metavar="PATH", help="write here instead of stdout (beside an .html: its .png)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .records import Report
+        from .report import FORMATS, render_for_format, write
+        from .report.console import render
+
+        try:
+            with open(args.input, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise CommandError(f"cannot read {args.input!r}: {e.strerror}") from e
+        try:
+            report = Report.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CommandError(f"{args.input!r} is not a nanhunt JSON report ({type(e).__name__}: {e})") from e
+        fmt = args.format
+        if fmt is None:
+            fmt = FORMATS.get(os.path.splitext(args.output)[1].lower(), "console") if args.output else "console"
+        if args.output:
+            write(report, args.output, fmt)
+        elif fmt == "console":
+            _print(render(report))
+        else:
+            sys.stdout.write(render_for_format(fmt)(report))
+        return EXIT_CLEAN
+
+
+class CompareCommand:
+    name = "compare"
+    help = ("run one step in float32 and under autocast; rank module calls by the error they introduce and "
+            "compare the decisions")
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("checkpoint", help="checkpoint.pt: a nanhunt capture, a state_dict, {'model': ...} or Lightning's")
+        p.add_argument("batch", help="batch.pt: a nanhunt capture, a tensor, (inputs, targets) or a dict")
+        p.add_argument("--model", metavar="PKG.MOD:FACTORY", help="how to build the model (required for plain state_dicts)")
+        p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
+        p.add_argument("--dtype", choices=("float16", "bfloat16"), help="autocast dtype (default: the capture's, else float16)")
+        p.add_argument("--rtol", type=float, help="relative tolerance (default: float16 1e-3, bfloat16 1e-2)")
+        p.add_argument("--atol", type=float, help="absolute tolerance (default 1e-5)")
+        p.add_argument("--task", choices=("classify", "regress", "none"), default="none",
+                       help="classify: top-1 class per sample, flips and near-boundary samples; regress: error per "
+                            "sample and extremes")
+        p.add_argument("--max-flips", type=int, default=0, metavar="N", help="decision flips allowed (default 0)")
+        p.add_argument("--fail-on-tolerance", action="store_true",
+                       help="also fail when the output or the loss is out of tolerance (default: tolerances only rank)")
+        p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default cpu)")
+        mode = p.add_mutually_exclusive_group()
+        mode.add_argument("--train", dest="train", action="store_const", const=True, help="run in train mode")
+        mode.add_argument("--eval", dest="train", action="store_const", const=False, help="run in eval mode")
+        p.add_argument("--report", metavar="PATH", help="also write the report (.json holds everything, .txt)")
+        p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from .capture import load_step
+        from .compare import compare
+        from .report import renderer_for, write
+        from .report.console import render_comparison
+
+        if args.report:
+            renderer_for(args.report)  # fail on a bad suffix before the long part
+            if not args.report.lower().endswith((".json", ".txt")):
+                # The Markdown and HTML renderers don't draw comparisons yet: better no file than a misleading one.
+                raise CommandError("nanhunt compare writes .json or .txt reports (Markdown/HTML: render the JSON later)")
+        if args.rtol is not None and not args.rtol >= 0 or args.atol is not None and not args.atol >= 0:
+            raise CommandError("--rtol and --atol must be >= 0")
+        if args.max_flips < 0:
+            raise CommandError("--max-flips must be >= 0")
+        if args.trust_pickle:
+            print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
+                  file=sys.stderr)
+        step = load_step(
+            args.checkpoint, args.batch, model_factory=args.model, loss=args.loss, device=args.device,
+            dtype=args.dtype, train=args.train, trust_pickle=args.trust_pickle,
+        )
+        for n in step.notes:
+            print(f"warning: {n}", file=sys.stderr)
+        # A capture taken in float32 has no autocast dtype to compare: float16 then.
+        dtype = args.dtype or ("float16" if str(step.dtype) == "torch.float32" else str(step.dtype))
+        try:
+            report = compare(
+                step.model, (step.inputs, step.targets), loss_fn=step.loss_fn, dtype=dtype,
+                device_type=step.device_type, rtol=args.rtol, atol=args.atol, task=args.task,
+                max_flips=args.max_flips, fail_on_tolerance=args.fail_on_tolerance, scaler=step.scaler,
+                rng=step.rng, command=_command_line(), notes=step.notes,
+            )
+        except NanhuntError:
+            raise
+        except Exception as e:  # the user's model failed on this batch: an input problem, not ours
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CommandError(f"running the step raised {type(e).__name__}: {msg} — does the batch fit the model?") from e
+        _print(render_comparison(report))
+        if args.report:
+            write(report, args.report)
+        assert report.comparison is not None
+        return EXIT_CLEAN if report.comparison.accepted else EXIT_NONFINITE
+
+
+COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand())
 
 
 def _command_line() -> str:
     return "nanhunt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        raise CommandError(f"cannot write {path!r}: {e.strerror}") from e
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,9 +11,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "PHASE_ORDER"]
+__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
+           "TensorDiff", "Decision", "Regression", "Comparison"]
 
-SCHEMA_VERSION = 1
+# Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
+# ``Report.from_dict`` reads every older version: a missing key takes its default.
+SCHEMA_VERSION = 2
 
 
 class Phase(str, enum.Enum):
@@ -269,6 +272,20 @@ class Report:
 
     ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
     ``"not-reproducible"`` (two replays of the same step disagreed).
+
+    JSON layout (``to_json``; key names are stable, numbers stay numbers, and
+    NaN/Inf are the strings ``"nan"``/``"inf"``/``"-inf"`` so files are strict
+    JSON): ``schema_version``, ``status``, ``first`` (an occurrence or null),
+    ``origins``, ``path`` (records), ``runs``, ``loss``, ``config`` (dtype,
+    device_type, level, train, loss_fn, optimizer, scaler_scale,
+    scaler_growth_tracker, grads_finite, scaler_would_skip), ``modules``
+    (module -> "finite" / "nan in backward" ...), ``module_classes``,
+    ``environment``, ``command``, ``notes``, ``n_records``, ``verdict``,
+    ``timeline`` (``[index, phase, max |x| or "nan", "finite"|"nan"|"inf"]``
+    per record) and, from version 2, ``repro``. An occurrence holds ``phase``,
+    ``module``, ``module_class``, ``call_index``, ``op``, ``kind``, ``source``,
+    ``output`` and ``inputs`` (records), ``reached``, ``allowed``, ``path``; a
+    record the fields of :class:`Record`.
     """
 
     status: str
@@ -287,7 +304,11 @@ class Report:
     verdict: Verdict | None = None
     # One point per record, in execution order: (index, phase, largest finite |x| or NaN, "finite"/"nan"/"inf").
     timeline: tuple[tuple[int, str, float, str], ...] = ()
+    repro: Repro | None = None  # the origin op alone, as a standalone script (``nanhunt.repro``)
     schema_version: int = SCHEMA_VERSION
+    # ``nanhunt compare``: float32 reference vs autocast. Written under "comparison" only when present, so the
+    # JSON of a replay is unchanged; read back with ``.get`` (absent in older files).
+    comparison: Comparison | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -307,7 +328,8 @@ class Report:
             "n_records": self.n_records,
             "verdict": None if self.verdict is None else self.verdict.to_dict(),
             "timeline": [[i, ph, _json_float(m), k] for i, ph, m, k in self.timeline],
-        }
+            "repro": None if self.repro is None else self.repro.to_dict(),
+        } | ({} if self.comparison is None else {"comparison": self.comparison.to_dict()})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
@@ -331,7 +353,10 @@ class Report:
             n_records=int(d.get("n_records", 0)),
             verdict=None if d.get("verdict") is None else Verdict.from_dict(d["verdict"]),
             timeline=tuple((int(i), str(ph), _from_json_float(m), str(k)) for i, ph, m, k in d.get("timeline", ())),
-            schema_version=int(d.get("schema_version", 1)),
+            repro=None if d.get("repro") is None else Repro.from_dict(d["repro"]),
+            comparison=None if d.get("comparison") is None else Comparison.from_dict(d["comparison"]),
+            # Read in any older layout, held in the current one: written back, it is a current file.
+            schema_version=SCHEMA_VERSION,
         )
 
     def to_json(self) -> str:
@@ -419,4 +444,353 @@ class Verdict:
             float32_first=None if f is None else Occurrence.from_dict(f),
             interrupted=bool(d.get("interrupted", False)),
             candidates=int(d.get("candidates", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Repro:
+    """The origin op alone: its saved inputs and a standalone ``repro.py`` (needs only torch).
+
+    ``call`` is the op call as the script writes it; ``inputs`` the ``(dtype,
+    shape)`` of each saved tensor. ``sliced`` says the inputs were narrowed to
+    fit the size cap (``original_shapes`` were the shapes as the op ran).
+    ``verified`` is True only when a fresh Python process ran the script and its
+    output was non-finite of the same kind; ``result`` is what that run printed.
+    """
+
+    op: str
+    overload: str = "default"
+    device_type: str = "cpu"
+    autocast_dtype: str | None = None  # None: the op ran with autocast off
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    call: str = ""
+    nbytes: int = 0
+    sliced: bool = False
+    original_shapes: tuple[tuple[int, ...], ...] = ()
+    files: tuple[str, ...] = ()
+    verified: bool = False
+    result: str = ""
+    command: str = "python repro.py"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "overload": self.overload,
+            "device_type": self.device_type,
+            "autocast_dtype": self.autocast_dtype,
+            "inputs": [[dt, list(shape)] for dt, shape in self.inputs],
+            "call": self.call,
+            "nbytes": self.nbytes,
+            "sliced": self.sliced,
+            "original_shapes": [list(s) for s in self.original_shapes],
+            "files": list(self.files),
+            "verified": self.verified,
+            "result": self.result,
+            "command": self.command,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Repro:
+        return cls(
+            op=str(d.get("op", "")),
+            overload=str(d.get("overload", "default")),
+            device_type=str(d.get("device_type", "cpu")),
+            autocast_dtype=d.get("autocast_dtype"),
+            inputs=tuple((str(dt), tuple(int(x) for x in shape)) for dt, shape in d.get("inputs", ())),
+            call=str(d.get("call", "")),
+            nbytes=int(d.get("nbytes", 0)),
+            sliced=bool(d.get("sliced", False)),
+            original_shapes=tuple(tuple(int(x) for x in s) for s in d.get("original_shapes", ())),
+            files=tuple(str(f) for f in d.get("files", ())),
+            verified=bool(d.get("verified", False)),
+            result=str(d.get("result", "")),
+            command=str(d.get("command", "python repro.py")),
+        )
+
+
+def _opt_json_float(x: float | None) -> float | str | None:
+    return None if x is None else _json_float(x)
+
+
+def _opt_from_json_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One value of the step in the autocast run against the same value in the float32 reference.
+
+    ``kind`` is ``"module"`` (the outputs of one module call, matched by ``name`` and
+    ``call_index``), ``"output"`` (the model's return value), ``"loss"`` or ``"grad"``
+    (a parameter's gradient). Errors: ``max_abs`` = max |amp - ref|; ``max_rel`` = max
+    |amp - ref| / |ref| over the elements with |ref| > atol; ``scaled`` = max_abs /
+    max(max |ref|, atol), the error as a fraction of the tensor's own magnitude (what the
+    ranking compares); ``out_of_tol`` the fraction of elements with |amp - ref| > atol +
+    rtol * |ref|. A non-finite value where the other run has a different one counts as an
+    infinite error. ``headroom`` = the autocast dtype's max / the largest finite magnitude
+    in either run (inf when all zero; None when the autocast value is non-finite).
+    ``underflow`` counts elements non-zero in float32 that are zero in the autocast run.
+    For module calls, ``input_scaled`` is the largest ``scaled`` error among the call's
+    floating inputs and ``introduced`` the error the call adds beyond its inputs and beyond
+    what its own sub-module calls already introduced (see :mod:`nanhunt.compare`).
+    """
+
+    name: str
+    kind: str
+    call_index: int = 0
+    module_class: str | None = None
+    dtype: str = ""  # the dtype of the value in the autocast run (the first tensor's, for several outputs)
+    shape: tuple[int, ...] = ()
+    numel: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    scaled: float = 0.0
+    out_of_tol: float = 0.0
+    headroom: float | None = None
+    underflow: int = 0
+    ref_nonfinite: int = 0
+    amp_nonfinite: int = 0
+    ref_absmax: float = 0.0
+    input_scaled: float | None = None
+    introduced: float | None = None
+    depth: int = 0  # nesting depth of the call (0: the model itself)
+
+    def label(self) -> str:
+        if self.kind == "module":
+            return f"{self.name or '<root>'}#{self.call_index}"
+        if self.kind == "grad":
+            return f"{self.name}.grad"
+        return f"<{self.kind}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        for k in ("max_abs", "max_rel", "scaled", "out_of_tol", "ref_absmax"):
+            d[k] = _json_float(getattr(self, k))
+        for k in ("headroom", "input_scaled", "introduced"):
+            d[k] = _opt_json_float(getattr(self, k))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorDiff:
+        return cls(
+            name=str(d.get("name", "")),
+            kind=str(d.get("kind", "module")),
+            call_index=int(d.get("call_index", 0)),
+            module_class=d.get("module_class"),
+            dtype=str(d.get("dtype", "")),
+            shape=tuple(int(s) for s in d.get("shape", ())),
+            numel=int(d.get("numel", 0)),
+            max_abs=float(d.get("max_abs", 0.0)),
+            max_rel=float(d.get("max_rel", 0.0)),
+            scaled=float(d.get("scaled", 0.0)),
+            out_of_tol=float(d.get("out_of_tol", 0.0)),
+            headroom=_opt_from_json_float(d.get("headroom")),
+            underflow=int(d.get("underflow", 0)),
+            ref_nonfinite=int(d.get("ref_nonfinite", 0)),
+            amp_nonfinite=int(d.get("amp_nonfinite", 0)),
+            ref_absmax=float(d.get("ref_absmax", 0.0)),
+            input_scaled=_opt_from_json_float(d.get("input_scaled")),
+            introduced=_opt_from_json_float(d.get("introduced")),
+            depth=int(d.get("depth", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The top-1 class of one sample in both runs. ``-1``: no decision (the scores hold a NaN).
+
+    Margins are top-1 minus top-2 score in each run (inf with one class)."""
+
+    index: int
+    ref_class: int
+    amp_class: int
+    ref_runner_up: int
+    ref_margin: float
+    amp_margin: float
+    ref_score: float
+    amp_score: float
+    flipped: bool
+    near_boundary: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("ref_margin", "amp_margin", "ref_score", "amp_score"):
+            d[k] = _json_float(getattr(self, k))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        return cls(
+            index=int(d["index"]),
+            ref_class=int(d.get("ref_class", -1)),
+            amp_class=int(d.get("amp_class", -1)),
+            ref_runner_up=int(d.get("ref_runner_up", -1)),
+            ref_margin=_from_json_float(d.get("ref_margin")),
+            amp_margin=_from_json_float(d.get("amp_margin")),
+            ref_score=_from_json_float(d.get("ref_score")),
+            amp_score=_from_json_float(d.get("amp_score")),
+            flipped=bool(d.get("flipped", False)),
+            near_boundary=bool(d.get("near_boundary", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Regression:
+    """``--task regress``: the output's error per sample and its extreme values in both runs."""
+
+    ref_min: float
+    ref_max: float
+    amp_min: float
+    amp_max: float
+    worst: tuple[tuple[int, float], ...] = ()  # (sample, max |amp - ref| in it), largest first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ref_min": _json_float(self.ref_min),
+            "ref_max": _json_float(self.ref_max),
+            "amp_min": _json_float(self.amp_min),
+            "amp_max": _json_float(self.amp_max),
+            "worst": [[i, _json_float(e)] for i, e in self.worst],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Regression:
+        return cls(
+            ref_min=_from_json_float(d.get("ref_min")),
+            ref_max=_from_json_float(d.get("ref_max")),
+            amp_min=_from_json_float(d.get("amp_min")),
+            amp_max=_from_json_float(d.get("amp_max")),
+            worst=tuple((int(i), _from_json_float(e)) for i, e in d.get("worst", ())),
+        )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What ``nanhunt compare`` found: the acceptance rule, fixed before the run, and the result.
+
+    The rule: the float32 reference is finite, the autocast run is finite, at most
+    ``max_flips`` decisions change and, with ``fail_on_tolerance``, no element of the
+    model's output or of the loss is out of tolerance (|amp - ref| > atol + rtol * |ref|).
+    Otherwise the tolerances only rank modules and pick the near-boundary samples.
+    ``accepted`` is whether the rule held; ``violations`` says why not, one line each.
+
+    JSON (under the report's ``"comparison"`` key): the fields below; ``flipped`` and
+    ``near_boundary`` are lists of sample indices; ``modules`` lists module calls in the
+    order they started and ``ranking`` indexes into it, most introduced error first.
+    ``reference_first_nonfinite`` / ``amp_first_nonfinite`` name where a run first went
+    non-finite (``"module fc#0 (forward)"``, ``"loss"``, ``"gradient of fc.weight"``...).
+    With a non-finite reference the autocast run is not made: nothing is compared and the
+    comparison lists stay empty.
+    """
+
+    dtype: str
+    device_type: str
+    rtol: float
+    atol: float
+    task: str = "none"
+    max_flips: int = 0
+    fail_on_tolerance: bool = False
+    tie_rule: str = ""
+    accepted: bool = True
+    violations: tuple[str, ...] = ()
+    reference_finite: bool = True
+    reference_first_nonfinite: str | None = None
+    amp_finite: bool | None = None  # None: not run (the reference was non-finite)
+    amp_first_nonfinite: str | None = None
+    ref_loss: float | None = None
+    amp_loss: float | None = None
+    modules: tuple[TensorDiff, ...] = ()
+    ranking: tuple[int, ...] = ()
+    output: TensorDiff | None = None
+    loss: TensorDiff | None = None
+    grads: tuple[TensorDiff, ...] = ()
+    n_samples: int = 0
+    flipped: tuple[int, ...] = ()
+    near_boundary: tuple[int, ...] = ()
+    decisions: tuple[Decision, ...] = ()  # the flipped and near-boundary samples, by index
+    regression: Regression | None = None
+    unmatched: tuple[str, ...] = ()  # module calls or gradients present in one run only
+
+    def rule_text(self) -> str:
+        """The acceptance rule in one sentence, printed with every result."""
+        parts = ["float32 reference finite", f"autocast {self.dtype} run finite"]
+        if self.task == "classify":
+            parts.append(f"at most {self.max_flips} decision flip{'s' if self.max_flips != 1 else ''}")
+        tol = f"rtol={self.rtol:g} atol={self.atol:g}"
+        if self.fail_on_tolerance:
+            parts.append(f"output and loss within {tol}")
+            tail = ""
+        else:
+            tail = f"; tolerance {tol} ranks modules and marks near-boundary samples, does not fail"
+        if self.task == "classify" and self.tie_rule:
+            tail += f"; ties: {self.tie_rule}"
+        return ", ".join(parts) + tail
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "device_type": self.device_type,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "task": self.task,
+            "max_flips": self.max_flips,
+            "fail_on_tolerance": self.fail_on_tolerance,
+            "tie_rule": self.tie_rule,
+            "rule": self.rule_text(),
+            "accepted": self.accepted,
+            "violations": list(self.violations),
+            "reference_finite": self.reference_finite,
+            "reference_first_nonfinite": self.reference_first_nonfinite,
+            "amp_finite": self.amp_finite,
+            "amp_first_nonfinite": self.amp_first_nonfinite,
+            "ref_loss": _opt_json_float(self.ref_loss),
+            "amp_loss": _opt_json_float(self.amp_loss),
+            "modules": [m.to_dict() for m in self.modules],
+            "ranking": list(self.ranking),
+            "output": None if self.output is None else self.output.to_dict(),
+            "loss": None if self.loss is None else self.loss.to_dict(),
+            "grads": [g.to_dict() for g in self.grads],
+            "n_samples": self.n_samples,
+            "flipped": list(self.flipped),
+            "near_boundary": list(self.near_boundary),
+            "decisions": [x.to_dict() for x in self.decisions],
+            "regression": None if self.regression is None else self.regression.to_dict(),
+            "unmatched": list(self.unmatched),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Comparison:
+        def diff(x: Any) -> TensorDiff | None:
+            return None if x is None else TensorDiff.from_dict(x)
+
+        amp_finite = d.get("amp_finite")
+        return cls(
+            dtype=str(d.get("dtype", "float16")),
+            device_type=str(d.get("device_type", "cpu")),
+            rtol=float(d.get("rtol", 0.0)),
+            atol=float(d.get("atol", 0.0)),
+            task=str(d.get("task", "none")),
+            max_flips=int(d.get("max_flips", 0)),
+            fail_on_tolerance=bool(d.get("fail_on_tolerance", False)),
+            tie_rule=str(d.get("tie_rule", "")),
+            accepted=bool(d.get("accepted", True)),
+            violations=tuple(str(v) for v in d.get("violations", ())),
+            reference_finite=bool(d.get("reference_finite", True)),
+            reference_first_nonfinite=d.get("reference_first_nonfinite"),
+            amp_finite=None if amp_finite is None else bool(amp_finite),
+            amp_first_nonfinite=d.get("amp_first_nonfinite"),
+            ref_loss=_opt_from_json_float(d.get("ref_loss")),
+            amp_loss=_opt_from_json_float(d.get("amp_loss")),
+            modules=tuple(TensorDiff.from_dict(m) for m in d.get("modules", ())),
+            ranking=tuple(int(i) for i in d.get("ranking", ())),
+            output=diff(d.get("output")),
+            loss=diff(d.get("loss")),
+            grads=tuple(TensorDiff.from_dict(g) for g in d.get("grads", ())),
+            n_samples=int(d.get("n_samples", 0)),
+            flipped=tuple(int(i) for i in d.get("flipped", ())),
+            near_boundary=tuple(int(i) for i in d.get("near_boundary", ())),
+            decisions=tuple(Decision.from_dict(x) for x in d.get("decisions", ())),
+            regression=None if d.get("regression") is None else Regression.from_dict(d["regression"]),
+            unmatched=tuple(str(u) for u in d.get("unmatched", ())),
         )

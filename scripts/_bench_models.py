@@ -142,12 +142,13 @@ class Workload:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        self.scaler = torch.amp.GradScaler(self.device)
+        self.device_type = torch.device(self.device).type  # autocast and GradScaler take "cuda", not "cuda:0"
+        self.scaler = torch.amp.GradScaler(self.device_type)
 
     def step(self) -> torch.Tensor:
         """One training step; returns the (detached) loss."""
         self.model.zero_grad(set_to_none=True)
-        with torch.autocast(self.device, dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype):
             out = self.model(self.x)
             loss = self.loss_fn(out, self.y)
         self.scaler.scale(loss).backward()

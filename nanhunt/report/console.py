@@ -11,9 +11,9 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..records import Inspection, Occurrence, Record, Report
+from ..records import Comparison, Inspection, Occurrence, Record, Report, TensorDiff
 
-__all__ = ["render", "render_text", "render_inspection", "summary_line"]
+__all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
 
 _FP16_MAX = 65504.0
 _LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
@@ -127,6 +127,8 @@ def _verdict(report: Report) -> RenderableType:
 
 
 def render(report: Report) -> RenderableType:
+    if report.comparison is not None:  # nanhunt compare
+        return render_comparison(report)
     parts: list[RenderableType] = []
     colour = "green" if report.status == "clean" else "red"
     parts.append(Text(summary_line(report), style=f"bold {colour}"))
@@ -194,4 +196,129 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
             parts.append(Text(f"... and {len(found.flagged) - limit} more"))
     if found.scaler:
         parts.append(Text("GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())))
+    return Group(*parts)
+
+
+# ------------------------------------------------------------------ nanhunt compare
+
+
+def _pct(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    return "0" if x == 0 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
+
+
+def _headroom_of(d: TensorDiff) -> str:
+    if d.headroom is None:
+        return "overflowed"
+    return "inf" if math.isinf(d.headroom) else f"{d.headroom:.3g}x"
+
+
+def compare_summary(report: Report) -> str:
+    c = report.comparison
+    assert c is not None
+    if not c.reference_finite:
+        return f"REFERENCE NON-FINITE: the float32 reference is non-finite, first at {c.reference_first_nonfinite}"
+    verb = "ACCEPTED" if c.accepted else "REJECTED"
+    n = len(c.violations)
+    tail = "" if c.accepted else f" ({n} violation{'s' if n != 1 else ''})"
+    return f"{verb}: autocast {c.dtype} against the float32 reference{tail}"
+
+
+def _ranking_table(c: Comparison, limit: int) -> Table:
+    t = Table(title="where the error is introduced: err = max |amp - ref| / max |ref| of a value; introduced = "
+                    "output err - input err - what the call's sub-calls introduced", title_justify="left")
+    for col in ("#", "module call", "introduced", "output err", "input err", "max abs", "max rel", "out of tol",
+                "headroom", "underflow"):
+        t.add_column(col, justify="left" if col == "module call" else "right")
+    for rank, i in enumerate(c.ranking[:limit], 1):
+        d = c.modules[i]
+        name = escape(d.label()) + (f" ({escape(d.module_class)})" if d.module_class else "")
+        t.add_row(str(rank), name, _num(d.introduced), _num(d.scaled), _num(d.input_scaled), _num(d.max_abs),
+                  _num(d.max_rel), _pct(d.out_of_tol), _headroom_of(d), str(d.underflow))
+    return t
+
+
+def _decisions_table(c: Comparison) -> Table:
+    t = Table()
+    for col in ("sample", "float32 class (runner-up)", "float32 margin", f"{c.dtype} class", f"{c.dtype} margin", ""):
+        t.add_column(col, justify="left" if col in ("sample", "") else "right")
+    for d in c.decisions:
+        what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
+        t.add_row(str(d.index), f"{d.ref_class} ({d.ref_runner_up})", _num(d.ref_margin), str(d.amp_class),
+                  _num(d.amp_margin), what, style="bold red" if d.flipped else "yellow")
+    return t
+
+
+def _diff_line(what: str, d: TensorDiff) -> Text:
+    return Text(f"{what}: max abs error {_num(d.max_abs)}, max rel error {_num(d.max_rel)}, out of tolerance "
+                f"{_pct(d.out_of_tol)}, headroom {_headroom_of(d)}, underflow {d.underflow}")
+
+
+def _indices(xs: tuple[int, ...], limit: int = 20) -> str:
+    head = ", ".join(map(str, xs[:limit]))
+    return head + (f", ... ({len(xs) - limit} more)" if len(xs) > limit else "")
+
+
+def render_comparison(report: Report, limit: int = 10) -> RenderableType:
+    """``nanhunt compare``: the verdict and the rule first, then the introduced-error ranking, the decisions,
+    the output, the loss and the gradients."""
+    c = report.comparison
+    assert c is not None, "not a comparison report"
+    parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if c.accepted else "red"))]
+    parts.append(Text("rule (fixed before the run): " + c.rule_text(), style="bold"))
+    for v in c.violations:
+        parts.append(Text("violation: " + v, style="red"))
+    if not c.reference_finite:
+        parts.append(Text("nothing was compared: a non-finite float32 run is no reference for precision", style="red"))
+    else:
+        runs = Text(f"runs: float32 reference finite, loss {_num(c.ref_loss)} · autocast {c.dtype} ")
+        runs.append("finite" if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})",
+                    style="green" if c.amp_finite else "bold red")
+        runs.append(f", loss {_num(c.amp_loss)}")
+        parts.append(runs)
+    if c.modules:
+        if c.ranking:
+            parts.append(_ranking_table(c, limit))
+            if len(c.ranking) > limit:
+                parts.append(Text(f"... and {len(c.ranking) - limit} more module calls introduce some error"))
+        else:
+            parts.append(Text("no module call introduces error"))
+        # On a tie the deepest call: a container's output is its last child's.
+        largest = max(range(len(c.modules)), key=lambda i: (c.modules[i].max_abs, c.modules[i].depth, -i))
+        if c.ranking and largest != c.ranking[0] and c.modules[largest].max_abs > 0:
+            d = c.modules[largest]
+            parts.append(Text(f"largest absolute error: {d.label()} ({_num(d.max_abs)}), which introduces "
+                              f"{_num(d.introduced)} of it: it carries error made upstream"))
+    if c.task == "classify":
+        head = (f"decisions: {c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
+                + (f" ({_indices(c.flipped)})" if c.flipped else "")
+                + f", {len(c.near_boundary)} near the boundary"
+                + (f" ({_indices(c.near_boundary)})" if c.near_boundary else ""))
+        parts.append(Text(head, style="bold red" if c.flipped else "bold"))
+        if c.decisions:
+            parts.append(_decisions_table(c))
+    if c.output is not None:
+        parts.append(_diff_line("model output", c.output))
+    g = c.regression
+    if g is not None:
+        parts.append(Text(f"extremes: float32 [{_num(g.ref_min)}, {_num(g.ref_max)}], {c.dtype} "
+                          f"[{_num(g.amp_min)}, {_num(g.amp_max)}]"))
+        if g.worst:
+            parts.append(Text("largest error per sample: " + ", ".join(f"{i} ({_num(e)})" for i, e in g.worst)))
+    if c.loss is not None:
+        parts.append(_diff_line("loss", c.loss))
+    if c.grads:
+        worst = sorted(c.grads, key=lambda d: -d.scaled)[:5]
+        under = sum(d.underflow for d in c.grads)
+        line = Text(f"gradients: {len(c.grads)} tensors, {under} elements underflowed to zero; largest errors: ")
+        line.append("; ".join(f"{d.name} (max abs {_num(d.max_abs)} = {_num(d.scaled)} x max |ref|)" for d in worst))
+        parts.append(line)
+    if c.unmatched:
+        parts.append(Text("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))
+    cfg = report.config
+    if cfg:
+        parts.append(Text("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), style="dim"))
+    for n in report.notes:
+        parts.append(Text(f"note: {n}", style="yellow"))
     return Group(*parts)

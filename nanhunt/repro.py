@@ -1,0 +1,583 @@
+"""A verified minimal repro: the origin op alone, on its saved inputs, in a script that needs only torch.
+
+:func:`capture_origin_call` replays the step once more and catches the origin op's
+call with a dispatch mode of its own: the call of ``occurrence.op`` in the same
+phase and module call whose inputs hold no NaN (a NaN origin) or are all finite
+(an Inf origin) and whose output of the recorded dtype and shape went non-finite.
+Its arguments are cloned *before* the op runs (an in-place op overwrites them),
+exactly as the kernel received them, that is after autocast cast them.
+
+:func:`write_repro` saves them (narrowed to the smallest slice that still
+reproduces when they exceed the size cap) with a standalone ``repro.py``;
+:func:`verify_repro` runs that script in a fresh Python process, and only a run
+that prints the same kind of non-finite value marks the repro verified.
+:func:`make_repro` does all three.
+
+Example::
+
+    report = nanhunt.replay(model, (x, y), loss_fn=loss_fn, dtype=torch.float16)
+    rp = make_repro(model, (x, y), report.first, "bundle/", loss_fn=loss_fn, dtype=torch.float16)
+    report = dataclasses.replace(report, repro=rp)   # rp.verified: a fresh process reproduced it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _dispatch
+from ._errors import CommandError
+from .capture import split_batch
+from .records import Occurrence, Phase, Repro
+from .replay import StepState, run_step
+
+__all__ = ["OriginCall", "capture_origin_call", "write_repro", "verify_repro", "make_repro", "DEFAULT_CAP",
+           "SCRIPT", "INPUTS"]
+
+DEFAULT_CAP = 16 * 2**20  # bytes of saved inputs: small enough to attach to a ticket
+SCRIPT = "repro.py"
+INPUTS = "repro_inputs.pt"
+_MARK = "nanhunt-repro:"
+_MAX_TRIALS = 2000
+
+
+@dataclass
+class OriginCall:
+    """One call of an aten op, with its arguments as the kernel received them (cloned)."""
+
+    func: Any  # the OpOverload, e.g. torch.ops.aten.addmm.default
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    phase: Phase
+    device_type: str
+    autocast_dtype: torch.dtype | None  # the step's autocast dtype in forward/loss; None: autocast off
+    ordinal: int = 0  # how many earlier calls of this op the same phase and module made
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def op(self) -> str:
+        return str(self.func._schema.name)
+
+    @property
+    def overload(self) -> str:
+        return str(self.func._overloadname)
+
+    def run(self, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        """Run the op on fresh clones of the arguments; the floating outputs (written arguments included)."""
+        a, k = _clone((self.args if args is None else args, self.kwargs if kwargs is None else kwargs))
+        with torch.no_grad(), torch.autocast(self.device_type, dtype=self.autocast_dtype or torch.float32,
+                                             enabled=self.autocast_dtype is not None):
+            out = self.func(*a, **k)
+        return _outputs(self.func, out, a, k)
+
+
+# ------------------------------------------------------------------ catching the call
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, tuple):
+        return tuple(_clone(o) for o in obj)
+    if isinstance(obj, list):
+        return [_clone(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def _leaves(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _leaves(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _leaves(o)
+
+
+def _scalars(obj: Any) -> Iterator[float]:
+    if isinstance(obj, float):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _scalars(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _scalars(o)
+
+
+def _outputs(func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    info = _dispatch.op_info(func)
+    outs = list(_leaves(out))
+    for i in info.written_args:
+        if i < len(args):
+            outs += list(_leaves(args[i]))
+    for k in info.written_kwargs:
+        outs += list(_leaves(kwargs.get(k)))
+    seen: set[int] = set()
+    return [o for o in outs if o.is_floating_point() and not (id(o) in seen or seen.add(id(o)))]  # type: ignore[func-returns-value]
+
+
+def _inputs_clean(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The origin rule on the inputs: no NaN anywhere (NaN origin), everything finite (Inf origin)."""
+    floats = [t for t in _leaves((args, kwargs)) if t.is_floating_point()]
+    scalars = list(_scalars((args, kwargs)))
+    if kind == "nan":
+        return not any(math.isnan(s) for s in scalars) and not any(bool(t.isnan().any()) for t in floats)
+    return all(math.isfinite(s) for s in scalars) and all(bool(t.isfinite().all()) for t in floats)
+
+
+def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: tuple[int, ...] | None = None) -> bool:
+    """An output (of the recorded dtype and shape, when given) holds the kind of non-finite value."""
+    for o in outs:
+        if dtype is not None and str(o.dtype).replace("torch.", "") != dtype:
+            continue
+        if shape is not None and tuple(o.shape) != shape:
+            continue
+        if bool(o.isnan().any()) if kind == "nan" else bool(o.isinf().any()):
+            return True
+    return False
+
+
+class _Catch(_dispatch.TorchDispatchMode):
+    """Catches the first call that matches the occurrence; every other op runs untouched."""
+
+    def __init__(self, occ: Occurrence, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.occ = occ
+        self.device_type = device_type
+        self.dtype = dtype
+        self.stack: list[tuple[str, int]] = []
+        self.calls: dict[str, int] = {}
+        self.forward_seen = False
+        self.backward_seen = False
+        self.ordinal = 0
+        self.found: OriginCall | None = None
+
+    def _phase(self) -> Phase:
+        if _dispatch.current_autograd_node() is not None:
+            self.backward_seen = True
+            return Phase.BACKWARD
+        if self.stack:
+            return Phase.FORWARD
+        if self.backward_seen:
+            return Phase.UPDATE
+        return Phase.LOSS if self.forward_seen else Phase.FORWARD
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.found is not None:
+            return func(*args, **kwargs)
+        phase = self._phase()
+        occ = self.occ
+        if func._schema.name != occ.op or not self._matches(phase):
+            return func(*args, **kwargs)
+        if not _inputs_clean(occ.kind, args, kwargs):
+            self.ordinal += 1
+            return func(*args, **kwargs)
+        saved = _clone((args, kwargs))
+        out = func(*args, **kwargs)
+        if _went(occ.kind, _outputs(func, out, args, kwargs), occ.output.dtype, tuple(occ.output.shape)):
+            low = self.dtype if phase in (Phase.FORWARD, Phase.LOSS) and self.dtype != torch.float32 else None
+            self.found = OriginCall(func, saved[0], saved[1], phase, self.device_type, low, self.ordinal)
+        else:
+            self.ordinal += 1
+        return out
+
+    def _matches(self, phase: Phase) -> bool:
+        occ = self.occ
+        if occ.module is None and occ.phase in (Phase.FORWARD, Phase.LOSS):
+            # Glue code outside every module: the tracer may call it loss or forward (between model calls).
+            return not self.stack and phase in (Phase.FORWARD, Phase.LOSS)
+        if phase is not occ.phase:
+            return False
+        if phase is not Phase.FORWARD:
+            return True  # a backward op belongs to the forward module of its node: op, kind and shape decide
+        return bool(self.stack) and self.stack[-1] == (occ.module, occ.call_index)
+
+    # module hooks, as the tracer counts calls
+    def pre(self, name: str) -> None:
+        if _dispatch.current_autograd_node() is not None:  # recomputation in backward: the same call again
+            self.stack.append((name, max(self.calls.get(name, 1) - 1, 0)))
+            return
+        self.backward_seen = False
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        self.stack.append((name, call))
+        self.forward_seen = True
+
+    def post(self, name: str) -> None:
+        if self.stack and self.stack[-1][0] == name:
+            self.stack.pop()
+
+
+def capture_origin_call(
+    model: nn.Module,
+    batch: Any,
+    occurrence: Occurrence,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+    device_type: str = "cpu",
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    rng: Mapping[str, Any] | None = None,
+    train: bool | None = None,
+) -> OriginCall | None:
+    """Replay the step (as :func:`nanhunt.replay` did) and return the origin op's call, its arguments
+    cloned before it ran; ``None`` when the occurrence names no op or no call matched.
+
+    The model, optimizer, scaler and RNG are restored afterwards, also on an exception."""
+    if occurrence.op is None:
+        return None
+    inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod  # torch.compile: the tracer replayed the eager original, so do we
+    state = StepState(model, optimizer, scaler)
+    catch = _Catch(occurrence, device_type, dtype)
+    handles: list[Any] = []
+    try:
+        state.reset(rng if rng is not None else state.rng)
+        if train is not None:
+            model.train(train)
+        for name, mod in model.named_modules():
+            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: catch.pre(n)))
+            handles.append(mod.register_forward_hook(lambda m, a, o, n=name: catch.post(n), always_call=True))
+        with catch:
+            run_step(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
+                     optimizer=optimizer)
+    finally:
+        for h in handles:
+            h.remove()
+        handles.clear()
+        state.restore()
+    return catch.found
+
+
+# ------------------------------------------------------------------ shrinking
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(obj))
+
+
+def _map_tensors(obj: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], counter: list[int]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        i = counter[0]
+        counter[0] += 1
+        return fn(i, obj)
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(o, fn, counter) for o in obj)
+    if isinstance(obj, list):
+        return [_map_tensors(o, fn, counter) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, counter) for k, v in obj.items()}
+    return obj
+
+
+def _narrowed(obj: Any, pick: Callable[[int, torch.Tensor], list[tuple[int, int, int]]]) -> Any:
+    """``obj`` with each tensor narrowed along the (dim, start, length) triples ``pick`` gives it."""
+
+    def fn(i: int, t: torch.Tensor) -> torch.Tensor:
+        for d, start, length in pick(i, t):
+            t = t.narrow(d, start, length)
+        return t.clone()
+
+    return _map_tensors(obj, fn, [0])
+
+
+def _halves(size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (0, size // 2), (size // 2, size - size // 2)
+
+
+def _candidates(obj: Any) -> Iterator[Any]:
+    """Halvings to try: one size halved in every tensor at once (keeps matmul and broadcast
+    shapes consistent), then in two dims of equal size (a bias and its weight's columns), then
+    one dim of one tensor."""
+    tensors = list(_leaves(obj))
+    dims = [(i, d, t.shape[d]) for i, t in enumerate(tensors) for d in range(t.dim()) if t.shape[d] > 1]
+    for size in sorted({s for _, _, s in dims}, reverse=True):
+        for a, n in _halves(size):
+            yield _narrowed(obj, lambda i, t, s=size, a=a, n=n: [(d, a, n) for d in range(t.dim()) if t.shape[d] == s])
+    pairs = [(p, q) for k, p in enumerate(dims) for q in dims[k + 1:] if p[2] == q[2] and p[0] != q[0]]
+    for p, q in sorted(pairs, key=lambda pq: -pq[0][2]):
+        for a, n in _halves(p[2]):
+            pick = {p[0]: p[1], q[0]: q[1]}
+            yield _narrowed(obj, lambda i, t, pick=pick, a=a, n=n: [(pick[i], a, n)] if i in pick else [])
+    for ti, d, size in sorted(dims, key=lambda x: -tensors[x[0]].numel()):
+        for a, n in _halves(size):
+            yield _narrowed(obj, lambda i, t, ti=ti, d=d, a=a, n=n: [(d, a, n)] if i == ti else [])
+
+
+def shrink(call: OriginCall, kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The smallest arguments (by greedy halving) on which the op still makes ``kind`` from clean inputs."""
+    best: Any = (call.args, call.kwargs)
+    trials = 0
+    improved = True
+    while improved and trials < _MAX_TRIALS:
+        improved = False
+        for cand in _candidates(best):
+            trials += 1
+            if trials >= _MAX_TRIALS:
+                break
+            if _nbytes(cand) >= _nbytes(best):
+                continue
+            try:
+                ok = _inputs_clean(kind, *cand) and _went(kind, call.run(*cand))
+            except Exception:  # shapes that no longer fit together: not a candidate
+                ok = False
+            if ok:
+                best, improved = cand, True
+                break
+    return best[0], best[1]
+
+
+# ------------------------------------------------------------------ the script
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _literal(obj: Any, tensors: list[torch.Tensor], device_type: str) -> str:
+    """Python source for an op argument; tensors become ``t[i]`` (saved in the inputs file)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return f"t[{len(tensors) - 1}]"
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return repr(obj)
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "float('nan')"
+        if math.isinf(obj):
+            return "float('inf')" if obj > 0 else "-float('inf')"
+        return repr(obj)
+    if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(obj)
+    if isinstance(obj, torch.device):
+        return "device" if obj.type == device_type else f"torch.device({str(obj)!r})"
+    if isinstance(obj, (list, tuple)):
+        items = [_literal(o, tensors, device_type) for o in obj]
+        if isinstance(obj, list):
+            return "[" + ", ".join(items) + "]"
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    raise _Unsupported(f"cannot write an argument of type {type(obj).__name__} into a script")
+
+
+_TEMPLATE = '''#!/usr/bin/env python3
+"""Minimal repro written by nanhunt: one aten op alone, on its saved inputs. Needs only torch.
+
+    python {script} [--device cpu|cuda]
+
+The inputs in {inputs} are the tensors the op received (already cast by autocast);
+the op runs as it ran in the step. Exit status: 1 when the output is non-finite
+(reproduced), 0 when it is finite, 2 when the script could not run.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+OP = {op!r}
+EXPECT = {expect!r}  # what nanhunt saw: "inf" or "nan"
+WHERE = {where!r}
+AUTOCAST_DTYPE = {autocast}  # None: autocast off for this op
+RECORDED_DEVICE = {device!r}
+
+
+def run(t, device):
+    with torch.no_grad(), torch.autocast(device_type=torch.device(device).type,
+                                         dtype=AUTOCAST_DTYPE or torch.float32,
+                                         enabled=AUTOCAST_DTYPE is not None):
+        out = {call}
+    return [o for o in {outputs} if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description="nanhunt repro of " + OP)
+    parser.add_argument("--device", default=RECORDED_DEVICE)
+    device = parser.parse_args().device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: running on cpu instead (kernels can differ)")
+        device = "cpu"
+    here = os.path.dirname(os.path.abspath(__file__))
+    t = [x.to(device) for x in torch.load(os.path.join(here, {inputs!r}), weights_only=True)]
+    print(f"{{OP}} at {{WHERE}}")
+    for i, x in enumerate(t):
+        fin = bool(x.isfinite().all()) if x.is_floating_point() else True
+        big = x.abs().max().item() if x.is_floating_point() and x.numel() else 0
+        print(f"  input t[{{i}}]: {{x.dtype}} {{list(x.shape)}} max|x|={{big:.4g}} finite={{fin}}")
+    outs = run(t, device)
+    nan = any(bool(o.isnan().any()) for o in outs)
+    inf = any(bool(o.isinf().any()) for o in outs)
+    for o in outs:
+        print(f"  output: {{o.dtype}} {{list(o.shape)}} nan={{int(o.isnan().sum())}} "
+              f"+inf={{int(o.isposinf().sum())}} -inf={{int(o.isneginf().sum())}}")
+    if nan or inf:
+        print("{mark} REPRODUCED " + ("nan" if nan else "inf") + " (nanhunt saw " + EXPECT + ")")
+        return 1
+    print("{mark} NOT REPRODUCED: the output is finite")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException as e:
+        print(f"{mark} ERROR {{type(e).__name__}}: {{e}}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+'''
+
+
+def _where(occ: Occurrence) -> str:
+    where = f"phase {occ.phase.value}"
+    if occ.module is not None:
+        where += f", module {occ.module or '<root>'}"
+        if occ.module_class:
+            where += f" ({occ.module_class}, call {occ.call_index})"
+    if occ.source:
+        where += f", {occ.source}"
+    return " ".join(where.splitlines())
+
+
+def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap_bytes: int = DEFAULT_CAP) -> Repro:
+    """Write ``repro.py`` and ``repro_inputs.pt`` into ``directory``; the Repro is not verified yet.
+
+    Inputs above ``cap_bytes`` are narrowed to the smallest slice that still reproduces in
+    this process (:func:`shrink`); when none fits, nothing is written and ``result`` says why."""
+    args, kwargs = call.args, call.kwargs
+    original = tuple(tuple(t.shape) for t in _leaves((args, kwargs)))
+    rp = Repro(op=call.op, overload=call.overload, device_type=call.device_type, autocast_dtype=_name(call.autocast_dtype))
+    try:
+        outs = call.run()
+        if not _went(occurrence.kind, outs) and call.autocast_dtype is not None:
+            # The op ran with autocast locally disabled (keep_fp32, a user's autocast(enabled=False)).
+            plain = dataclasses.replace(call, autocast_dtype=None)
+            if _went(occurrence.kind, plain.run()):
+                call = plain
+                rp = dataclasses.replace(rp, autocast_dtype=None)
+    except Exception as e:
+        return dataclasses.replace(rp, result=f"the op fails when run alone: {type(e).__name__}: {_first_line(e)}")
+    sliced = _nbytes((args, kwargs)) > cap_bytes
+    if sliced:
+        args, kwargs = shrink(call, occurrence.kind)
+    tensors: list[torch.Tensor] = []
+    try:
+        arg_src = [_literal(a, tensors, call.device_type) for a in args]
+        arg_src += [f"{k}={_literal(v, tensors, call.device_type)}" for k, v in kwargs.items()]
+    except _Unsupported as e:
+        return dataclasses.replace(rp, result=str(e))
+    rp = dataclasses.replace(rp, inputs=tuple((_name(t.dtype) or "", tuple(t.shape)) for t in tensors),
+                             nbytes=_nbytes(tensors), sliced=sliced, original_shapes=original if sliced else ())
+    if rp.nbytes > cap_bytes:
+        return dataclasses.replace(rp, result=f"inputs of {rp.nbytes} bytes exceed the cap of {cap_bytes} bytes and "
+                                              "no smaller slice reproduces")
+    written = [f"t[{_tensor_slot(args, i)}]" for i in _dispatch.op_info(call.func).written_args
+               if i < len(args) and isinstance(args[i], torch.Tensor)]
+    ns, _, _ = call.op.partition("::")
+    call_src = f"torch.ops.{ns}.{call.func._overloadpacket.__name__}.{call.overload}({', '.join(arg_src)})"
+    source = _TEMPLATE.format(
+        script=SCRIPT, inputs=INPUTS, op=call.op, expect=occurrence.kind, where=_where(occurrence),
+        autocast="None" if rp.autocast_dtype is None else f"torch.{rp.autocast_dtype}",
+        device=call.device_type, call=call_src, outputs="[out" + "".join(", " + w for w in written) + "]",
+        mark=_MARK,
+    )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        # Every tensor is a clone (its own storage, strides kept): the file holds just their values.
+        torch.save([t.detach().cpu() for t in tensors], os.path.join(directory, INPUTS))
+        with open(os.path.join(directory, SCRIPT), "w", encoding="utf-8") as f:
+            f.write(source)
+    except OSError as e:
+        raise CommandError(f"cannot write the repro into {directory!r}: {e.strerror}") from e
+    device_flag = "" if call.device_type == "cpu" else f" --device {call.device_type}"
+    return dataclasses.replace(rp, call=call_src, files=(SCRIPT, INPUTS), command=f"python {SCRIPT}{device_flag}")
+
+
+def _name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _tensor_slot(args: tuple[Any, ...], i: int) -> int:
+    return sum(1 for _ in _leaves(args[:i]))
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else ""
+
+
+def verify_repro(directory: str, repro: Repro, kind: str, *, timeout: float = 300.0,
+                 python: str | None = None) -> Repro:
+    """Run the script in a fresh, isolated Python process; verified only when it reproduced ``kind``."""
+    if SCRIPT not in repro.files:
+        return repro
+    cmd = [python or sys.executable, "-I", SCRIPT]
+    if repro.device_type != "cpu":
+        cmd += ["--device", repro.device_type]
+    try:
+        proc = subprocess.run(cmd, cwd=directory, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dataclasses.replace(repro, verified=False, result=f"the script ran past {timeout:.0f} s")
+    except OSError as e:
+        return dataclasses.replace(repro, verified=False, result=f"the script could not start: {e.strerror}")
+    m = re.search(re.escape(_MARK) + r" REPRODUCED (nan|inf)", proc.stdout)
+    if proc.returncode == 1 and m is not None:
+        got = m.group(1)
+        if got == kind:
+            return dataclasses.replace(repro, verified=True, result=got)
+        return dataclasses.replace(repro, verified=False, result=f"the script got {got}, nanhunt saw {kind}")
+    if proc.returncode == 0:
+        return dataclasses.replace(repro, verified=False, result="the script ran and its output was finite")
+    err = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+    return dataclasses.replace(repro, verified=False, result=f"the script failed (exit {proc.returncode}): {err}")
+
+
+def make_repro(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    occurrence: Occurrence | None,
+    directory: str,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+    device_type: str = "cpu",
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    rng: Mapping[str, Any] | None = None,
+    train: bool | None = None,
+    cap_bytes: int = DEFAULT_CAP,
+    verify: bool = True,
+) -> Repro | None:
+    """Catch the origin op, write its repro into ``directory`` and run it in a fresh process.
+
+    ``None`` when there is no op to reproduce (a clean step, or a value that entered the step
+    non-finite: batch, weights, optimizer state). Otherwise a :class:`Repro`; put it in the report
+    with ``dataclasses.replace(report, repro=...)``. Arguments are those given to :func:`nanhunt.replay`.
+    """
+    if occurrence is None or occurrence.op is None:
+        return None
+    call = capture_origin_call(model, batch, occurrence, loss_fn=loss_fn, dtype=dtype, device_type=device_type,
+                               scaler=scaler, optimizer=optimizer, rng=rng, train=train)
+    if call is None:
+        return Repro(op=occurrence.op, device_type=device_type,
+                     result="no call of the op matched the origin when the step ran again")
+    rp = write_repro(call, occurrence, directory, cap_bytes=cap_bytes)
+    return verify_repro(directory, rp, occurrence.kind) if verify else rp
