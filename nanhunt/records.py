@@ -108,6 +108,9 @@ class Record:
     source: str | None = None
     nonfinite_scalar: str | None = None  # "nan" / "inf" when a Python scalar argument was non-finite
     full: FullStats | None = None
+    # Shapes of the op's tensor inputs as the op saw them (an input record may be the
+    # view's base); measured for the origin op only.
+    input_shapes: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -154,6 +157,7 @@ class Record:
         d["min"] = _json_float(self.min)
         d["max"] = _json_float(self.max)
         d["full"] = None if self.full is None else self.full.to_dict()
+        d["input_shapes"] = None if self.input_shapes is None else [list(x) for x in self.input_shapes]
         return d
 
     @classmethod
@@ -174,6 +178,8 @@ class Record:
             source=d.get("source"),
             nonfinite_scalar=d.get("nonfinite_scalar"),
             full=None if full is None else FullStats.from_dict(full),
+            input_shapes=None if d.get("input_shapes") is None else tuple(
+                tuple(int(n) for n in x) for x in d["input_shapes"]),
         )
 
 

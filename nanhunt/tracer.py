@@ -42,7 +42,7 @@ class _Raw:
     """A record under construction; its statistics are still on the device."""
 
     __slots__ = ("phase", "module", "call", "op", "role", "dtype", "shape", "inputs", "source", "scalar", "alias_of",
-                 "full", "blank")
+                 "full", "blank", "in_shapes")
 
     def __init__(
         self,
@@ -70,6 +70,7 @@ class _Raw:
         self.alias_of = alias_of
         self.full: FullStats | None = None
         self.blank = False  # uninitialised memory: no value to measure, counts as finite
+        self.in_shapes: tuple[tuple[int, ...], ...] | None = None
 
 
 def _version(t: torch.Tensor) -> int:
@@ -115,6 +116,16 @@ def _apply_caller() -> tuple[str, int, str] | None:
             found = True
         f = f.f_back
     return None
+
+
+def _input_shapes(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """Shapes of an op's floating tensor inputs, in the order the tracer records them."""
+    shapes: list[tuple[int, ...]] = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                shapes.append(tuple(t.shape))
+    return tuple(shapes)
 
 
 def _format_source(src: tuple[str, int, str] | None) -> str | None:
@@ -453,6 +464,8 @@ class Trace:
             raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar)
             raw.blank = blank and id(o) not in written_ids
             idx = self._new(raw, o)
+            if idx in self._zoom:
+                raw.in_shapes = _input_shapes(args, kwargs)
             # A view shares its base's version counter, but only once this mode has returned.
             ver = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else _version(o)
             if id(o) in written_ids:
@@ -479,6 +492,7 @@ class Trace:
                     index=i, phase=r.phase, module=r.module, call_index=r.call, op=r.op, role=r.role,
                     dtype=r.dtype, shape=r.shape, min=lo, max=hi, inputs=r.inputs,
                     source=_format_source(r.source), nonfinite_scalar=r.scalar, full=r.full,
+                    input_shapes=r.in_shapes,
                 )
             )
         return records
@@ -504,7 +518,9 @@ class Trace:
                 for r, t in zip(occ.inputs, ins)
             ) if len(ins) == len(occ.inputs) else occ.inputs
             out_t = next((o for o in outs if o.is_floating_point()), None)
-            output = occ.output if out_t is None else dataclasses.replace(occ.output, full=full_stats(out_t))
+            output = dataclasses.replace(occ.output, input_shapes=_input_shapes(args, kwargs))
+            if out_t is not None:
+                output = dataclasses.replace(output, full=full_stats(out_t))
             occ = dataclasses.replace(occ, inputs=fulls_in, output=output)
         self._stopped = occ
         raise NonFiniteError(occ)

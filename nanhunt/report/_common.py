@@ -198,12 +198,14 @@ TENSOR_COLUMNS = ("tensor", "dtype", "shape", "min", "max", "max |x|", "dtype ma
 def tensor_rows(occ: Occurrence) -> list[tuple[str, ...]]:
     """The op's inputs and output against the limits of their dtype."""
     rows = []
-    named = [(f"input {i}", r) for i, r in enumerate(occ.inputs)] + [("output", occ.output)]
-    for name, r in named:
+    seen = occ.output.input_shapes  # as the op saw them (a record may be a view's base)
+    named = [(f"input {i}", r, seen[i] if seen is not None and i < len(seen) else r.shape)
+             for i, r in enumerate(occ.inputs)] + [("output", occ.output, occ.output.shape)]
+    for name, r, shape in named:
         f = r.full
         limit = limit_of(r.dtype)
         rows.append((
-            name, r.dtype, str(list(r.shape)), num(r.min), num(r.max), num(r.absmax),
+            name, r.dtype, str(list(shape)), num(r.min), num(r.max), num(r.absmax),
             "-" if limit is None else f"{limit:.6g}", headroom(r),
             *(("-",) * 4 if f is None else (str(f.nan), str(f.posinf), str(f.neginf), str(f.zeros))),
         ))

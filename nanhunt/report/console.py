@@ -5,75 +5,49 @@ from __future__ import annotations
 import io
 import math
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..records import Comparison, Inspection, Occurrence, Record, Report, TensorDiff
+from . import _common as _c
+from ..records import Comparison, Inspection, Occurrence, Report, TensorDiff
 
 __all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
 
-_FP16_MAX = 65504.0
-_LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.4g}"
-
-
-def _label(module: str | None) -> str:
-    if module is None:
-        return "outside the model"
-    return module or "<root>"
+def _text(spans: list[_c.Span], style: str = "") -> Text:
+    """Spans as rich Text: user names in a code style, never parsed as markup."""
+    t = Text(style=style)
+    for sp in spans:
+        t.append(sp.text, style="bold cyan" if sp.code else "")
+    return t
 
 
 def summary_line(report: Report) -> str:
-    if report.status == "not-reproducible":
-        return "NOT REPRODUCIBLE: two replays of the same step disagree on where the first non-finite value is born"
-    occ = report.first
-    if occ is None:
-        if report.status == "clean":
-            return "CLEAN: the step stayed finite (loss, activations, gradients)"
-        return "NON-FINITE, but every origin is allowed or none could be located"
-    what = "NaN" if occ.kind == "nan" else "Inf"
-    where = _label(occ.module)
-    op = occ.op or occ.output.role.value
-    return f"{what} born in phase {occ.phase.value}: {where} · {op}"
-
-
-def _headroom(r: Record) -> str:
-    limit = _LIMITS.get(r.dtype)
-    if limit is None or not r.finite:
-        return "-"
-    a = r.absmax
-    return "inf" if a == 0 else f"{limit / a:.3g}x"
+    return "".join(sp.text for sp in _c.sentence(report))
 
 
 def _stats_table(occ: Occurrence) -> Table:
-    t = Table(title="the op's tensors", title_justify="left", show_lines=False)
-    for col in ("", "dtype", "shape", "min", "max", "max |x|", "headroom", "nan", "+inf", "-inf"):
-        t.add_column(col, justify="right" if col not in ("", "dtype", "shape") else "left")
-    rows = [(f"in{i}", r) for i, r in enumerate(occ.inputs)] + [("out", occ.output)]
-    for name, r in rows:
-        f = r.full
-        t.add_row(
-            name, r.dtype, escape(str(list(r.shape))), _num(r.min), _num(r.max), _num(r.absmax), _headroom(r),
-            "-" if f is None else str(f.nan), "-" if f is None else str(f.posinf), "-" if f is None else str(f.neginf),
-        )
+    # The console drops the "dtype max" column (the headroom says it) to fit 100 columns.
+    keep = [i for i, col in enumerate(_c.TENSOR_COLUMNS) if col != "dtype max"]
+    t = Table(title="the op's tensors against their dtype limits", title_justify="left", padding=(0, 1),
+              box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    for i in keep:
+        col = _c.TENSOR_COLUMNS[i]
+        left = col in ("tensor", "dtype", "shape")
+        t.add_column(col, justify="left" if left else "right", no_wrap=col in ("tensor", "dtype"))
+    for row in _c.tensor_rows(occ):
+        row = (*row[:2], row[2].replace(" ", ""), *row[3:])  # [2,16,64]: shapes stay on one line
+        t.add_row(*(escape(row[i]) for i in keep))
     return t
 
 
 def _tree(report: Report) -> Tree | None:
     if not report.modules:
         return None
+
     def style_of(status: str) -> str:
         if status == "finite":
             return "green"
@@ -83,8 +57,7 @@ def _tree(report: Report) -> Tree | None:
     nodes: dict[str, Tree] = {}
     for name in sorted(report.modules, key=lambda n: (n.count("."), n)):
         status = report.modules[name]
-        cls = report.module_classes.get(name, "")
-        label = Text(f"{name or '<root>'} ({cls}) ", style=style_of(status))
+        label = Text(f"{name or '<root>'} ({report.module_classes.get(name, '')}) ", style=style_of(status))
         label.append(status, style=style_of(status))
         parent_name = name.rpartition(".")[0] if "." in name else ("" if name else None)
         parent = nodes.get(parent_name) if parent_name is not None else None
@@ -92,62 +65,29 @@ def _tree(report: Report) -> Tree | None:
     return root
 
 
-def verdict_line(report: Report) -> str:
-    v = report.verdict
-    if v is None:
-        return ""
-    if v.kind == "precision":
-        who = ", ".join(c or "<root>" for c in v.culprits)
-        state = "confirmed" if v.confirmed else "NOT confirmed"
-        head = f"precision problem: running {who} in float32 makes the step finite ({state}"
-        return head + f", {v.replays} replays, {v.seconds:.1f} s)" + (" [interrupted]" if v.interrupted else "")
-    if v.kind == "not-precision":
-        where = f"; in float32: {v.float32_first.describe()}" if v.float32_first is not None else ""
-        return f"not a precision problem: the step fails in float32 too{where}"
-    if v.kind == "scale-induced":
-        return ("scale-induced: the gradients overflow only because of the loss scale; GradScaler will back off "
-                "and skip this step (a bug only if it keeps happening)")
-    if v.kind == "not-reproducible":
-        return "not reproducible: the original configuration ran finite when replayed again"
-    return "clean: nothing to bisect"
-
-
-def _verdict(report: Report) -> RenderableType:
-    v = report.verdict
-    assert v is not None
-    parts: list[RenderableType] = [Text("verdict: " + verdict_line(report), style="bold")]
-    if v.origin_alone_fixes is not None:
-        parts.append(Text(f"origin module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}"))
-    if v.alternatives:
-        parts.append(Text("alternatives: " + ", ".join(
-            f"{k}: {'finite' if ok else 'still non-finite'}" for k, ok in v.alternatives.items())))
-    if v.fix:
-        parts.append(Text("suggested fix:\n" + v.fix, style="cyan"))
-    return Group(*parts)
+def _key_values(rows: list[tuple[str, list[_c.Span]]]) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="dim")
+    t.add_column()
+    for k, spans in rows:
+        t.add_row(k, _text(spans))
+    return t
 
 
 def render(report: Report) -> RenderableType:
-    if report.comparison is not None:  # nanhunt compare
+    if report.comparison is not None:
         return render_comparison(report)
-    parts: list[RenderableType] = []
     colour = "green" if report.status == "clean" else "red"
-    parts.append(Text(summary_line(report), style=f"bold {colour}"))
+    parts: list[RenderableType] = [_text(_c.sentence(report), style=f"bold {colour}")]
     occ = report.first
     if occ is not None:
-        lines = Text()
-        lines.append(f"phase      {occ.phase.value}\n")
-        lines.append(f"module     {_label(occ.module)}")
-        if occ.module_class:
-            lines.append(f" ({occ.module_class}), call {occ.call_index}")
-        lines.append(f"\nop         {occ.op or '-'}\n")
-        lines.append(f"kind       {'NaN' if occ.kind == 'nan' else 'Inf'}\n")
-        lines.append(f"source     {occ.source or '-'}\n")
-        lines.append(f"reached    {', '.join(occ.reached) if occ.reached else ('not measured' if occ.reached is None else 'nothing (silent: absorbed)')}")
-        parts.append(lines)
+        parts.append(_key_values(_c.birth_rows(occ)))
         parts.append(_stats_table(occ))
     if report.path:
         path = Text("propagation: ", style="bold")
-        path.append(" -> ".join(r.where() for r in report.path[:12]))
+        for i, r in enumerate(report.path[:12]):
+            path.append(" -> " if i else "")
+            path.append_text(_text(_c.path_label(r)))
         if len(report.path) > 12:
             path.append(f" -> ... ({len(report.path) - 12} more)")
         parts.append(path)
@@ -157,16 +97,27 @@ def render(report: Report) -> RenderableType:
     if report.status == "not-reproducible":
         for i, o in enumerate(report.runs):
             parts.append(Text(f"run {i + 1}: {o.describe() if o else 'finite'}"))
-    v = report.verdict
-    if v is not None:
-        parts.append(_verdict(report))
-    cfg = report.config
-    if cfg:
-        bits = [f"{k}={v}" for k, v in cfg.items() if v is not None]
-        parts.append(Text("config: " + ", ".join(bits), style="dim"))
+    if report.verdict is not None:
+        parts.append(_text([_c.Span("verdict: ")] + _c.verdict_text(report), style="bold"))
+        v = report.verdict
+        if v.origin_alone_fixes is not None:
+            parts.append(Text(f"origin module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}"))
+        alts = _c.alternatives(report)
+        if alts:
+            parts.append(Text("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))
+        if v.fix:
+            parts.append(Text("suggested fix:\n" + v.fix, style="cyan"))
+    parts.append(Text("GradScaler: " + _c.scaler_text(report.config)))
+    if report.repro is not None:
+        parts.append(_text([_c.Span("repro: ")] + _c.repro_text(report)))
     tree = _tree(report)
     if tree is not None:
         parts.append(tree)
+    env = _c.environment_rows(report)
+    if env:
+        parts.append(Text("environment: " + ", ".join(f"{k} {v}" for k, v in env), style="dim"))
+    if report.command:
+        parts.append(Text(f"reproduce: {report.command}", style="dim"))
     for n in report.notes:
         parts.append(Text(f"note: {n}", style="yellow"))
     return Group(*parts)
@@ -189,7 +140,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         for col in ("tensor", "dtype", "shape", "nan", "inf", "max |x| (finite)", "fp16 headroom"):
             t.add_column(col)
         for s in found.flagged[:limit]:
-            t.add_row(escape(s.name), s.dtype, escape(str(list(s.shape))), str(s.nan), str(s.inf), _num(s.absmax),
+            t.add_row(escape(s.name), s.dtype, escape(str(list(s.shape))), str(s.nan), str(s.inf), _c.num(s.absmax),
                       f"{s.fp16_headroom:.3g}x")
         parts.append(t)
         if len(found.flagged) > limit:
@@ -234,8 +185,8 @@ def _ranking_table(c: Comparison, limit: int) -> Table:
     for rank, i in enumerate(c.ranking[:limit], 1):
         d = c.modules[i]
         name = escape(d.label()) + (f" ({escape(d.module_class)})" if d.module_class else "")
-        t.add_row(str(rank), name, _num(d.introduced), _num(d.scaled), _num(d.input_scaled), _num(d.max_abs),
-                  _num(d.max_rel), _pct(d.out_of_tol), _headroom_of(d), str(d.underflow))
+        t.add_row(str(rank), name, _c.num(d.introduced), _c.num(d.scaled), _c.num(d.input_scaled), _c.num(d.max_abs),
+                  _c.num(d.max_rel), _pct(d.out_of_tol), _headroom_of(d), str(d.underflow))
     return t
 
 
@@ -245,13 +196,13 @@ def _decisions_table(c: Comparison) -> Table:
         t.add_column(col, justify="left" if col in ("sample", "") else "right")
     for d in c.decisions:
         what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
-        t.add_row(str(d.index), f"{d.ref_class} ({d.ref_runner_up})", _num(d.ref_margin), str(d.amp_class),
-                  _num(d.amp_margin), what, style="bold red" if d.flipped else "yellow")
+        t.add_row(str(d.index), f"{d.ref_class} ({d.ref_runner_up})", _c.num(d.ref_margin), str(d.amp_class),
+                  _c.num(d.amp_margin), what, style="bold red" if d.flipped else "yellow")
     return t
 
 
 def _diff_line(what: str, d: TensorDiff) -> Text:
-    return Text(f"{what}: max abs error {_num(d.max_abs)}, max rel error {_num(d.max_rel)}, out of tolerance "
+    return Text(f"{what}: max abs error {_c.num(d.max_abs)}, max rel error {_c.num(d.max_rel)}, out of tolerance "
                 f"{_pct(d.out_of_tol)}, headroom {_headroom_of(d)}, underflow {d.underflow}")
 
 
@@ -272,10 +223,10 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     if not c.reference_finite:
         parts.append(Text("nothing was compared: a non-finite float32 run is no reference for precision", style="red"))
     else:
-        runs = Text(f"runs: float32 reference finite, loss {_num(c.ref_loss)} · autocast {c.dtype} ")
+        runs = Text(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
         runs.append("finite" if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})",
                     style="green" if c.amp_finite else "bold red")
-        runs.append(f", loss {_num(c.amp_loss)}")
+        runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
     if c.modules:
         if c.ranking:
@@ -288,8 +239,8 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         largest = max(range(len(c.modules)), key=lambda i: (c.modules[i].max_abs, c.modules[i].depth, -i))
         if c.ranking and largest != c.ranking[0] and c.modules[largest].max_abs > 0:
             d = c.modules[largest]
-            parts.append(Text(f"largest absolute error: {d.label()} ({_num(d.max_abs)}), which introduces "
-                              f"{_num(d.introduced)} of it: it carries error made upstream"))
+            parts.append(Text(f"largest absolute error: {d.label()} ({_c.num(d.max_abs)}), which introduces "
+                              f"{_c.num(d.introduced)} of it: it carries error made upstream"))
     if c.task == "classify":
         head = (f"decisions: {c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
                 + (f" ({_indices(c.flipped)})" if c.flipped else "")
@@ -302,17 +253,17 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         parts.append(_diff_line("model output", c.output))
     g = c.regression
     if g is not None:
-        parts.append(Text(f"extremes: float32 [{_num(g.ref_min)}, {_num(g.ref_max)}], {c.dtype} "
-                          f"[{_num(g.amp_min)}, {_num(g.amp_max)}]"))
+        parts.append(Text(f"extremes: float32 [{_c.num(g.ref_min)}, {_c.num(g.ref_max)}], {c.dtype} "
+                          f"[{_c.num(g.amp_min)}, {_c.num(g.amp_max)}]"))
         if g.worst:
-            parts.append(Text("largest error per sample: " + ", ".join(f"{i} ({_num(e)})" for i, e in g.worst)))
+            parts.append(Text("largest error per sample: " + ", ".join(f"{i} ({_c.num(e)})" for i, e in g.worst)))
     if c.loss is not None:
         parts.append(_diff_line("loss", c.loss))
     if c.grads:
         worst = sorted(c.grads, key=lambda d: -d.scaled)[:5]
         under = sum(d.underflow for d in c.grads)
         line = Text(f"gradients: {len(c.grads)} tensors, {under} elements underflowed to zero; largest errors: ")
-        line.append("; ".join(f"{d.name} (max abs {_num(d.max_abs)} = {_num(d.scaled)} x max |ref|)" for d in worst))
+        line.append("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst))
         parts.append(line)
     if c.unmatched:
         parts.append(Text("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))
