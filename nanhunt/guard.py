@@ -126,6 +126,14 @@ class Guard:
     and non-finite parameters after the update. With a GradScaler a skipped step
     is normal; ``max_consecutive_skips`` skips in a row, or more than
     ``max_rate`` of the last ``window`` steps skipped (``skip_window``), are not.
+    Without a GradScaler, ``optimizer.step()`` checks the gradients itself (a
+    step pre-hook) when the loop did not call :meth:`check_grads`.
+
+    Parameters: with ``check_params=True`` every update is followed by a fused
+    check of the optimizer's parameters (and a second host read). By default
+    weights that an update made non-finite are found by the next step's loss or
+    gradient check; the guard then checks the weights (on the failure path only)
+    and reports the earlier update as the culprit (``kind="params"``).
 
     On a detection it writes ``step{N}[-rank{R}]-checkpoint.pt`` and
     ``-batch.pt`` (and ``-event.json``) into ``dump_dir``: weights, optimizer,
@@ -154,10 +162,11 @@ class Guard:
     saw the problem, and those ranks write their captures (every rank with
     ``dump_all_ranks=True``). A skip counts towards the policy when any rank skipped.
 
-    Clean-path cost per step: the RNG state and two scalar copies at entry, one
-    reduction and one host read in :meth:`check_grads`, and with
-    ``check_params=True`` one reduction and one host read at exit. Nothing reads
-    back per parameter.
+    Clean-path cost per step: the RNG state at entry (plus two scalar copies in
+    loops that don't call :meth:`check_grads`), a few scalar ops and one host read
+    in :meth:`check_grads` (without a GradScaler, one fused reduction over the
+    gradients), and with ``check_params=True`` one reduction and one host read at
+    exit. Nothing reads back per parameter. ``scripts/bench_guard.py`` measures it.
 
     Example::
 
@@ -176,11 +185,32 @@ class Guard:
             if guard.stepped:
                 scheduler.step()
 
-    ``model`` must be rebuildable by name for the capture: its class (called
-    with ``model_kwargs``) or ``model_factory="package.module:callable"``;
-    ``loss_fn`` an ``nn.Module`` loss class instance or a module-level function
-    (``None``: the model returns its loss). The batch is kept by reference until
-    the next step: don't modify it in place during the step.
+    Args:
+        model, optimizer, scaler: what the loop trains with (``scaler`` None or
+            disabled: no GradScaler). A DDP or ``torch.compile`` wrapper is unwrapped
+            for the capture.
+        dump_dir: where captures go (created on the first one).
+        loss_fn, model_factory, model_kwargs: how ``nanhunt replay`` rebuilds the
+            step. The model must be rebuildable by name: its class (called with
+            ``model_kwargs``) or ``model_factory="package.module:callable"``;
+            ``loss_fn`` an ``nn.Module`` loss or a module-level function (``None``:
+            the model returns its loss). Checked here, not at the first failure.
+        on_fail: ``"raise"`` (default), ``"dump"`` or ``"warn"``.
+        max_consecutive_skips: trip at this many GradScaler skips in a row (None: never).
+        skip_window: ``(window, max_rate)``: trip when more than ``max_rate *
+            window`` of the last ``window`` steps were skipped (None: never).
+        snapshot_every: keep a CPU copy of the state every N steps (see above).
+        check_params: check the parameters after every update (see above).
+        max_captures: captures written at most (later detections are events only).
+        dump_all_ranks: under torch.distributed, every rank writes its capture,
+            not only the ranks that saw the problem.
+        device_type, dtype: the autocast configuration recorded in the capture;
+            by default the device of the parameters and the autocast dtype in
+            effect when the model's forward ran (float32 when autocast was off).
+        process_group: the group whose ranks stop together (default: the world).
+
+    The batch is kept by reference until the next step: don't modify it in
+    place during the step.
     """
 
     def __init__(
@@ -233,7 +263,8 @@ class Guard:
         # Fail now rather than at the first bad step, when nothing could be saved.
         self.model_factory = model_factory or callable_path(self._module)
         if self.model_factory is None:
-            raise ValueError("cannot name the model's class for the capture: pass model_factory='package.module:callable'")
+            raise ValueError("cannot name the model's class for the capture: "
+                             "pass model_factory='package.module:callable'")
         if loss_fn is not None and callable_path(loss_fn) is None:
             raise ValueError("loss_fn must be importable by name (a module-level function or an nn.Module loss)")
         # What an update can change: the optimizer's parameters (frozen weights are never written).
@@ -265,7 +296,8 @@ class Guard:
         self._consecutive = 0
         self._window: deque[bool] = deque(maxlen=skip_window[0] if skip_window else 1)
         self._snapshot: _Snapshot | None = None
-        self._poisoned = False
+        # First step at whose start the weights were seen non-finite: no snapshot is taken from then on.
+        self._poisoned_at: int | None = None
         self._cur: _Step | None = None
         self._last_checked = False
         self._closed = False
@@ -392,7 +424,7 @@ class Guard:
             if not self._last_checked and self.scaler._scale is not None and self.scaler._growth_tracker is not None:
                 cur.scale_before = self.scaler._scale.detach().clone()
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
-        if self.snapshot_every and cur.index % self.snapshot_every == 0 and not self._poisoned:
+        if self.snapshot_every and cur.index % self.snapshot_every == 0 and self._poisoned_at is None:
             self._refresh_snapshot(cur)
         self._cur = cur
 
@@ -442,7 +474,7 @@ class Guard:
         if need_skip:
             cur.local_skip = bool(per_rank[self._rank or 0] & _SKIP)
         if any_bits & _PARAMS:
-            self._poisoned = True  # no more snapshots: keep the last good one
+            self._poison(cur.index + 1)
         kind: str | None = None
         detail = ""
         ranks: tuple[int, ...] = ()
@@ -542,11 +574,11 @@ class Guard:
             p_rank, _ = self._read([None, None, _nonfinite(self._params, self._device, self._params_by_device), None],
                                    [])
             if _or(p_rank) & _PARAMS:
-                self._poisoned = True
+                self._poison(cur.index)
                 kind, detail, ranks, per_rank = ("params", f"{detail}; the weights were already non-finite when the "
                                                  f"step began (written by an earlier update)",
                                                  _seen(p_rank, _PARAMS), p_rank)
-                live, bad_update = False, cur.index - 1
+                live, bad_update = False, (self._poisoned_at or cur.index) - 1
         rank = self._rank
         mine = self._world == 1 or bool(per_rank[rank or 0]) or self.dump_all_ranks
         ck = bt = err = None
@@ -581,6 +613,10 @@ class Guard:
             raise GuardError(event)
         if self.on_fail == "warn":
             warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
+
+    def _poison(self, step: int) -> None:
+        if self._poisoned_at is None:
+            self._poisoned_at = step
 
     def _paths(self, step: int) -> tuple[str, str]:
         os.makedirs(self.dump_dir, exist_ok=True)
@@ -626,7 +662,7 @@ class Guard:
         weights = [model[name] for name, _ in self._module.named_parameters() if name in model]
         # A local read: snapshots are a per-rank matter, no rank waits on another's.
         if weights and float(_nonfinite(weights, torch.device("cpu"))) != 0:
-            self._poisoned = True  # keep the last good copy
+            self._poison(cur.index)  # and keep the last good copy
             return
         self._snapshot = _Snapshot(step=cur.index, model=model, optimizer=_cpu_copy(self.optimizer.state_dict()),
                                    scaler=scaler, batch=cur.batch, rng=cur.rng)

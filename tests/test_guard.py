@@ -242,15 +242,21 @@ def _lr_bomb_loop(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim
     return info.value.event
 
 
-def test_poisoned_update_captured_from_the_rolling_snapshot(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check_params", [True, False])
+def test_poisoned_update_captured_from_the_rolling_snapshot(tmp_path: Path, check_params: bool) -> None:
     # GIVEN bfloat16 without a scaler, snapshot_every=1, and an update that writes Inf into the weights at step 3
     model, opt, _ = mlp_setup(scaler=False, optimizer="sgd")
-    guard = guard_for(model, opt, None, tmp_path, snapshot_every=1)
+    guard = guard_for(model, opt, None, tmp_path, snapshot_every=1, check_params=check_params)
     seen: dict[int, dict[str, torch.Tensor]] = {}
     state_obj, groups_obj = opt.state, opt.param_groups
     ev = _lr_bomb_loop(guard, model, opt, 3, seen)
-    # THEN the guard notices at the end of step 3 and the capture holds the weights step 3 started from
-    assert (ev.step, ev.kind, ev.captured_step, ev.pre_update) == (3, "params", 3, True)
+    # THEN the guard notices at the end of step 3 (check_params=True) or when step 4's loss comes out
+    # non-finite and the weights turn out to be so already (the default); either way the capture holds the
+    # weights step 3 started from, before the update that wrote the Inf
+    detected = 3 if check_params else 4
+    assert (ev.step, ev.kind, ev.captured_step, ev.pre_update) == (detected, "params", 3, True)
+    assert check_params or "already non-finite when the step began" in ev.detail
+    assert "start of step 3, before the update" in ev.describe() or check_params
     live_after = _state(model)
     assert not all(torch.isfinite(v).all() for v in live_after.values())
     ck = torch.load(str(ev.checkpoint), weights_only=True)
@@ -260,7 +266,7 @@ def test_poisoned_update_captured_from_the_rolling_snapshot(tmp_path: Path) -> N
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, live_after[k], rtol=0, atol=0, equal_nan=True)
     assert opt.state is state_obj and opt.param_groups is groups_obj
-    assert opt.param_groups[0]["lr"] == 1e36 and len(opt.state) == 4
+    assert opt.param_groups[0]["lr"] == (1e36 if check_params else 1e-2) and len(opt.state) == 4
     # AND replaying the capture finds the Inf born in the update
     rep = _replay_first(str(ev.checkpoint), str(ev.batch))
     assert rep.first is not None and rep.first.phase.value == "update"
@@ -268,12 +274,13 @@ def test_poisoned_update_captured_from_the_rolling_snapshot(tmp_path: Path) -> N
 
 def test_poisoned_update_with_sparse_snapshot_and_without(tmp_path: Path) -> None:
     # GIVEN snapshot_every=2: the last good copy is from the start of step 2 when step 3 poisons the weights
+    # (the copy due at step 4 is not finite, so it is not kept)
     model, opt, _ = mlp_setup(scaler=False, optimizer="sgd")
     guard = guard_for(model, opt, None, tmp_path / "a", snapshot_every=2)
     seen: dict[int, dict[str, torch.Tensor]] = {}
     ev = _lr_bomb_loop(guard, model, opt, 3, seen)
-    assert (ev.step, ev.captured_step, ev.pre_update) == (3, 2, False)
-    assert "start of step 2" in ev.describe()
+    assert (ev.step, ev.kind, ev.captured_step, ev.pre_update) == (4, "params", 2, False)
+    assert "start of step 2; re-run to step 4" in ev.describe()
     ck = torch.load(str(ev.checkpoint), weights_only=True)
     assert all(torch.equal(ck["model"][k], v) for k, v in seen[2].items())
     # GIVEN no snapshot at all: the capture holds the poisoned weights and says so
@@ -282,6 +289,37 @@ def test_poisoned_update_with_sparse_snapshot_and_without(tmp_path: Path) -> Non
     ev = _lr_bomb_loop(guard, model, opt, 3, {})
     assert (ev.kind, ev.pre_update) == ("params", False)
     assert "snapshot_every" in ev.describe()
+
+
+def test_weights_poisoned_under_a_scaler_found_by_the_skip_policy(tmp_path: Path) -> None:
+    # GIVEN an AMP loop that never hands over its loss, snapshot_every=1, and weights that become NaN in step 3's
+    # update (written here by hand, as a broken optimizer would)
+    model, opt, scaler = mlp_setup()
+    assert scaler is not None
+    guard = guard_for(model, opt, scaler, tmp_path, snapshot_every=1, max_consecutive_skips=2)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    with pytest.raises(nanhunt.GuardError) as info:
+        for i in range(8):
+            seen[i] = _state(model)
+            x, y = batch(i)
+            with guard.step((x, y)):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x), y)
+                scaler.scale(loss).backward()
+                guard.check_grads()
+                scaler.step(opt)
+                if i == 3:
+                    with torch.no_grad():
+                        model.fc2.weight[0, 0] = float("nan")
+                scaler.update()
+    # THEN steps 4 and 5 are skipped, the second skip trips, and the guard finds the cause: the weights were
+    # already NaN when step 4 began; the capture is the last good snapshot, from before step 3's update
+    ev = info.value.event
+    assert (ev.step, ev.kind, ev.captured_step, ev.pre_update) == (5, "params", 3, True)
+    assert "2 steps in a row" in ev.detail and "already non-finite" in ev.detail
+    ck = torch.load(str(ev.checkpoint), weights_only=True)
+    assert all(torch.equal(ck["model"][k], v) for k, v in seen[3].items())
 
 
 # ------------------------------------------------------------------ on_fail and cost
@@ -303,8 +341,9 @@ def test_on_fail_dump_and_warn_continue(tmp_path: Path) -> None:
     assert guard.stepped is False
 
 
-def test_check_grads_reads_back_once_and_clean_loop_writes_nothing(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("check_params", [False, True])
+def test_check_grads_reads_back_once_and_clean_loop_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   check_params: bool) -> None:
     # GIVEN a count of every host read a tensor offers
     reads = {"n": 0}
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -317,7 +356,7 @@ def test_check_grads_reads_back_once_and_clean_loop_writes_nothing(tmp_path: Pat
         monkeypatch.setattr(torch.Tensor, name, counted)
     model, opt, scaler = mlp_setup()
     assert scaler is not None
-    guard = guard_for(model, opt, scaler, tmp_path)
+    guard = guard_for(model, opt, scaler, tmp_path, check_params=check_params)
     for i in range(3):
         x, y = batch(i)
         with guard.step((x, y)):
@@ -333,8 +372,8 @@ def test_check_grads_reads_back_once_and_clean_loop_writes_nothing(tmp_path: Pat
             scaler.step(opt)
             scaler.update()
             reads["n"] = 0
-        # AND the end of the step (parameter check) once more
-        assert reads["n"] == 1
+        # AND the end of the step reads nothing more, or once for the parameter check
+        assert reads["n"] == int(check_params)
     assert guard.events == [] and _files(tmp_path) == []
 
 
