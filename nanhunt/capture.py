@@ -125,6 +125,9 @@ def save_capture(
     device_type: str | None = None,
     dtype: torch.dtype | None = None,
     rng: Mapping[str, Any] | None = None,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    scaler_state: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
 
@@ -133,8 +136,10 @@ def save_capture(
     ``model_kwargs``); by default the model's class. ``loss_fn`` must be importable
     by name (a module-level function or an ``nn.Module`` loss with default
     arguments); ``None`` means the model returns its loss. ``rng`` defaults to the
-    RNG state now: save before the step runs. Both files load with
-    ``torch.load(..., weights_only=True)``.
+    RNG state now: save before the step runs. ``model_state``/``optimizer_state``/
+    ``scaler_state`` save those state dicts instead of the live objects' (a snapshot
+    taken earlier); ``model`` and ``optimizer`` still name the classes. Both files
+    load with ``torch.load(..., weights_only=True)``.
     """
     factory = model_factory or callable_path(model)
     if factory is None:
@@ -147,14 +152,15 @@ def save_capture(
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     ckpt: dict[str, Any] = {
         "nanhunt_capture": CAPTURE_FORMAT,
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "model": {k: v.detach().cpu() for k, v in (model_state or model.state_dict()).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
         "training": bool(model.training),
         "loss_fn": loss_path,
-        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "optimizer": dict(optimizer_state) if optimizer_state is not None else (
+            None if optimizer is None else optimizer.state_dict()),
         "optimizer_class": None if optimizer is None else callable_path(optimizer),
-        "scaler": None if scaler is None else scaler.state_dict(),
+        "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),
         "autocast": {
             "device_type": device_type or dev.type,
             "dtype": str(dtype or torch.float16).replace("torch.", ""),

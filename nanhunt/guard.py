@@ -18,7 +18,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import GuardError
 from .capture import callable_path, rng_state, save_capture
-from .replay import StepState
 
 __all__ = ["Guard", "GuardEvent", "GuardWarning"]
 
@@ -647,10 +646,11 @@ class Guard:
 
     def _save_live(self, cur: _Step, ck: str, bt: str, *, scaler_before: bool) -> None:
         scaler = self.scaler if self._scaling() else None
+        state = None
         if scaler is not None and scaler_before:
-            scaler = _scaler_from(_scaler_state(scaler, cur.scale_before, cur.tracker_before), self.device_type)
+            state = _scaler_state(scaler, cur.scale_before, cur.tracker_before)
         save_capture(ck, bt, model=self._module, batch=cur.batch, optimizer=self.optimizer, scaler=scaler,
-                     rng=cur.rng, **self._save_kwargs(cur))
+                     scaler_state=state, rng=cur.rng, **self._save_kwargs(cur))
 
     def _refresh_snapshot(self, cur: _Step) -> None:
         """Copy the state this step begins with to the CPU; keep it only if its weights are finite."""
@@ -668,20 +668,10 @@ class Guard:
                                    scaler=scaler, batch=cur.batch, rng=cur.rng)
 
     def _save_snapshot(self, snap: _Snapshot, cur: _Step, ck: str, bt: str) -> None:
-        """Write a capture of the snapshot through the live objects, then put them back exactly."""
-        live = StepState(self._module)
-        opt = self.optimizer
-        state, groups = opt.state, opt.param_groups
-        try:
-            self._module.load_state_dict(snap.model)
-            if snap.optimizer is not None:
-                opt.load_state_dict(snap.optimizer)  # builds new state/group objects; the old ones are untouched
-            scaler = _scaler_from(snap.scaler, self.device_type) if snap.scaler is not None else None
-            save_capture(ck, bt, model=self._module, batch=snap.batch, optimizer=opt, scaler=scaler, rng=snap.rng,
-                         **self._save_kwargs(cur))
-        finally:
-            opt.state, opt.param_groups = state, groups
-            live.restore()
+        """Write a capture of the snapshot; the live objects only name the classes."""
+        save_capture(ck, bt, model=self._module, model_state=snap.model, batch=snap.batch, optimizer=self.optimizer,
+                     optimizer_state=snap.optimizer, scaler_state=snap.scaler, rng=snap.rng,
+                     **self._save_kwargs(cur))
 
 
 class _StepContext:
@@ -788,10 +778,3 @@ def _scaler_state(scaler: torch.amp.GradScaler, scale: torch.Tensor | float | No
     sd["scale"] = float(scale) if scale is not None else scaler._init_scale
     sd["_growth_tracker"] = int(tracker) if tracker is not None else scaler._init_growth_tracker
     return sd
-
-
-def _scaler_from(state: Mapping[str, Any] | None, device_type: str) -> torch.amp.GradScaler:
-    s = torch.amp.GradScaler(device_type)
-    if state:
-        s.load_state_dict(dict(state))
-    return s

@@ -6,7 +6,6 @@ import copy
 import inspect
 import math
 import platform
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
