@@ -18,6 +18,7 @@ __all__ = [
     "peek_sequence_nr",
     "WeakIdKeyDictionary",
     "set_dynamo_disabled",
+    "TorchDispatchMode",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -97,11 +98,11 @@ def set_dynamo_disabled(disabled: bool) -> bool | None:
     return previous
 
 
-class TraceMode(TorchDispatchMode):
+class TraceMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
     """Hands every aten op to ``on_op(func, args, kwargs)``, which must run it."""
 
     def __init__(self, on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._on_op = on_op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:

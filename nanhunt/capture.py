@@ -19,7 +19,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ _PREFIXES = ("module.", "_orig_mod.")
 # --------------------------------------------------------------------- RNG
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -409,10 +409,11 @@ def load_step(
     rng = bt.get("rng") if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
 
-    loss_fn = None
+    loss_fn: Callable[..., Any] | None = None
     if loss_path:
         obj = resolve(loss_path, what="loss function", trusted=loss is not None)
-        loss_fn = obj() if inspect.isclass(obj) else obj
+        # resolve() checked obj is callable; a loss class is instantiated into a callable module
+        loss_fn = cast("Callable[..., Any]", obj() if inspect.isclass(obj) else obj)
 
     optimizer = None
     if opt_sd is not None:

@@ -36,7 +36,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import CommandError
 from .capture import split_batch
 from .records import Comparison, Decision, Regression, Report, TensorDiff
-from .replay import StepState, _call_model, _loss_of, environment
+from .replay import StepState, _backward, _call_model, _loss_of, environment
 
 __all__ = ["compare", "default_tolerances", "top_two", "TIE_RULE", "TASKS"]
 
@@ -55,6 +55,19 @@ TIE_RULE = "equal top scores go to the lowest class index, in both runs; a row h
 _RTOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 _ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5}
 _WORST = 5  # samples listed by --task regress
+
+
+class _Rule(TypedDict):
+    """The acceptance rule's fields of a ``Comparison``, fixed before the run."""
+
+    dtype: str
+    device_type: str
+    rtol: float
+    atol: float
+    task: str
+    max_flips: int
+    fail_on_tolerance: bool
+    tie_rule: str
 
 
 def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -218,7 +231,7 @@ def _run(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any
         copies, dtypes = _floats(scores) if scores is not None else ([], [])
         loss_copy = loss.detach().to("cpu", torch.float32, copy=True)
         if loss.requires_grad:
-            (loss * scale if scale != 1.0 else loss).backward()
+            _backward(loss * scale if scale != 1.0 else loss)
     grads: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is not None and p.grad.is_floating_point():
@@ -553,8 +566,8 @@ def compare(
     if low:
         base_notes += (f"parameters held in {', '.join(low)}: the reference runs them as they are, so it is float32 "
                   "arithmetic on rounded weights",)
-    rule = dict(dtype=dtype_name, device_type=device_type, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
-                fail_on_tolerance=fail_on_tolerance, tie_rule=TIE_RULE if task == "classify" else "")
+    rule = _Rule(dtype=dtype_name, device_type=device_type, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
+                 fail_on_tolerance=fail_on_tolerance, tie_rule=TIE_RULE if task == "classify" else "")
 
     def run(amp: bool) -> _Run:
         state.reset(start_rng)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,11 +61,11 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
             return orig(*_to_fp32(args), **_to_fp32(kwargs))
 
     forward.__nanhunt_fp32__ = True  # type: ignore[attr-defined]
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
     def undo() -> None:
         if had:
-            module.forward = previous  # type: ignore[method-assign]
+            module.forward = cast("Callable[..., Any]", previous)  # present in __dict__ when `had`
         else:
             module.__dict__.pop("forward", None)
 

@@ -7,7 +7,7 @@ import inspect
 import math
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -75,9 +75,9 @@ class StepState:
         with torch.no_grad():
             for t, saved in self.values:
                 t.data.copy_(saved)
-        for p, g, rg in zip(self.params, self.grads, self.requires_grad):
-            p.grad = g
-            p.requires_grad_(rg)
+        for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
+            param.grad = grad
+            param.requires_grad_(rg)
         opt = self.optimizer
         if opt is not None and self.opt_state is not None and self.opt_groups is not None:
             for p in list(opt.state.keys()):
@@ -152,6 +152,12 @@ def _loss_of(output: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> t
     return loss
 
 
+def _backward(t: torch.Tensor) -> None:
+    # Tensor.backward is unannotated in torch. Cast it rather than call torch.autograd.backward(t):
+    # a __torch_function__ override (tensor subclass or mode) still sees Tensor.backward, as before.
+    cast("Callable[[], None]", t.backward)()
+
+
 def run_step(
     model: nn.Module,
     inputs: Any,
@@ -171,7 +177,7 @@ def run_step(
     with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
         loss = _loss_of(_call_model(model, inputs), targets, loss_fn)
     if loss.requires_grad:
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        _backward(scaler.scale(loss) if scaler is not None else loss)
         if optimizer is not None:
             if scaler is not None:
                 scaler.step(optimizer)
@@ -216,8 +222,11 @@ def _cpu_name() -> str:
 def _same(a: Occurrence | None, b: Occurrence | None) -> bool:
     if a is None or b is None:
         return a is b
-    key = lambda o: (o.phase, o.module, o.call_index, o.op, o.kind, o.output.index)  # noqa: E731
-    return key(a) == key(b)
+    return _occurrence_key(a) == _occurrence_key(b)
+
+
+def _occurrence_key(o: Occurrence) -> tuple[Phase, str | None, int, str | None, str, int]:
+    return (o.phase, o.module, o.call_index, o.op, o.kind, o.output.index)
 
 
 def _bisect(model: nn.Module, batch: tuple[Any, Any], status: str, first: Occurrence | None, *,

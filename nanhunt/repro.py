@@ -151,11 +151,11 @@ def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: 
     return False
 
 
-class _Catch(_dispatch.TorchDispatchMode):
+class _Catch(_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped __init_subclass__ in torch
     """Catches the first call that matches the occurrence; every other op runs untouched."""
 
     def __init__(self, occ: Occurrence, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # untyped in torch
         self.occ = occ
         self.device_type = device_type
         self.dtype = dtype
@@ -243,8 +243,9 @@ def capture_origin_call(
     if occurrence.op is None:
         return None
     inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
-    if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model._orig_mod  # torch.compile: the tracer replayed the eager original, so do we
+    orig = getattr(model, "_orig_mod", None)
+    if isinstance(orig, nn.Module):
+        model = orig  # torch.compile: the tracer replayed the eager original, so do we
     state = StepState(model, optimizer, scaler)
     catch = _Catch(occurrence, device_type, dtype)
     handles: list[Any] = []
@@ -287,7 +288,10 @@ def _map_tensors(obj: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], coun
     return obj
 
 
-def _narrowed(obj: Any, pick: Callable[[int, torch.Tensor], list[tuple[int, int, int]]]) -> Any:
+_Pick = Callable[[int, torch.Tensor], list[tuple[int, int, int]]]  # (tensor index, tensor) -> (dim, start, length)s
+
+
+def _narrowed(obj: Any, pick: _Pick) -> Any:
     """``obj`` with each tensor narrowed along the (dim, start, length) triples ``pick`` gives it."""
 
     def fn(i: int, t: torch.Tensor) -> torch.Tensor:
@@ -302,6 +306,18 @@ def _halves(size: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (0, size // 2), (size // 2, size - size // 2)
 
 
+def _pick_size(size: int, a: int, n: int) -> _Pick:
+    return lambda i, t: [(d, a, n) for d in range(t.dim()) if t.shape[d] == size]
+
+
+def _pick_dims(pick: dict[int, int], a: int, n: int) -> _Pick:
+    return lambda i, t: [(pick[i], a, n)] if i in pick else []
+
+
+def _pick_one(ti: int, d: int, a: int, n: int) -> _Pick:
+    return lambda i, t: [(d, a, n)] if i == ti else []
+
+
 def _candidates(obj: Any) -> Iterator[Any]:
     """Halvings to try: one size halved in every tensor at once (keeps matmul and broadcast
     shapes consistent), then in two dims of equal size (a bias and its weight's columns), then
@@ -310,15 +326,15 @@ def _candidates(obj: Any) -> Iterator[Any]:
     dims = [(i, d, t.shape[d]) for i, t in enumerate(tensors) for d in range(t.dim()) if t.shape[d] > 1]
     for size in sorted({s for _, _, s in dims}, reverse=True):
         for a, n in _halves(size):
-            yield _narrowed(obj, lambda i, t, s=size, a=a, n=n: [(d, a, n) for d in range(t.dim()) if t.shape[d] == s])
+            yield _narrowed(obj, _pick_size(size, a, n))
     pairs = [(p, q) for k, p in enumerate(dims) for q in dims[k + 1:] if p[2] == q[2] and p[0] != q[0]]
     for p, q in sorted(pairs, key=lambda pq: -pq[0][2]):
         for a, n in _halves(p[2]):
             pick = {p[0]: p[1], q[0]: q[1]}
-            yield _narrowed(obj, lambda i, t, pick=pick, a=a, n=n: [(pick[i], a, n)] if i in pick else [])
+            yield _narrowed(obj, _pick_dims(pick, a, n))
     for ti, d, size in sorted(dims, key=lambda x: -tensors[x[0]].numel()):
         for a, n in _halves(size):
-            yield _narrowed(obj, lambda i, t, ti=ti, d=d, a=a, n=n: [(d, a, n)] if i == ti else [])
+            yield _narrowed(obj, _pick_one(ti, d, a, n))
 
 
 def shrink(call: OriginCall, kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -17,7 +17,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from types import CodeType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -106,7 +106,7 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 def _apply_caller() -> tuple[str, int, str] | None:
     """The user's frame that called ``Function.apply`` (the innermost one on the stack)."""
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     found = False
     while f is not None:
         code = f.f_code
@@ -234,7 +234,7 @@ class Trace:
         if self.level == "op":
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
-            self._mode.__enter__()
+            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def _teardown(self) -> None:
         """Remove everything installed. Safe to call twice; every step runs even if one fails."""
@@ -242,7 +242,7 @@ class Trace:
         mode, self._mode = self._mode, None
         if mode is not None:
             try:
-                mode.__exit__(None, None, None)
+                mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             except BaseException as e:  # pragma: no cover - defensive
                 errors.append(e)
         handles, self._handles = self._handles, []
@@ -333,7 +333,7 @@ class Trace:
 
     def _source(self) -> tuple[str, int, str] | None:
         """The innermost frame outside torch and nanhunt: the user's line that ran the op."""
-        f = sys._getframe(2)
+        f: FrameType | None = sys._getframe(2)
         skip_cache = self._code_skip
         while f is not None:
             code = f.f_code
@@ -539,7 +539,7 @@ class Trace:
             self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
         for p in model.parameters():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))  # type: ignore[no-untyped-call]
 
     def _record_weights(self, model: nn.Module) -> None:
         for qual, t in (*model.named_parameters(), *model.named_buffers()):
@@ -626,7 +626,8 @@ class Trace:
                         self._known[t] = (idx, _version(t))
                         self._spans[idx] = start
                     if t.requires_grad and torch.is_grad_enabled():
-                        self._handles.append(t.register_hook(self._grad_output_hook(name, call, is_root, idx)))
+                        self._handles.append(
+                            t.register_hook(self._grad_output_hook(name, call, is_root, idx)))  # type: ignore[no-untyped-call]
                 else:
                     idx = self._lookup(t, Phase.FORWARD, name, call)
                 if is_root:

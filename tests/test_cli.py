@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanhunt.cli import main
 from nanhunt.records import Report

@@ -151,7 +151,8 @@ def scaler_text(config: dict[str, Any]) -> str:
 def environment_rows(report: Report) -> list[tuple[str, str]]:
     env = report.environment
     cfg = report.config
-    rows = [(k, env[k]) for k in ("nanhunt", "torch", "python", "os", "device", "cuda", "rocm") if k in env]
+    rows: list[tuple[str, str]] = [(k, env[k]) for k in ("nanhunt", "torch", "python", "os", "device", "cuda", "rocm")
+                                   if k in env]
     if cfg.get("dtype") is not None:
         on = cfg.get("dtype") != "float32"
         rows.append(("autocast", f"{cfg.get('device_type', env.get('device_type', '?'))} {cfg['dtype']}"
@@ -197,7 +198,7 @@ TENSOR_COLUMNS = ("tensor", "dtype", "shape", "min", "max", "max |x|", "dtype ma
 
 def tensor_rows(occ: Occurrence) -> list[tuple[str, ...]]:
     """The op's inputs and output against the limits of their dtype."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     seen = occ.output.input_shapes  # as the op saw them (a record may be a view's base)
     named = [(f"input {i}", r, seen[i] if seen is not None and i < len(seen) else r.shape)
              for i, r in enumerate(occ.inputs)] + [("output", occ.output, occ.output.shape)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Sequence
 
 from ..records import Occurrence, Report
 from . import _common as c
@@ -48,7 +49,7 @@ def _spans(spans: list[Span], *, table: bool = False) -> str:
     return "".join(code(s.text, table=table) if s.code else escape(s.text) for s in spans)
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, right_from: int = 0) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, right_from: int = 0) -> str:
     align = ["---:" if i >= right_from > 0 else "---" for i in range(len(header))]
     lines = ["| " + " | ".join(escape(h) for h in header) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(escape(cell) for cell in row) + " |" for row in rows]

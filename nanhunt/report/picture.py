@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
@@ -71,7 +72,7 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
             a.plot([0, 1], [y, y], transform=a.transAxes, marker=[(-1, -0.5), (1, 0.5)], markersize=10,
                    linestyle="none", color="k", mec="k", mew=1, clip_on=False)
         nonfinite_y = bf16 + 2.0
-        axes = (top, ax)
+        axes: tuple[Axes, ...] = (top, ax)
     else:
         ax = fig.subplots(1, 1)
         top = ax
