@@ -44,12 +44,20 @@ _SAME_SET_VIEWS = frozenset(
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
 
 
+# Ops whose output holds exactly the values of one input, perhaps cast to another dtype:
+# the output's min/max are the input's (cast: rounding is monotone, overflow included),
+# so they are derived instead of measured. copy_ writes its source into self.
+_COPIES = frozenset({"clone", "_to_copy", "_unsafe_view", "contiguous", "lift_fresh_copy", "alias_copy",
+                     "detach_copy", "view_copy", "_reshape_copy"})
+
+
 @dataclass(frozen=True)
 class OpInfo:
     name: str  # "aten::addmm"
     same_set_view: bool
     is_view: bool
     uninitialised: bool
+    copy_of: int | None  # position among the op's floating tensor inputs whose values the output holds
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
     written_kwargs: tuple[str, ...]
 
@@ -79,6 +87,7 @@ def op_info(func: Any) -> OpInfo:
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
         is_view=returns_alias,
         uninitialised=base in _UNINITIALISED,
+        copy_of=0 if base in _COPIES else (1 if base == "copy_" else None),
         written_args=tuple(written_pos),
         written_kwargs=tuple(written_kw),
     )

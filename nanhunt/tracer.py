@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import struct
 import sys
 import warnings
 import weakref
@@ -36,6 +37,29 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANHUNT_DIR = os.path.dirname(__file__) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + "contextlib.py")
 _MAX_NEST = 6  # how deep module inputs/outputs are searched for tensors
+
+
+class _TensorMap:
+    """tensor -> (record index, version), keyed by identity without keeping the tensor alive.
+
+    A plain dict on ``id`` with a weak reference to check that the id still names the
+    same tensor (ids are reused once a tensor dies): cheaper than WeakIdKeyDictionary,
+    which builds a reference object on every lookup.
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int]]] = {}
+
+    def get(self, t: torch.Tensor) -> tuple[int, int] | None:
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return None
+        return e[1]
+
+    def __setitem__(self, t: torch.Tensor, value: tuple[int, int]) -> None:
+        self._d[id(t)] = (weakref.ref(t), value)
 
 
 class _Raw:
@@ -62,7 +86,7 @@ class _Raw:
         self.call = call
         self.op = op
         self.role = role
-        self.dtype = str(t.dtype).replace("torch.", "")
+        self.dtype = _dtype_name(t.dtype)
         self.shape = tuple(t.shape)
         self.inputs = inputs
         self.source = source
@@ -71,6 +95,43 @@ class _Raw:
         self.full: FullStats | None = None
         self.blank = False  # uninitialised memory: no value to measure, counts as finite
         self.in_shapes: tuple[tuple[int, ...], ...] | None = None
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _cast_value(x: float, dtype: str) -> float:
+    """``x`` rounded to ``dtype`` as a tensor cast does it (nearest even; overflow to inf)."""
+    if x != x or x in (math.inf, -math.inf) or dtype in ("float64", ""):
+        return x
+    try:
+        if dtype == "float16":
+            return float(struct.unpack("<e", struct.pack("<e", x))[0])
+        if dtype == "float32":
+            return float(struct.unpack("<f", struct.pack("<f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
+    if dtype == "bfloat16":
+        try:
+            bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        except OverflowError:
+            return math.copysign(math.inf, x)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
+        return float(struct.unpack("<f", struct.pack("<I", bits))[0])
+    return x
+
+
+def _cast_pair(lo: float, hi: float, dtype: str) -> tuple[float, float]:
+    """min/max of a tensor cast to ``dtype``: casting is monotone (rounding, overflow to inf),
+    so they are the cast of the source's min/max."""
+    return _cast_value(lo, dtype), _cast_value(hi, dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _version(t: torch.Tensor) -> int:
@@ -176,7 +237,7 @@ class Trace:
     def _reset(self) -> None:
         self._raw: list[_Raw] = []
         self._pending = PendingStats()
-        self._known: Any = _dispatch.WeakIdKeyDictionary()  # tensor -> (record index, version)
+        self._known = _TensorMap()  # tensor -> (record index, version)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._classes: dict[str, str] = {}
         self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
@@ -272,7 +333,7 @@ class Trace:
         )
         # Drop references that could keep user objects alive.
         self._raw = []
-        self._known = _dispatch.WeakIdKeyDictionary()
+        self._known = _TensorMap()
         self._seqmap = {}
 
     # --------------------------------------------------------------- results
@@ -401,27 +462,16 @@ class Trace:
         node = _dispatch.current_autograd_node()
         phase, module, call, src, want_src = self._context(node)
         new_node = False
+        seq = 0
         if node is None:
             seq = _dispatch.peek_sequence_nr()
             if seq != self._last_seq:
                 self._last_seq = seq
                 new_node = True
         ins: list[int] = []
-        scalar: str | None = None
-        lookup = self._lookup
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                if a.is_floating_point():
-                    ins.append(lookup(a, phase, module, call))
-            elif isinstance(a, float):
-                if a != a:
-                    scalar = "nan"
-                elif scalar is None and (a == math.inf or a == -math.inf):
-                    scalar = "inf"
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor) and b.is_floating_point():
-                        ins.append(lookup(b, phase, module, call))
+        scalar = self._scan(args, ins, phase, module, call, None)
+        if kwargs:
+            scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
         if want_src and (new_node or ins):
             src = self._source()
         if new_node:
@@ -451,23 +501,26 @@ class Trace:
         outs.extend(written)
         if not outs:
             return out
-        written_ids = {id(w) for w in written}
+        written_ids = {id(w) for w in written} if written else ()
         # A view of uninitialised memory is no value either, until something writes it.
         blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
+        # A copy (clone, cast, copy_) holds its source's values: derive, don't measure.
+        copy_of = ins[info.copy_of] if info.copy_of is not None and len(ins) == info.copy_of + 1 else None
         inputs = tuple(ins)
         new: list[int] = []
         seen_ids: set[int] = set()
+        view_version = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else None
         for o in outs:
             if id(o) in seen_ids or not o.is_floating_point():
                 continue
             seen_ids.add(id(o))
-            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar)
+            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias_of=copy_of)
             raw.blank = blank and id(o) not in written_ids
             idx = self._new(raw, o)
             if idx in self._zoom:
                 raw.in_shapes = _input_shapes(args, kwargs)
             # A view shares its base's version counter, but only once this mode has returned.
-            ver = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else _version(o)
+            ver = view_version if view_version is not None else _version(o)
             if id(o) in written_ids:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
@@ -478,13 +531,35 @@ class Trace:
             self._check_now(args, kwargs, outs)
         return out
 
+    def _scan(self, values: Iterable[Any], ins: list[int], phase: Phase, module: str | None, call: int,
+              scalar: str | None) -> str | None:
+        """Append the records of the floating tensors in ``values``; return the non-finite scalar seen."""
+        lookup = self._lookup
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                if a.is_floating_point():
+                    ins.append(lookup(a, phase, module, call))
+            elif isinstance(a, float):
+                if a != a:
+                    scalar = "nan"
+                elif scalar is None and (a == math.inf or a == -math.inf):
+                    scalar = "inf"
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor) and b.is_floating_point():
+                        ins.append(lookup(b, phase, module, call))
+        return scalar
+
     def _build_records(self, values: dict[int, tuple[float, float]], done: list[Record]) -> list[Record]:
         """Records for every raw one; ``done`` (already built, still valid) is extended, not rebuilt."""
         records = done
         for i in range(len(done), len(self._raw)):
             r = self._raw[i]
             if r.alias_of is not None:
-                lo, hi = records[r.alias_of].min, records[r.alias_of].max
+                base = records[r.alias_of]
+                lo, hi = base.min, base.max
+                if base.dtype != r.dtype:
+                    lo, hi = _cast_pair(lo, hi, r.dtype)
             else:
                 lo, hi = values.get(i, (math.nan, math.nan))
             records.append(
