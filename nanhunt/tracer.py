@@ -242,6 +242,7 @@ class Trace:
         self._classes: dict[str, str] = {}
         self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
         self._root_name: str | None = None
+        self._direct: dict[str, tuple[int, ...]] = {}  # module -> records of its own weights
         self._stack: list[tuple[str, int]] = []
         self._recompute_depth = 0  # module calls entered inside backward (torch.utils.checkpoint)
         self._mstack: list[tuple[int, tuple[int, ...]]] = []  # module level: (start, input records)
@@ -290,8 +291,7 @@ class Trace:
             )
             self._dynamo_prev = _dispatch.set_dynamo_disabled(True)
         if model is not None:
-            self._install_module_hooks(model)
-            self._record_weights(model)
+            self._install(model)
         if self.level == "op":
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
@@ -601,30 +601,34 @@ class Trace:
         raise NonFiniteError(occ)
 
     # ---------------------------------------------------------- module hooks
-    def _install_module_hooks(self, model: nn.Module) -> None:
+    def _install(self, model: nn.Module) -> None:
+        """One walk over the modules: names, hooks, weight records, parameter grad hooks."""
+        seen: set[int] = set()
+        pre, post, grad = self._pre_hook, self._post_hook, self._grad_hook
         for name, mod in model.named_modules():
             self._names[mod] = name
             self._classes[name] = type(mod).__name__
-            for pname, p in mod.named_parameters(recurse=False):
-                if p not in self._owner:
-                    self._owner[p] = name
+            direct: list[int] = []
+            for role, tensors in ((Role.PARAM, mod._parameters), (Role.BUFFER, mod._buffers)):
+                for t in tensors.values():
+                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                        continue
+                    if id(t) in seen:  # shared weights: recorded once, owned by the first module
+                        ent = self._known.get(t)
+                        if ent is not None:
+                            direct.append(ent[0])
+                        continue
+                    seen.add(id(t))
+                    idx = self._new(_Raw(Phase.WEIGHTS, name, 0, None, role, t, (), None), t)
+                    self._known[t] = (idx, _version(t))
+                    self._owner[t] = name
+                    direct.append(idx)
+                    if role is Role.PARAM and t.requires_grad:
+                        self._handles.append(t.register_post_accumulate_grad_hook(grad))  # type: ignore[no-untyped-call]
+            self._direct[name] = tuple(direct)
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
         self._root_name = self._names.get(model)
-        for mod in model.modules():
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True))
-        for p in model.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))  # type: ignore[no-untyped-call]
-
-    def _record_weights(self, model: nn.Module) -> None:
-        for qual, t in (*model.named_parameters(), *model.named_buffers()):
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                continue
-            owner, _, _ = qual.rpartition(".")
-            role = Role.PARAM if isinstance(t, nn.Parameter) else Role.BUFFER
-            idx = self._new(_Raw(Phase.WEIGHTS, owner, 0, None, role, t, (), None), t)
-            self._known[t] = (idx, _version(t))
-            self._owner.setdefault(t, owner)
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = self._names.get(module)
@@ -667,10 +671,7 @@ class Trace:
                 self._known[t] = (idx, _version(t))
                 ins.append(idx)
             if self.level == "module":
-                for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-                    ent = self._known.get(t)
-                    if ent is not None:
-                        ins.append(int(ent[0]))
+                ins.extend(self._direct.get(name, ()))
                 self._mstack.append((len(self._raw), tuple(ins)))
         finally:
             self._busy = False
