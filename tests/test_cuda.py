@@ -49,8 +49,13 @@ def test_backward_on_cuda_is_attributed() -> None:
 
 
 def test_replay_and_bisect_on_cuda() -> None:
-    m = _overflowing()
-    x, y = torch.randn(8, 16, device="cuda") * 10, torch.randn(8, 4, device="cuda")
+    # A cell that overflows float16 in its matmul and scales back, so that in float32 neither
+    # its output nor the gradients it sends back are large: it alone is the culprit.
+    from test_bisect import Chain
+
+    m = Chain(6, hot=(3,)).cuda()
+    x, y = torch.ones(4, 8, device="cuda"), torch.zeros(4, 8, device="cuda")
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, device_type="cuda", bisect=True)
-    assert rep.first is not None and rep.first.module == "2"
-    assert rep.verdict is not None and rep.verdict.kind == "precision" and rep.verdict.culprits == ("2",)
+    assert rep.first is not None and rep.first.module == "layers.3.fc"
+    v = rep.verdict
+    assert v is not None and v.kind == "precision" and v.culprits == ("layers.3.fc",) and v.confirmed
