@@ -211,6 +211,7 @@ class Trace:
         level: str = "op",
         stop_at_first: bool = False,
         allow: Iterable[str] = (),
+        scope: Iterable[str] = (),
         _zoom: Iterable[int] = (),
     ) -> None:
         if level not in _LEVELS:
@@ -227,6 +228,9 @@ class Trace:
             self.compiled = True
         self._model_ref = None if model is None else weakref.ref(model)
         self._zoom = frozenset(_zoom)
+        self.scope: tuple[str, ...] = (scope,) if isinstance(scope, str) else tuple(scope)
+        if self.scope and (model is None or level != "op"):
+            raise ValueError("scope= restricts an op-level trace of a model to some of its modules")
         self._state = "new"
         self._result: LocateResult | None = None
         self._records: list[Record] = []
@@ -443,6 +447,9 @@ class Trace:
             w = self._writes.get(_storage_key(t))
             links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
             raw = _Raw(phase, module, call, None, Role.REMEASURED, t, links, None)
+        elif self.scope:
+            # Made outside the scope (or before the step): it enters the scope here.
+            raw = _Raw(phase, module, call, None, Role.INPUT, t, (), None)
         elif phase is Phase.BACKWARD:
             # Never seen in this step: state from before it (a stale .grad being accumulated into).
             raw = _Raw(phase, module, call, None, Role.STATE, t, (), None)
@@ -458,8 +465,11 @@ class Trace:
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._busy:
             return func(*args, **kwargs)
-        info = _dispatch.op_info(func)
         node = _dispatch.current_autograd_node()
+        if self.scope and (not self._stack if node is None else (
+                not self._recompute_depth and node._sequence_nr() not in self._seqmap)):
+            return func(*args, **kwargs)  # outside the scope: not recorded
+        info = _dispatch.op_info(func)
         phase, module, call, src, want_src = self._context(node)
         new_node = False
         seq = 0
@@ -601,13 +611,26 @@ class Trace:
         raise NonFiniteError(occ)
 
     # ---------------------------------------------------------- module hooks
+    def _in_scope(self, name: str) -> bool:
+        return any(name == s or s == "" or name.startswith(s + ".") for s in self.scope)
+
     def _install(self, model: nn.Module) -> None:
         """One walk over the modules: names, hooks, weight records, parameter grad hooks."""
         seen: set[int] = set()
         pre, post, grad = self._pre_hook, self._post_hook, self._grad_hook
+        if self.scope:
+            table = dict(model.named_modules())
+            missing = [n for n in self.scope if n not in table]
+            if missing:
+                raise KeyError(f"scope names no module of the model: {', '.join(missing)} (see model.named_modules())")
         for name, mod in model.named_modules():
             self._names[mod] = name
             self._classes[name] = type(mod).__name__
+            if self.scope and not self._in_scope(name):
+                for p in mod._parameters.values():
+                    if isinstance(p, torch.Tensor) and p not in self._owner:
+                        self._owner[p] = name
+                continue
             direct: list[int] = []
             for role, tensors in ((Role.PARAM, mod._parameters), (Role.BUFFER, mod._buffers)):
                 for t in tensors.values():
@@ -650,6 +673,9 @@ class Trace:
                     self._raw[i].phase = Phase.FORWARD
                 self._loss_pending.clear()
             parent = self._stack[-1] if self._stack else None
+            if parent is None and self.scope:
+                # Entering the scope: nodes made outside it must not be taken for this op's.
+                self._last_seq = _dispatch.peek_sequence_nr()
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             self._stack.append((name, call))
@@ -665,8 +691,8 @@ class Trace:
                 if self.level == "module" and parent is not None:
                     # Not seen at a module boundary: made by the parent's own code between child calls.
                     raw = _Raw(Phase.FORWARD, parent[0], parent[1], None, Role.OUTPUT, t, (), None)
-                else:
-                    raw = _Raw(Phase.INPUT, name, call, None, Role.INPUT, t, (), None)
+                else:  # from outside the step (or, with scope=, from outside the scope)
+                    raw = _Raw(Phase.FORWARD if self.scope else Phase.INPUT, name, call, None, Role.INPUT, t, (), None)
                 idx = self._new(raw, t)
                 self._known[t] = (idx, _version(t))
                 ins.append(idx)
@@ -757,6 +783,7 @@ def trace(
     level: str = "op",
     stop_at_first: bool = False,
     allow: Iterable[str] = (),
+    scope: Iterable[str] = (),
 ) -> Trace:
     """Observe everything run inside the block and find where the first NaN/Inf was born.
 
@@ -772,6 +799,11 @@ def trace(
         allow: module names (a module covers its submodules) or op names
             (``"aten::softmax"`` or ``"softmax"``) whose non-finite values are
             intentional: listed in ``origins``, never ``first``.
+        scope: module names: record ops only inside these modules (and their
+            submodules), forward and backward; everything else runs untraced.
+            The zoom pass after a cheap ``level="module"`` trace found the module.
+            A tensor made outside the scope is recorded where it enters it
+            (role ``input``, phase of the op that reads it).
 
     Example::
 
@@ -781,4 +813,4 @@ def trace(
             scaler.scale(loss).backward()
         print(t.first)   # e.g. NaN born in phase forward, module encoder.1.fc ...
     """
-    return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow)
+    return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow, scope=scope)
