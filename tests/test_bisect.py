@@ -176,3 +176,27 @@ def test_keep_fp32_restores_forward() -> None:
     with pytest.raises(KeyError):
         with nanhunt.keep_fp32(m, ["nope"]):
             pass
+
+
+def test_ctrl_c_during_bisection_gives_partial_verdict_and_restores() -> None:
+    # GIVEN a bisection interrupted (Ctrl-C) at its 6th replay
+    m = Chain(8, hot=(5,))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = torch.get_rng_state()
+    calls = {"n": 0}
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2 + 6:  # the two traced replays, then the 6th bisection trial
+            raise KeyboardInterrupt
+        return F.mse_loss(out, y)
+
+    x = torch.ones(2, 8)
+    rep = nanhunt.replay(m, (x, torch.zeros(2, 8)), loss_fn=loss_fn, bisect=True)
+    # THEN the report holds a verdict marked interrupted, and nothing of the model changed
+    v = rep.verdict
+    assert v is not None and v.interrupted and not v.confirmed
+    assert v.replays == 6
+    assert all(torch.equal(before[k], t) for k, t in m.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
