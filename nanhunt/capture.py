@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ._errors import CommandError
+from ._tree import map_tensors
 
 __all__ = [
     "save_capture",
@@ -180,27 +181,11 @@ def save_capture(
 
 
 def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(o) for o in obj)
-    if isinstance(obj, list):
-        return [_to_cpu(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.detach().cpu())
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.to(device))
 
 
 # ------------------------------------------------------------------ loading

@@ -9,6 +9,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ._tree import map_tensors
+
 __all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "LOSS_REGION"]
 
 LOSS_REGION = "<loss>"  # the loss function, as a bisection candidate
@@ -16,15 +18,7 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _to_fp32(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in _LOW else obj
-    if isinstance(obj, tuple):
-        return tuple(_to_fp32(o) for o in obj)
-    if isinstance(obj, list):
-        return [_to_fp32(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to_fp32(v) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: t.float() if t.dtype in _LOW else t)
 
 
 def _device_type(args: Any, module: nn.Module | None) -> str:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import _dispatch
+from ._tree import iter_tensors, map_tensors
 from ._errors import CommandError
 from .capture import split_batch
 from .records import Occurrence, Phase, Repro
@@ -85,26 +86,7 @@ class OriginCall:
 
 
 def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, tuple):
-        return tuple(_clone(o) for o in obj)
-    if isinstance(obj, list):
-        return [_clone(o) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    return obj
-
-
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _leaves(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _leaves(o)
+    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 def _scalars(obj: Any) -> Iterator[float]:
@@ -120,19 +102,19 @@ def _scalars(obj: Any) -> Iterator[float]:
 
 def _outputs(func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     info = _dispatch.op_info(func)
-    outs = list(_leaves(out))
+    outs = list(iter_tensors(out))
     for i in info.written_args:
         if i < len(args):
-            outs += list(_leaves(args[i]))
+            outs += list(iter_tensors(args[i]))
     for k in info.written_kwargs:
-        outs += list(_leaves(kwargs.get(k)))
+        outs += list(iter_tensors(kwargs.get(k)))
     seen: set[int] = set()
     return [o for o in outs if o.is_floating_point() and not (id(o) in seen or seen.add(id(o)))]  # type: ignore[func-returns-value]
 
 
 def _inputs_clean(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The origin rule on the inputs: no NaN anywhere (NaN origin), everything finite (Inf origin)."""
-    floats = [t for t in _leaves((args, kwargs)) if t.is_floating_point()]
+    floats = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
     scalars = list(_scalars((args, kwargs)))
     if kind == "nan":
         return not any(math.isnan(s) for s in scalars) and not any(bool(t.isnan().any()) for t in floats)
@@ -271,7 +253,7 @@ def capture_origin_call(
 
 
 def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _leaves(obj))
+    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
 
 def _map_tensors(obj: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], counter: list[int]) -> Any:
@@ -322,7 +304,7 @@ def _candidates(obj: Any) -> Iterator[Any]:
     """Halvings to try: one size halved in every tensor at once (keeps matmul and broadcast
     shapes consistent), then in two dims of equal size (a bias and its weight's columns), then
     one dim of one tensor."""
-    tensors = list(_leaves(obj))
+    tensors = list(iter_tensors(obj))
     dims = [(i, d, t.shape[d]) for i, t in enumerate(tensors) for d in range(t.dim()) if t.shape[d] > 1]
     for size in sorted({s for _, _, s in dims}, reverse=True):
         for a, n in _halves(size):
@@ -479,7 +461,7 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
     Inputs above ``cap_bytes`` are narrowed to the smallest slice that still reproduces in
     this process (:func:`shrink`); when none fits, nothing is written and ``result`` says why."""
     args, kwargs = call.args, call.kwargs
-    original = tuple(tuple(t.shape) for t in _leaves((args, kwargs)))
+    original = tuple(tuple(t.shape) for t in iter_tensors((args, kwargs)))
     rp = Repro(op=call.op, overload=call.overload, device_type=call.device_type, autocast_dtype=_name(call.autocast_dtype))
     try:
         outs = call.run()
@@ -532,7 +514,7 @@ def _name(dtype: torch.dtype | None) -> str | None:
 
 
 def _tensor_slot(args: tuple[Any, ...], i: int) -> int:
-    return sum(1 for _ in _leaves(args[:i]))
+    return sum(1 for _ in iter_tensors(args[:i]))
 
 
 def _first_line(e: BaseException) -> str:
