@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from .records import Phase, Record, Role
+from .records import Phase, RecordView, Role
 
 __all__ = ["nonfinite_graph", "reached_sinks", "propagation_path"]
 
@@ -14,7 +14,7 @@ __all__ = ["nonfinite_graph", "reached_sinks", "propagation_path"]
 SINKS = ("output", "loss", "gradients", "update")
 
 
-def nonfinite_graph(records: Sequence[Record]) -> nx.DiGraph:
+def nonfinite_graph(records: Sequence[RecordView]) -> nx.DiGraph:
     """Producer -> consumer edges between non-finite records only."""
     g: nx.DiGraph = nx.DiGraph()
     for r in records:
@@ -27,7 +27,7 @@ def nonfinite_graph(records: Sequence[Record]) -> nx.DiGraph:
     return g
 
 
-def _sink_kind(r: Record, root_outputs: frozenset[int]) -> str | None:
+def _sink_kind(r: RecordView, root_outputs: frozenset[int]) -> str | None:
     if r.phase is Phase.UPDATE:
         return "update"
     if r.phase is Phase.BACKWARD or r.role is Role.GRAD:
@@ -40,7 +40,7 @@ def _sink_kind(r: Record, root_outputs: frozenset[int]) -> str | None:
 
 
 def reached_sinks(
-    g: nx.DiGraph, records: Sequence[Record], origin: int, root_outputs: frozenset[int]
+    g: nx.DiGraph, records: Sequence[RecordView], origin: int, root_outputs: frozenset[int]
 ) -> tuple[tuple[str, ...], int | None]:
     """Which sinks the origin's non-finite value reached, and the first sink record reached."""
     if origin not in g:

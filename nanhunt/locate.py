@@ -9,13 +9,13 @@ non-finite (batch, weights, optimizer state).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 
 from .graph import nonfinite_graph, propagation_path, reached_sinks
-from .records import Occurrence, Phase, Record, Role
+from .records import Occurrence, Phase, Record, RecordView, Role
 
 __all__ = ["LocateResult", "locate", "origin_kind", "is_allowed"]
 
@@ -31,7 +31,7 @@ class LocateResult:
     tainted: frozenset[int] = frozenset()  # origins and every non-finite record they fed
 
 
-def origin_kind(r: Record, records: Sequence[Record]) -> str | None:
+def origin_kind(r: RecordView, records: Sequence[RecordView]) -> str | None:
     """``"nan"``/``"inf"`` when ``r`` creates a non-finite value from finite inputs, else ``None``."""
     if r.finite:
         return None
@@ -61,7 +61,7 @@ def is_allowed(module: str | None, op: str | None, allow: Sequence[str]) -> bool
 
 
 def locate(
-    records: Sequence[Record],
+    records: Sequence[RecordView],
     *,
     level: str,
     classes: Mapping[str, str],
@@ -70,14 +70,23 @@ def locate(
     allow: Sequence[str] = (),
     start: int = 0,
     final: bool = True,
+    materialize: Callable[[int], Record] | None = None,
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
     ``spans`` (module level) maps a module output record to the index where its
     call began: a module is no origin when one of its children already was.
     With ``final=False`` (a check while the step runs) no propagation is computed.
+    ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
+    :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
     """
-    found: list[tuple[Record, str]] = []
+    if materialize is None:
+        def materialize(i: int) -> Record:
+            r = records[i]
+            assert isinstance(r, Record)
+            return r
+
+    found: list[tuple[RecordView, str]] = []
     grads_nonfinite = any(not r.finite and r.role in _MODULE_GRADS for r in records[:start])
     root_nonfinite = any(not records[i].finite for i in root_outputs if i < len(records))
     group, prev, last_group = 0, None, -1
@@ -139,9 +148,9 @@ def locate(
             call_index=call_index,
             op=r.op,
             kind=kind,
-            source=r.source,
-            output=r,
-            inputs=tuple(records[i] for i in r.inputs),
+            source=(out := materialize(r.index)).source,
+            output=out,
+            inputs=tuple(materialize(i) for i in r.inputs),
             reached=reached,
             allowed=allowed,
             path=path,
@@ -152,7 +161,7 @@ def locate(
     return LocateResult(first=first, origins=tuple(origins), path=first_path, tainted=frozenset(tainted))
 
 
-def _consumer(records: Sequence[Record], produced: int) -> Record | None:
+def _consumer(records: Sequence[RecordView], produced: int) -> RecordView | None:
     """Module level: the innermost module call that took record ``produced`` as an input
     (the last one in forward order, whose backward ran first)."""
     users = [
@@ -167,7 +176,7 @@ def _consumer(records: Sequence[Record], produced: int) -> Record | None:
     return inner[-1] if inner else None
 
 
-def _scalar_seeded(records: Sequence[Record], root_outputs: frozenset[int]) -> tuple[Record, str] | None:
+def _scalar_seeded(records: Sequence[RecordView], root_outputs: frozenset[int]) -> tuple[RecordView, str] | None:
     """No origin, yet the loss/gradients/output are non-finite: the value came from a
     non-finite Python scalar (``torch.full(..., nan)``); name the first op that used one."""
     # The loss value (the last loss-phase record), the parameters' gradients and the update:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
-           "TensorDiff", "Decision", "Regression", "Comparison"]
+           "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView"]
 
 # Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
 # ``Report.from_dict`` reads every older version: a missing key takes its default.
@@ -85,8 +85,66 @@ class FullStats:
         )
 
 
+class RangeStats:
+    """What ``min``/``max`` of one ``aminmax`` say: both NaN when the tensor holds a NaN,
+    an Inf shows up in one of them. Shared by :class:`Record` and the tracer's records
+    under construction, so the locator reads either."""
+
+    __slots__ = ()
+    min: float
+    max: float
+
+    @property
+    def has_nan(self) -> bool:
+        return math.isnan(self.min) or math.isnan(self.max)
+
+    @property
+    def has_inf(self) -> bool:
+        """An Inf is certainly present (a NaN may hide one: see ``full``)."""
+        return not self.has_nan and (math.isinf(self.min) or math.isinf(self.max))
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.min) and math.isfinite(self.max)
+
+    @property
+    def absmax(self) -> float:
+        if self.has_nan:
+            return math.nan
+        return max(abs(self.min), abs(self.max))
+
+
+class RecordView(Protocol):
+    """The part of a record the locator and the graph read."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def module(self) -> str | None: ...
+    @property
+    def call_index(self) -> int: ...
+    @property
+    def op(self) -> str | None: ...
+    @property
+    def role(self) -> Role: ...
+    @property
+    def inputs(self) -> tuple[int, ...]: ...
+    @property
+    def nonfinite_scalar(self) -> str | None: ...
+    @property
+    def min(self) -> float: ...
+    @property
+    def max(self) -> float: ...
+    @property
+    def finite(self) -> bool: ...
+    @property
+    def has_nan(self) -> bool: ...
+
+
 @dataclass(frozen=True)
-class Record:
+class Record(RangeStats):
     """Statistics of one floating tensor seen at one point of the step.
 
     ``min``/``max`` come from one on-device ``aminmax``: both are NaN when the
@@ -118,25 +176,6 @@ class Record:
         for s in self.shape:
             n *= s
         return n
-
-    @property
-    def has_nan(self) -> bool:
-        return math.isnan(self.min) or math.isnan(self.max)
-
-    @property
-    def has_inf(self) -> bool:
-        """An Inf is certainly present (a NaN may hide one: see ``full``)."""
-        return not self.has_nan and (math.isinf(self.min) or math.isinf(self.max))
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.min) and math.isfinite(self.max)
-
-    @property
-    def absmax(self) -> float:
-        if self.has_nan:
-            return math.nan
-        return max(abs(self.min), abs(self.max))
 
     def where(self) -> str:
         """Short human label: ``phase module#call op``."""

@@ -27,7 +27,7 @@ from torch import nn
 from . import _dispatch
 from ._errors import NonFiniteError, TraceStateError
 from .locate import LocateResult, locate
-from .records import FullStats, Occurrence, Phase, Record, Role
+from .records import FullStats, Occurrence, Phase, RangeStats, Record, Role
 from .stats import PendingStats, full_stats
 
 __all__ = ["trace", "Trace"]
@@ -62,11 +62,13 @@ class _TensorMap:
         self._d[id(t)] = (weakref.ref(t), value)
 
 
-class _Raw:
-    """A record under construction; its statistics are still on the device."""
+class _Raw(RangeStats):
+    """A record under construction: its statistics stay on the device until the trace
+    reads them back (``min``/``max`` NaN until then). The locator reads these directly;
+    a :class:`Record` is made only for what a user or a report looks at."""
 
-    __slots__ = ("phase", "module", "call", "op", "role", "dtype", "shape", "inputs", "source", "scalar", "alias_of",
-                 "full", "blank", "in_shapes")
+    __slots__ = ("index", "phase", "module", "call_index", "op", "role", "dtype", "shape", "inputs", "source",
+                 "nonfinite_scalar", "alias_of", "full", "blank", "in_shapes", "min", "max")
 
     def __init__(
         self,
@@ -81,16 +83,18 @@ class _Raw:
         scalar: str | None = None,
         alias_of: int | None = None,
     ) -> None:
+        self.index = -1  # set when appended
+        self.min = self.max = math.nan
         self.phase = phase
         self.module = module
-        self.call = call
+        self.call_index = call
         self.op = op
         self.role = role
         self.dtype = _dtype_name(t.dtype)
         self.shape = tuple(t.shape)
         self.inputs = inputs
         self.source = source
-        self.scalar = scalar
+        self.nonfinite_scalar = scalar
         self.alias_of = alias_of
         self.full: FullStats | None = None
         self.blank = False  # uninitialised memory: no value to measure, counts as finite
@@ -233,7 +237,7 @@ class Trace:
             raise ValueError("scope= restricts an op-level trace of a model to some of its modules")
         self._state = "new"
         self._result: LocateResult | None = None
-        self._records: list[Record] = []
+        self._made: dict[int, Record] = {}
         self._stopped: Occurrence | None = None
         self._reset()
 
@@ -325,18 +329,18 @@ class Trace:
             raise errors[0]
 
     def _finish(self) -> None:
-        records = self._build_records(self._pending.read(), [])
-        self._records = records
+        self._fill(self._pending.read(), 0)
+        self._made = {}  # phases may have changed since a stop_at_first check made some
         self._result = locate(
-            records,
+            self._raw,
             level=self.level,
             classes=self._classes,
             root_outputs=frozenset(self._root_outputs),
             spans=self._spans,
             allow=self.allow,
+            materialize=self._record,
         )
-        # Drop references that could keep user objects alive.
-        self._raw = []
+        # Drop references that could keep user objects alive (the raws hold no tensor).
         self._known = _TensorMap()
         self._seqmap = {}
 
@@ -361,13 +365,12 @@ class Trace:
 
     @property
     def path(self) -> list[Record]:
-        res = self._done()
-        return [self._records[i] for i in res.path]
+        return [self._record(i) for i in self._done().path]
 
     @property
     def records(self) -> list[Record]:
         self._done()
-        return list(self._records)
+        return [self._record(i) for i in range(len(self._raw))]
 
     @property
     def tainted(self) -> frozenset[int]:
@@ -384,7 +387,7 @@ class Trace:
 
     # ------------------------------------------------------------ recording
     def _new(self, raw: _Raw, t: torch.Tensor) -> int:
-        idx = len(self._raw)
+        idx = raw.index = len(self._raw)
         self._raw.append(raw)
         if raw.blank:
             self._pending.values[idx] = (0.0, 0.0)
@@ -560,35 +563,39 @@ class Trace:
                         ins.append(lookup(b, phase, module, call))
         return scalar
 
-    def _build_records(self, values: dict[int, tuple[float, float]], done: list[Record]) -> list[Record]:
-        """Records for every raw one; ``done`` (already built, still valid) is extended, not rebuilt."""
-        records = done
-        for i in range(len(done), len(self._raw)):
-            r = self._raw[i]
+    def _fill(self, values: dict[int, tuple[float, float]], start: int) -> None:
+        """Put the read-back statistics on the raw records from ``start`` on (copies derived)."""
+        raws = self._raw
+        for i in range(start, len(raws)):
+            r = raws[i]
             if r.alias_of is not None:
-                base = records[r.alias_of]
+                base = raws[r.alias_of]
                 lo, hi = base.min, base.max
                 if base.dtype != r.dtype:
                     lo, hi = _cast_pair(lo, hi, r.dtype)
             else:
                 lo, hi = values.get(i, (math.nan, math.nan))
-            records.append(
-                Record(
-                    index=i, phase=r.phase, module=r.module, call_index=r.call, op=r.op, role=r.role,
-                    dtype=r.dtype, shape=r.shape, min=lo, max=hi, inputs=r.inputs,
-                    source=_format_source(r.source), nonfinite_scalar=r.scalar, full=r.full,
-                    input_shapes=r.in_shapes,
-                )
+            r.min, r.max = lo, hi
+
+    def _record(self, i: int) -> Record:
+        """The :class:`Record` of index ``i``, made on first use."""
+        rec = self._made.get(i)
+        if rec is None:
+            r = self._raw[i]
+            rec = self._made[i] = Record(
+                index=i, phase=r.phase, module=r.module, call_index=r.call_index, op=r.op, role=r.role,
+                dtype=r.dtype, shape=r.shape, min=r.min, max=r.max, inputs=r.inputs,
+                source=_format_source(r.source), nonfinite_scalar=r.nonfinite_scalar, full=r.full,
+                input_shapes=r.in_shapes,
             )
-        return records
+        return rec
 
     def _check_now(self, args: Sequence[Any], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> None:
         """stop_at_first: read back what is pending and raise at the first origin."""
-        recs = self._build_records(self._pending.read(), self._records)
-        self._records = recs
         raws = self._raw
-        res = locate(recs, level=self.level, classes=self._classes, root_outputs=frozenset(),
-                     spans=self._spans, allow=self.allow, start=self._checked, final=False)
+        self._fill(self._pending.read(), self._checked)
+        res = locate(raws, level=self.level, classes=self._classes, root_outputs=frozenset(),
+                     spans=self._spans, allow=self.allow, start=self._checked, final=False, materialize=self._record)
         self._checked = len(raws)
         if res.first is None:
             return
