@@ -219,7 +219,7 @@ class CompareCommand:
         mode = p.add_mutually_exclusive_group()
         mode.add_argument("--train", dest="train", action="store_const", const=True, help="run in train mode")
         mode.add_argument("--eval", dest="train", action="store_const", const=False, help="run in eval mode")
-        p.add_argument("--report", metavar="PATH", help="also write the report (.json holds everything, .txt)")
+        p.add_argument("--report", metavar="PATH", help="also write the report (.json, .md, .html + .png beside, .txt)")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -230,9 +230,6 @@ class CompareCommand:
 
         if args.report:
             renderer_for(args.report)  # fail on a bad suffix before the long part
-            if not args.report.lower().endswith((".json", ".txt")):
-                # The Markdown and HTML renderers don't draw comparisons yet: better no file than a misleading one.
-                raise CommandError("nanhunt compare writes .json or .txt reports (Markdown/HTML: render the JSON later)")
         if args.rtol is not None and not args.rtol >= 0 or args.atol is not None and not args.atol >= 0:
             raise CommandError("--rtol and --atol must be >= 0")
         if args.max_flips < 0:

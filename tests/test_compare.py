@@ -299,7 +299,7 @@ def test_cli_nonfinite_reference_exits_1(tmp_path: Path, capsys: pytest.CaptureF
 
 @pytest.mark.parametrize("extra", [["--dtype", "float32"], ["--rtol", "-1"], ["--max-flips", "-2"],
                                    ["--task", "classify", "--model", f"{HELPERS}:Scalar"], ["--report", "r.pdf"],
-                                   ["--report", "r.md"]])
+                                   ["--report", "r"]])
 def test_cli_input_errors_exit_2(tmp_path: Path, extra: list[str]) -> None:
     files = _save(tmp_path, Scalar(), torch.ones(2, 4), torch.zeros(2))
     model = [] if "--model" in extra else ["--model", f"{HELPERS}:Scalar"]

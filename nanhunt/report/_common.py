@@ -9,10 +9,15 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..records import Occurrence, Record, Report
+from ..records import Comparison, Decision, Occurrence, Record, Regression, Report, TensorDiff
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
-           "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "path_label"]
+           "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "path_label",
+           "compare_verdict", "compare_summary", "compare_title", "RULE_LABEL", "NOTHING_COMPARED", "ERROR_DEFINITION",
+           "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows", "RANKING_COLUMNS", "ranking_cells",
+           "carrier", "carrier_text", "decisions_head", "decisions_counts", "decision_columns", "decision_cells", "DIFF_COLUMNS",
+           "diff_cells", "diff_text", "extremes_text", "worst_text", "gradients_head", "ordered_grads",
+           "module_class_text"]
 
 LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
           "float64": 1.7976931348623157e308}
@@ -239,3 +244,154 @@ def repro_text(report: Report) -> list[Span]:
     else:
         out.append(Span(f" Repro NOT verified: {rp.result or 'it was not run'}."))
     return out
+
+
+# ------------------------------------------------------------------ nanhunt compare
+#
+# The sentences and table cells of a comparison report, shared by the console, Markdown and HTML. A module
+# call's label (``TensorDiff.label()``) and class are user names: the renderers set and escape them.
+
+RULE_LABEL = "rule (fixed before the run)"
+NOTHING_COMPARED = "nothing was compared: a non-finite float32 run is no reference for precision"
+ERROR_DEFINITION = ("err = max |amp - ref| / max |ref| of a value; introduced = output err - input err - what the "
+                    "call's sub-calls introduced")
+NO_RANKING = "no module call introduces error"
+RANKING_COLUMNS = ("#", "module call", "introduced", "output err", "input err", "max abs", "max rel", "out of tol",
+                   "headroom", "underflow")
+DIFF_COLUMNS = ("value", "dtype", "shape", "max abs", "max rel", "err", "out of tol", "headroom", "underflow")
+
+
+def compare_verdict(c: Comparison) -> str:
+    """One word (or two) for the result: ``ACCEPTED``, ``REJECTED`` or ``REFERENCE NON-FINITE``."""
+    if not c.reference_finite:
+        return "REFERENCE NON-FINITE"
+    return "ACCEPTED" if c.accepted else "REJECTED"
+
+
+def compare_summary(report: Report) -> str:
+    """The status line, first in every rendering of a comparison."""
+    c = report.comparison
+    assert c is not None, "not a comparison report"
+    if not c.reference_finite:
+        return f"REFERENCE NON-FINITE: the float32 reference is non-finite, first at {c.reference_first_nonfinite}"
+    n = len(c.violations)
+    tail = "" if c.accepted else f" ({n} violation{'s' if n != 1 else ''})"
+    return f"{compare_verdict(c)}: autocast {c.dtype} against the float32 reference{tail}"
+
+
+def compare_title(c: Comparison) -> str:
+    return f"nanhunt compare: {compare_verdict(c).lower()}"
+
+
+def pct(x: float) -> str:
+    """A fraction of elements as a percentage; ``<0.1%`` rather than a misleading 0."""
+    if math.isnan(x):
+        return "nan"
+    return "0" if x == 0 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
+
+
+def diff_headroom(d: TensorDiff) -> str:
+    if d.headroom is None:
+        return "overflowed"
+    return "inf" if math.isinf(d.headroom) else f"{d.headroom:.3g}x"
+
+
+def indices(xs: tuple[int, ...], limit: int = 20) -> str:
+    head = ", ".join(map(str, xs[:limit]))
+    return head + (f", ... ({len(xs) - limit} more)" if len(xs) > limit else "")
+
+
+def amp_state(c: Comparison) -> str:
+    """``finite`` or ``NON-FINITE (first at ...)``: how the autocast run ended."""
+    if c.amp_finite is None:
+        return "not run"
+    return "finite" if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})"
+
+
+def run_rows(c: Comparison) -> list[tuple[str, str]]:
+    """The two runs, one row each: (run, how it ended and its loss)."""
+    ref = "finite" if c.reference_finite else f"NON-FINITE (first at {c.reference_first_nonfinite})"
+    rows = [("float32 reference", f"{ref}, loss {num(c.ref_loss)}")]
+    if c.amp_finite is None:
+        rows.append((f"autocast {c.dtype}", "not run"))
+    else:
+        rows.append((f"autocast {c.dtype}", f"{amp_state(c)}, loss {num(c.amp_loss)}"))
+    return rows
+
+
+def module_class_text(d: TensorDiff) -> str:
+    return f" ({d.module_class})" if d.module_class else ""
+
+
+def ranking_cells(d: TensorDiff) -> tuple[str, ...]:
+    """The numbers of one module call, the columns of ``RANKING_COLUMNS`` after "module call"."""
+    return (num(d.introduced), num(d.scaled), num(d.input_scaled), num(d.max_abs), num(d.max_rel), pct(d.out_of_tol),
+            diff_headroom(d), str(d.underflow))
+
+
+def carrier(c: Comparison) -> TensorDiff | None:
+    """The call holding the largest absolute error when it is not the one ranked first: it carries error made
+    upstream. On a tie the deepest call (a container's output is its last child's)."""
+    if not c.modules or not c.ranking:
+        return None
+    largest = max(range(len(c.modules)), key=lambda i: (c.modules[i].max_abs, c.modules[i].depth, -i))
+    if largest != c.ranking[0] and c.modules[largest].max_abs > 0:
+        return c.modules[largest]
+    return None
+
+
+def carrier_text(d: TensorDiff) -> list[Span]:
+    return [Span("largest absolute error: "), Span(d.label(), True),
+            Span(f" ({num(d.max_abs)}), which introduces {num(d.introduced)} of it: it carries error made upstream")]
+
+
+def decisions_head(c: Comparison) -> str:
+    return "decisions: " + decisions_counts(c)
+
+
+def decisions_counts(c: Comparison) -> str:
+    """How many samples, how many flipped and near the boundary, and which."""
+    return (f"{c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
+            + (f" ({indices(c.flipped)})" if c.flipped else "")
+            + f", {len(c.near_boundary)} near the boundary"
+            + (f" ({indices(c.near_boundary)})" if c.near_boundary else ""))
+
+
+def decision_columns(c: Comparison) -> tuple[str, ...]:
+    return ("sample", "float32 class (runner-up)", "float32 margin", f"{c.dtype} class", f"{c.dtype} margin", "")
+
+
+def decision_cells(d: Decision) -> tuple[str, ...]:
+    what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
+    return (str(d.index), f"{d.ref_class} ({d.ref_runner_up})", num(d.ref_margin), str(d.amp_class), num(d.amp_margin),
+            what)
+
+
+def diff_cells(d: TensorDiff) -> tuple[str, ...]:
+    """The columns of ``DIFF_COLUMNS`` after "value" (whose name is the renderer's: a gradient names a parameter)."""
+    return (d.dtype or "-", str(list(d.shape)), num(d.max_abs), num(d.max_rel), num(d.scaled), pct(d.out_of_tol),
+            diff_headroom(d), str(d.underflow))
+
+
+def diff_text(d: TensorDiff) -> str:
+    return (f"max abs error {num(d.max_abs)}, max rel error {num(d.max_rel)}, out of tolerance {pct(d.out_of_tol)}, "
+            f"headroom {diff_headroom(d)}, underflow {d.underflow}")
+
+
+def extremes_text(c: Comparison, g: Regression) -> str:
+    return (f"extremes: float32 [{num(g.ref_min)}, {num(g.ref_max)}], {c.dtype} "
+            f"[{num(g.amp_min)}, {num(g.amp_max)}]")
+
+
+def worst_text(g: Regression) -> str:
+    return "largest error per sample: " + ", ".join(f"{i} ({num(e)})" for i, e in g.worst)
+
+
+def gradients_head(c: Comparison) -> str:
+    under = sum(d.underflow for d in c.grads)
+    return f"gradients: {len(c.grads)} tensors, {under} elements underflowed to zero"
+
+
+def ordered_grads(c: Comparison) -> list[TensorDiff]:
+    """The gradients, largest error (``scaled``) first; a stable sort keeps parameter order on ties."""
+    return sorted(c.grads, key=lambda d: -d.scaled)

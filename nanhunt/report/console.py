@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import math
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -153,62 +152,31 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
 # ------------------------------------------------------------------ nanhunt compare
 
 
-def _pct(x: float) -> str:
-    if math.isnan(x):
-        return "nan"
-    return "0" if x == 0 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
-
-
-def _headroom_of(d: TensorDiff) -> str:
-    if d.headroom is None:
-        return "overflowed"
-    return "inf" if math.isinf(d.headroom) else f"{d.headroom:.3g}x"
-
-
 def compare_summary(report: Report) -> str:
-    c = report.comparison
-    assert c is not None
-    if not c.reference_finite:
-        return f"REFERENCE NON-FINITE: the float32 reference is non-finite, first at {c.reference_first_nonfinite}"
-    verb = "ACCEPTED" if c.accepted else "REJECTED"
-    n = len(c.violations)
-    tail = "" if c.accepted else f" ({n} violation{'s' if n != 1 else ''})"
-    return f"{verb}: autocast {c.dtype} against the float32 reference{tail}"
+    return _c.compare_summary(report)
 
 
 def _ranking_table(c: Comparison, limit: int) -> Table:
-    t = Table(title="where the error is introduced: err = max |amp - ref| / max |ref| of a value; introduced = "
-                    "output err - input err - what the call's sub-calls introduced", title_justify="left")
-    for col in ("#", "module call", "introduced", "output err", "input err", "max abs", "max rel", "out of tol",
-                "headroom", "underflow"):
+    t = Table(title=f"where the error is introduced: {_c.ERROR_DEFINITION}", title_justify="left")
+    for col in _c.RANKING_COLUMNS:
         t.add_column(col, justify="left" if col == "module call" else "right")
     for rank, i in enumerate(c.ranking[:limit], 1):
         d = c.modules[i]
-        name = escape(d.label()) + (f" ({escape(d.module_class)})" if d.module_class else "")
-        t.add_row(str(rank), name, _c.num(d.introduced), _c.num(d.scaled), _c.num(d.input_scaled), _c.num(d.max_abs),
-                  _c.num(d.max_rel), _pct(d.out_of_tol), _headroom_of(d), str(d.underflow))
+        t.add_row(str(rank), escape(d.label() + _c.module_class_text(d)), *_c.ranking_cells(d))
     return t
 
 
 def _decisions_table(c: Comparison) -> Table:
     t = Table()
-    for col in ("sample", "float32 class (runner-up)", "float32 margin", f"{c.dtype} class", f"{c.dtype} margin", ""):
+    for col in _c.decision_columns(c):
         t.add_column(col, justify="left" if col in ("sample", "") else "right")
     for d in c.decisions:
-        what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
-        t.add_row(str(d.index), f"{d.ref_class} ({d.ref_runner_up})", _c.num(d.ref_margin), str(d.amp_class),
-                  _c.num(d.amp_margin), what, style="bold red" if d.flipped else "yellow")
+        t.add_row(*_c.decision_cells(d), style="bold red" if d.flipped else "yellow")
     return t
 
 
 def _diff_line(what: str, d: TensorDiff) -> Text:
-    return Text(f"{what}: max abs error {_c.num(d.max_abs)}, max rel error {_c.num(d.max_rel)}, out of tolerance "
-                f"{_pct(d.out_of_tol)}, headroom {_headroom_of(d)}, underflow {d.underflow}")
-
-
-def _indices(xs: tuple[int, ...], limit: int = 20) -> str:
-    head = ", ".join(map(str, xs[:limit]))
-    return head + (f", ... ({len(xs) - limit} more)" if len(xs) > limit else "")
+    return Text(f"{what}: {_c.diff_text(d)}")
 
 
 def render_comparison(report: Report, limit: int = 10) -> RenderableType:
@@ -217,15 +185,14 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     c = report.comparison
     assert c is not None, "not a comparison report"
     parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if c.accepted else "red"))]
-    parts.append(Text("rule (fixed before the run): " + c.rule_text(), style="bold"))
+    parts.append(Text(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
     for v in c.violations:
         parts.append(Text("violation: " + v, style="red"))
     if not c.reference_finite:
-        parts.append(Text("nothing was compared: a non-finite float32 run is no reference for precision", style="red"))
+        parts.append(Text(_c.NOTHING_COMPARED, style="red"))
     else:
         runs = Text(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
-        runs.append("finite" if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})",
-                    style="green" if c.amp_finite else "bold red")
+        runs.append(_c.amp_state(c), style="green" if c.amp_finite else "bold red")
         runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
     if c.modules:
@@ -234,35 +201,26 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
             if len(c.ranking) > limit:
                 parts.append(Text(f"... and {len(c.ranking) - limit} more module calls introduce some error"))
         else:
-            parts.append(Text("no module call introduces error"))
-        # On a tie the deepest call: a container's output is its last child's.
-        largest = max(range(len(c.modules)), key=lambda i: (c.modules[i].max_abs, c.modules[i].depth, -i))
-        if c.ranking and largest != c.ranking[0] and c.modules[largest].max_abs > 0:
-            d = c.modules[largest]
-            parts.append(Text(f"largest absolute error: {d.label()} ({_c.num(d.max_abs)}), which introduces "
-                              f"{_c.num(d.introduced)} of it: it carries error made upstream"))
-    if c.task == "classify":
-        head = (f"decisions: {c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
-                + (f" ({_indices(c.flipped)})" if c.flipped else "")
-                + f", {len(c.near_boundary)} near the boundary"
-                + (f" ({_indices(c.near_boundary)})" if c.near_boundary else ""))
-        parts.append(Text(head, style="bold red" if c.flipped else "bold"))
+            parts.append(Text(_c.NO_RANKING))
+        d = _c.carrier(c)
+        if d is not None:
+            parts.append(_text(_c.carrier_text(d)))
+    if c.task == "classify" and c.reference_finite:  # a non-finite reference: nothing was compared
+        parts.append(Text(_c.decisions_head(c), style="bold red" if c.flipped else "bold"))
         if c.decisions:
             parts.append(_decisions_table(c))
     if c.output is not None:
         parts.append(_diff_line("model output", c.output))
     g = c.regression
     if g is not None:
-        parts.append(Text(f"extremes: float32 [{_c.num(g.ref_min)}, {_c.num(g.ref_max)}], {c.dtype} "
-                          f"[{_c.num(g.amp_min)}, {_c.num(g.amp_max)}]"))
+        parts.append(Text(_c.extremes_text(c, g)))
         if g.worst:
-            parts.append(Text("largest error per sample: " + ", ".join(f"{i} ({_c.num(e)})" for i, e in g.worst)))
+            parts.append(Text(_c.worst_text(g)))
     if c.loss is not None:
         parts.append(_diff_line("loss", c.loss))
     if c.grads:
-        worst = sorted(c.grads, key=lambda d: -d.scaled)[:5]
-        under = sum(d.underflow for d in c.grads)
-        line = Text(f"gradients: {len(c.grads)} tensors, {under} elements underflowed to zero; largest errors: ")
+        worst = _c.ordered_grads(c)[:5]
+        line = Text(_c.gradients_head(c) + "; largest errors: ")
         line.append("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst))
         parts.append(line)
     if c.unmatched:

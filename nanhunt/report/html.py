@@ -8,9 +8,10 @@ cannot make a browser fetch from outside.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html as _html
 
-from ..records import Occurrence, Report
+from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span
 
@@ -144,7 +145,10 @@ def _badges(report: Report) -> str:
 
 def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> str:
     """The page. ``png`` is the picture (drawn here with :mod:`nanhunt.report.picture` when
-    ``None`` and ``draw``); pass the bytes you also write beside the page to draw it once."""
+    ``None`` and ``draw``); pass the bytes you also write beside the page to draw it once.
+    A comparison report (``nanhunt compare``) gets its own page, with the picture of error by module."""
+    if report.comparison is not None:
+        return _render_comparison(report, report.comparison, png=png, draw=draw)
     if png is None and draw and report.timeline:
         from .picture import png as draw_png
 
@@ -223,4 +227,200 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         parts.append(f"<details open><summary>Notes ({len(report.notes)})</summary><ul>{items}</ul></details>")
     parts.append(f"<footer>nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors."
                  "</footer></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# ------------------------------------------------------------------ nanhunt compare
+
+_RANK_SHOWN = 20  # module calls in the ranking table
+_CALLS_SHOWN = 200  # module calls in the folded table of all calls
+_LIST_SHOWN = 100
+_CMP_CSS = """
+.rule { background: #f6f8fa; border-left: 4px solid #888; padding: 8px 12px; margin: 10px 0; }
+ul.violations li { color: var(--bad); }
+tr.flip td { color: var(--bad); font-weight: 600; } tr.near td { color: var(--warn); }
+tr.first td { font-weight: 600; }
+"""
+
+
+def _num_cell(text: str, cls: str = "") -> str:
+    return f'<td class="{("num " + cls).strip()}">{_e(text)}</td>'
+
+
+def _headroom_class(d: TensorDiff) -> str:
+    if d.headroom is None:
+        return "bad"
+    return "warn" if d.headroom < 16 else ""
+
+
+def _call_cell(d: TensorDiff, extra: str = "", indent: int = 0) -> str:
+    cls = f' <span class="dim">{_e(d.module_class)}</span>' if d.module_class else ""
+    style = f' style="padding-left: {10 + 14 * indent}px"' if indent else ""
+    return f"<td{style}><code>{_e(d.label())}</code>{cls}{extra}</td>"
+
+
+def _error_cells(cmp: Comparison, d: TensorDiff) -> str:
+    """The cells of ``c.ranking_cells``, coloured: an introduced error above rtol, an overflowed headroom."""
+    cells = c.ranking_cells(d)
+    intro = d.introduced if d.introduced is not None else 0.0
+    over = not intro <= cmp.rtol  # also NaN and Inf
+    classes = ["bad" if over else "", "", "", "", "", "warn" if d.out_of_tol > 0 else "", _headroom_class(d), ""]
+    return "".join(_num_cell(x, k) for x, k in zip(cells, classes))
+
+
+def _head_row(header: tuple[str, ...], text_columns: tuple[int, ...]) -> str:
+    return "".join(f'<th class="{"" if i in text_columns else "num"}">{_e(h)}</th>' for i, h in enumerate(header))
+
+
+def _ranking_table(cmp: Comparison) -> str:
+    rows = []
+    for rank, i in enumerate(cmp.ranking[:_RANK_SHOWN], 1):
+        d = cmp.modules[i]
+        rows.append(f'<tr class="{"first" if rank == 1 else ""}">{_num_cell(str(rank))}{_call_cell(d)}'
+                    f"{_error_cells(cmp, d)}</tr>")
+    head = _head_row(c.RANKING_COLUMNS, (1,))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _calls_table(cmp: Comparison) -> str:
+    rank_of = {i: r for r, i in enumerate(cmp.ranking, 1)}
+    rows = []
+    for i, d in enumerate(cmp.modules[:_CALLS_SHOWN]):
+        r = rank_of.get(i)
+        extra = f' <span class="dim">(rank {r})</span>' if r is not None else ""
+        rows.append(f"<tr>{_call_cell(d, extra, min(d.depth, 12))}{_num_cell(str(d.depth))}"
+                    f"{_error_cells(cmp, d)}</tr>")
+    more = (f'<p class="dim">... and {len(cmp.modules) - _CALLS_SHOWN} more</p>'
+            if len(cmp.modules) > _CALLS_SHOWN else "")
+    head = _head_row(("call", "depth", *c.RANKING_COLUMNS[2:]), (0,))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+
+
+def _diff_table(named: list[tuple[str, TensorDiff]], *, names_are_code: bool = False) -> str:
+    rows = []
+    for name, d in named:
+        cells = c.diff_cells(d)
+        first = f"<td><code>{_e(name)}</code></td>" if names_are_code else f"<td>{_e(name)}</td>"
+        classes = ["", "", "", "", "", "warn" if d.out_of_tol > 0 else "", _headroom_class(d), ""]
+        body = "".join(f"<td>{_e(x)}</td>" if i < 2 else _num_cell(x, classes[i]) for i, x in enumerate(cells))
+        rows.append(f"<tr>{first}{body}</tr>")
+    return f"<table><thead><tr>{_head_row(c.DIFF_COLUMNS, (0, 1, 2))}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _decisions_table(cmp: Comparison) -> str:
+    rows = []
+    for d in cmp.decisions:
+        cells = c.decision_cells(d)
+        body = "".join(f"<td>{_e(x)}</td>" if i in (0, 5) else _num_cell(x) for i, x in enumerate(cells))
+        rows.append(f'<tr class="{"flip" if d.flipped else "near"}">{body}</tr>')
+    head = _head_row(c.decision_columns(cmp), (0, 5))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _compare_badges(cmp: Comparison) -> str:
+    verdict = c.compare_verdict(cmp)
+    out = f'<span class="badge {"b-ok" if cmp.accepted else "b-bad"}">{_e(verdict.lower())}</span>'
+    if cmp.amp_finite is False:
+        out += f'<span class="badge b-bad">{_e(cmp.dtype)} non-finite</span>'
+    if cmp.flipped:
+        out += f'<span class="badge b-bad">{len(cmp.flipped)} flipped</span>'
+    if cmp.near_boundary:
+        out += f'<span class="badge b-warn">{len(cmp.near_boundary)} near the boundary</span>'
+    return out
+
+
+def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, draw: bool) -> str:
+    if png is None and draw and cmp.modules:
+        from .picture import png as draw_png
+
+        png = draw_png(report)
+    summary = c.compare_summary(report)
+    parts: list[str] = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>nanhunt compare: {_e(summary)}</title>",
+        f"<style>{_CSS}{_CMP_CSS}</style></head><body>",
+        f"<header><h1>nanhunt compare</h1>{_compare_badges(cmp)}",
+        f'<p class="sentence {"ok" if cmp.accepted else "bad"}">{_e(summary)}</p>',
+        f'<p class="rule"><b>{_e(c.RULE_LABEL.capitalize())}:</b> {_e(cmp.rule_text())}.</p>',
+    ]
+    if cmp.violations:
+        items = "".join(f"<li>{_e(v)}</li>" for v in cmp.violations)
+        parts.append(f'<ul class="violations">{items}</ul>')
+    parts.append("</header>")
+    runs = []
+    for k, v in c.run_rows(cmp):
+        state = "ok" if v.startswith("finite") else ("dim" if v == "not run" else "bad")
+        runs.append((k, f'<span class="{state}">{_e(v)}</span>'))
+    parts += ["<section><h2>Runs</h2>", _kv(runs)]
+    if not cmp.reference_finite:
+        parts.append(f'<p class="bad">{_e(c.NOTHING_COMPARED.capitalize())}.</p>')
+    parts.append("</section>")
+    if png:
+        alt = "error by module call: the error each call introduces (bars) and the error of its output (dots)"
+        parts += ["<section><h2>Error by module</h2><figure>",
+                  f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">',
+                  "<figcaption>One row per module call, in the order the calls started. Bars: the error the call "
+                  "introduces (red above the relative tolerance); dots: the error of its output; both as a fraction "
+                  "of the value's largest float32 magnitude, on a log scale. Dashed line: rtol. Infinite errors sit "
+                  "in a column of their own at the right.</figcaption></figure></section>"]
+    if cmp.modules:
+        parts += ["<section><h2>Where the error is introduced</h2>",
+                  f'<p class="dim">{_e(c.ERROR_DEFINITION)}.</p>']
+        if cmp.ranking:
+            parts.append(_ranking_table(cmp))
+            if len(cmp.ranking) > _RANK_SHOWN:
+                parts.append(f"<p>... and {len(cmp.ranking) - _RANK_SHOWN} more module calls introduce some error</p>")
+        else:
+            parts.append(f"<p>{_e(c.NO_RANKING.capitalize())}.</p>")
+        d = c.carrier(cmp)
+        if d is not None:
+            spans = c.carrier_text(d)
+            parts.append(f"<p>{_spans([Span(spans[0].text.capitalize()), *spans[1:]])}.</p>")
+        parts.append(f"<details><summary>All {len(cmp.modules)} module calls, in the order they started</summary>"
+                     f"{_calls_table(cmp)}</details></section>")
+    if cmp.task == "classify" and cmp.reference_finite:
+        parts += ["<section><h2>Decisions</h2>",
+                  f'<p class="{"bad" if cmp.flipped else ""}"><b>{_e(c.decisions_counts(cmp))}.</b></p>']
+        if cmp.decisions:
+            parts.append(_decisions_table(cmp))
+        parts.append("</section>")
+    named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
+    g = cmp.regression
+    if named or g is not None:
+        parts.append("<section><h2>Output and loss</h2>")
+        if named:
+            parts.append(_diff_table(named))
+        if g is not None:
+            parts.append(f"<p>{_e(c.extremes_text(cmp, g).capitalize())}.</p>")
+            if g.worst:
+                parts.append(f"<p>{_e(c.worst_text(g).capitalize())}.</p>")
+        parts.append("</section>")
+    if cmp.grads:
+        grads = c.ordered_grads(cmp)
+        head = c.gradients_head(cmp)
+        more = f'<p class="dim">... and {len(grads) - _LIST_SHOWN} more</p>' if len(grads) > _LIST_SHOWN else ""
+        parts.append(f"<details><summary>{_e(head[0].upper() + head[1:])}, largest error first</summary>"
+                     f"{_diff_table([(x.name, x) for x in grads[:_LIST_SHOWN]], names_are_code=True)}{more}</details>")
+    if cmp.unmatched:
+        items = "".join(f"<li>{_e(u)}</li>" for u in cmp.unmatched[:_LIST_SHOWN])
+        parts.append(f"<details><summary>Not compared: in one run only ({len(cmp.unmatched)})</summary>"
+                     f"<ul>{items}</ul></details>")
+    cfg = [(k, _e(v)) for k, v in report.config.items() if v is not None]
+    env = [(k, _e(v)) for k, v in c.environment_rows(dataclasses.replace(report, config={}))]
+    if cfg or env:
+        parts += ["<section><h2>Configuration and environment</h2>", _kv(cfg + env), "</section>"]
+    parts.append("<section><h2>Reproduce</h2>")
+    if report.command:
+        parts.append(f"<p>Compare again:</p><pre><code>{_e(report.command)}</code></pre>")
+    else:
+        parts.append("<p>No command was recorded.</p>")
+    parts.append("</section>")
+    if report.notes:
+        items = "".join(f"<li>{_e(n)}</li>" for n in report.notes)
+        parts.append(f"<details open><summary>Notes ({len(report.notes)})</summary><ul>{items}</ul></details>")
+    parts.append(f"<footer>nanhunt compare report, schema {report.schema_version}, {len(cmp.modules)} module calls "
+                 "compared.</footer></body></html>")
     return "\n".join(parts) + "\n"

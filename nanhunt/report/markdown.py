@@ -8,11 +8,12 @@ too (GFM splits cells before it reads code spans).
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from collections.abc import Sequence
 
-from ..records import Occurrence, Report
+from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span
 
@@ -21,6 +22,8 @@ __all__ = ["render", "escape", "code", "fence"]
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&#!])")
 _PATH_SHOWN = 40
 _LIST_SHOWN = 50
+_RANK_SHOWN = 10  # module calls in the ranking table
+_CALLS_SHOWN = 100  # module calls in the folded table of all calls
 
 
 def escape(s: str) -> str:
@@ -82,6 +85,8 @@ def _title(report: Report) -> str:
 
 
 def render(report: Report) -> str:
+    if report.comparison is not None:
+        return _render_comparison(report, report.comparison)
     out: list[str] = [f"## {_title(report)}", "", f"**{_spans(c.sentence(report))}**"]
     rp = report.repro
     if rp is not None:
@@ -143,4 +148,112 @@ def render(report: Report) -> str:
     if report.notes:
         out += ["", _details(f"Notes ({len(report.notes)})", "\n".join(f"- {escape(n)}" for n in report.notes))]
     out += ["", f"<sub>nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors</sub>"]
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------ nanhunt compare
+
+
+def _cells_table(header: tuple[str, ...], rows: Sequence[Sequence[str]], *, right_from: int = 0) -> str:
+    """A table whose cells the caller already set (``escape`` or ``code(..., table=True)``); the header is escaped."""
+    align = ["---:" if i >= right_from > 0 else "---" for i in range(len(header))]
+    lines = ["| " + " | ".join(escape(h) for h in header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _call(d: TensorDiff) -> str:
+    """A module call in a table cell: its label as code, its class as text."""
+    return code(d.label(), table=True) + escape(c.module_class_text(d))
+
+
+def _ranking_table(cmp: Comparison) -> str:
+    rows = [(str(rank), _call(cmp.modules[i]), *(escape(x) for x in c.ranking_cells(cmp.modules[i])))
+            for rank, i in enumerate(cmp.ranking[:_RANK_SHOWN], 1)]
+    return _cells_table(c.RANKING_COLUMNS, rows, right_from=2)
+
+
+def _calls_table(cmp: Comparison) -> str:
+    header = ("call", "depth", *c.RANKING_COLUMNS[2:])
+    rank_of = {i: r for r, i in enumerate(cmp.ranking, 1)}
+    rows = []
+    for i, d in enumerate(cmp.modules[:_CALLS_SHOWN]):
+        r = rank_of.get(i)
+        rows.append((_call(d) + (f" (rank {r})" if r is not None else ""), str(d.depth),
+                     *(escape(x) for x in c.ranking_cells(d))))
+    table = _cells_table(header, rows, right_from=1)
+    if len(cmp.modules) > _CALLS_SHOWN:
+        table += f"\n\n... and {len(cmp.modules) - _CALLS_SHOWN} more"
+    return table
+
+
+def _diff_table(named: Sequence[tuple[str, TensorDiff]], *, names_are_code: bool = False) -> str:
+    rows = [((code(name, table=True) if names_are_code else escape(name)), *(escape(x) for x in c.diff_cells(d)))
+            for name, d in named]
+    return _cells_table(c.DIFF_COLUMNS, rows, right_from=3)
+
+
+def _render_comparison(report: Report, cmp: Comparison) -> str:
+    """``nanhunt compare``: the status and the rule, the runs, where the error is introduced, the decisions,
+    the output and the loss; the rest folded."""
+    out: list[str] = [f"## {c.compare_title(cmp)}", "", f"**{escape(c.compare_summary(report))}**", "",
+                      f"**{escape(c.RULE_LABEL.capitalize())}:** {escape(cmp.rule_text())}."]
+    if cmp.violations:
+        out += ["", "Violations:", ""] + [f"- {escape(v)}" for v in cmp.violations]
+    out += ["", "#### Runs", ""]
+    out += [f"- **{escape(k)}:** {escape(v)}" for k, v in c.run_rows(cmp)]
+    if not cmp.reference_finite:
+        out += ["", escape(c.NOTHING_COMPARED.capitalize()) + "."]
+    if cmp.modules:
+        out += ["", "#### Where the error is introduced", "", f"Columns: {escape(c.ERROR_DEFINITION)}.", ""]
+        if cmp.ranking:
+            out.append(_ranking_table(cmp))
+            if len(cmp.ranking) > _RANK_SHOWN:
+                out += ["", f"... and {len(cmp.ranking) - _RANK_SHOWN} more module calls introduce some error"]
+        else:
+            out.append(escape(c.NO_RANKING.capitalize()) + ".")
+        d = c.carrier(cmp)
+        if d is not None:
+            spans = c.carrier_text(d)
+            out += ["", _spans([Span(spans[0].text.capitalize()), *spans[1:]]) + "."]
+        out += ["", _details(f"All {len(cmp.modules)} module calls, in the order they started", _calls_table(cmp))]
+    if cmp.task == "classify" and cmp.reference_finite:
+        out += ["", "#### Decisions", "", f"**{escape(c.decisions_counts(cmp))}.**"]
+        if cmp.decisions:
+            rows = [tuple(escape(x) for x in c.decision_cells(d)) for d in cmp.decisions]
+            out += ["", _cells_table(c.decision_columns(cmp), rows)]
+    named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
+    if named or cmp.regression is not None:
+        out += ["", "#### Output and loss", ""]
+        if named:
+            out.append(_diff_table(named))
+        g = cmp.regression
+        if g is not None:
+            out += ["", escape(c.extremes_text(cmp, g).capitalize()) + "."]
+            if g.worst:
+                out += ["", escape(c.worst_text(g).capitalize()) + "."]
+    if cmp.grads:
+        grads = c.ordered_grads(cmp)
+        body = _diff_table([(d.name, d) for d in grads[:_LIST_SHOWN]], names_are_code=True)
+        if len(grads) > _LIST_SHOWN:
+            body += f"\n\n... and {len(grads) - _LIST_SHOWN} more"
+        head = c.gradients_head(cmp)
+        out += ["", _details(f"{head[0].upper()}{head[1:]}, largest error first", body)]
+    if cmp.unmatched:
+        body = "\n".join(f"- {escape(u)}" for u in cmp.unmatched[:_LIST_SHOWN])
+        out += ["", _details(f"Not compared: in one run only ({len(cmp.unmatched)})", body)]
+    cfg = [(k, str(v)) for k, v in report.config.items() if v is not None]
+    env = c.environment_rows(dataclasses.replace(report, config={}))
+    if cfg or env:
+        out += ["", "#### Configuration and environment", "",
+                _details("Configuration, nanhunt, torch, Python, OS, device", _table(("", ""), cfg + env))]
+    out += ["", "#### Reproduce", ""]
+    if report.command:
+        out += ["Compare again:", "", fence(report.command, "sh")]
+    else:
+        out.append("No command was recorded.")
+    if report.notes:
+        out += ["", _details(f"Notes ({len(report.notes)})", "\n".join(f"- {escape(n)}" for n in report.notes))]
+    out += ["", f"<sub>nanhunt compare report, schema {report.schema_version}, {len(cmp.modules)} module calls "
+                f"compared</sub>"]
     return "\n".join(out) + "\n"

@@ -4,6 +4,11 @@ x is the record order (forward, loss, backward, update); y is log10 of the large
 finite magnitude. The float16 and bfloat16 maxima are horizontal lines, non-finite
 tensors sit in a row at the top, and the origin is marked. matplotlib draws it
 (its object API on an Agg canvas: no pyplot, no global state, no display needed).
+
+A comparison report (``nanhunt compare``) gets another picture: error by module call
+(:func:`comparison_figure`), one row per call in the order the calls started, a bar for
+the error the call introduces and a dot for the error of its output, on a log scale,
+with the relative tolerance as a vertical line.
 """
 
 from __future__ import annotations
@@ -11,14 +16,17 @@ from __future__ import annotations
 import io
 import math
 
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-from ..records import Report
+from ..records import Comparison, Report, TensorDiff
 
-__all__ = ["figure", "png", "svg", "FP16_MAX", "BF16_MAX"]
+__all__ = ["figure", "comparison_figure", "png", "svg", "FP16_MAX", "BF16_MAX"]
 
 FP16_MAX = 65504.0
 BF16_MAX = 3.3895313892515355e38
@@ -44,7 +52,10 @@ def _origin_label(report: Report) -> str:
 
 
 def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figure | None:
-    """The picture of ``report.timeline``; ``None`` when the report has no timeline (schema 1 files)."""
+    """The picture of ``report.timeline``; ``None`` when the report has no timeline (schema 1 files).
+    A comparison report gets :func:`comparison_figure` instead."""
+    if report.comparison is not None:
+        return comparison_figure(report, width=width)
     points = report.timeline
     if not points:
         return None
@@ -147,6 +158,139 @@ def _title(report: Report) -> str:
     if cfg.get("dtype"):
         bits.append(f"autocast {cfg.get('device_type', '?')} {cfg['dtype']}")
     return "magnitude along the step: " + ", ".join(bits)
+
+
+_ROWS_SHOWN = 40
+_LABEL_CHARS = 60
+_INTRODUCED = "#1f77b4"
+_OVER_TOL = "#d62728"
+_OUTPUT = "#222222"
+
+
+def _row_label(d: TensorDiff) -> str:
+    text = " ".join((d.label() + (f" ({d.module_class})" if d.module_class else "")).split())
+    if len(text) > _LABEL_CHARS:
+        text = text[: _LABEL_CHARS - 1] + "…"
+    return _tex_safe(text)
+
+
+def _shown_calls(c: Comparison, limit: int) -> list[int]:
+    """The module calls drawn: all of them when they fit, else the ranked ones first, then the largest output
+    errors; in the order the calls started."""
+    if len(c.modules) <= limit:
+        return list(range(len(c.modules)))
+    chosen = list(c.ranking[:limit])
+    taken = set(chosen)
+    rest = sorted((i for i in range(len(c.modules)) if i not in taken),
+                  key=lambda i: (-_sort_key(c.modules[i].scaled), i))
+    chosen += rest[: limit - len(chosen)]
+    return sorted(chosen)
+
+
+def _sort_key(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def comparison_figure(report: Report, *, width: float = 11.0, limit: int = _ROWS_SHOWN) -> Figure | None:
+    """Error by module call for a comparison report; ``None`` when nothing was compared (a non-finite
+    reference) or the report is no comparison.
+
+    One row per module call, in the order the calls started (at most ``limit``: then the ranked calls and
+    the largest output errors). Artists carry ids: ``introduced`` (the bars), ``output-error`` (the dots),
+    ``tolerance`` (the rtol line), ``nonfinite`` (infinite errors, drawn in a column of their own at the
+    right, past ``nonfinite-break``), ``zero-error`` (outputs without error, at the left edge), ``rank-N``."""
+    c = report.comparison
+    if c is None or not c.modules:
+        return None
+    rows = _shown_calls(c, limit)
+    diffs = [c.modules[i] for i in rows]
+    intro = [d.introduced if d.introduced is not None else 0.0 for d in diffs]
+    outs = [d.scaled for d in diffs]
+    tol = c.rtol if c.rtol > 0 else None
+    finite_pos = [x for x in (*intro, *outs, *(() if tol is None else (tol,))) if math.isfinite(x) and x > 0]
+    lo = min(finite_pos, default=1e-3)
+    hi = max(finite_pos, default=1.0)
+    left = 10.0 ** (math.floor(math.log10(lo)) - 1)
+    right = 10.0 ** (math.ceil(math.log10(hi)) + 1)
+    bad = [not math.isfinite(x) or not math.isfinite(o) for x, o in zip(intro, outs)]
+    edge = right * 10.0**0.5  # infinite errors: a column past the finite range
+    if any(bad):
+        right *= 10.0
+
+    n = len(rows)
+    fig = Figure(figsize=(width, max(2.8, 0.34 * n + 1.9)), dpi=100, layout="constrained")
+    ax = fig.subplots(1, 1)
+    ax.set_xscale("log")
+    ax.set_xlim(left, right)
+    ax.set_ylim(n - 0.5, -0.5)  # the first call at the top
+    ys = list(range(n))
+
+    def at(x: float) -> float:
+        return x if math.isfinite(x) else edge
+
+    over = [not math.isfinite(x) or (tol is not None and x > tol) for x in intro]
+    drawn = [k for k, x in enumerate(intro) if x != 0]
+    bars = ax.barh([ys[k] for k in drawn], [at(intro[k]) - left for k in drawn], left=left, height=0.6,
+                   color=[_OVER_TOL if over[k] else _INTRODUCED for k in drawn], zorder=2)
+    for patch in bars.patches:
+        patch.set_gid("introduced")
+    pos = [k for k, x in enumerate(outs) if x > 0 and math.isfinite(x)]
+    if pos:
+        ax.scatter([outs[k] for k in pos], [ys[k] for k in pos], s=34, marker="o", color=_OUTPUT, zorder=4,
+                   gid="output-error")
+    zero = [k for k, x in enumerate(outs) if x == 0]
+    if zero:
+        ax.scatter([left] * len(zero), [ys[k] for k in zero], s=34, marker="o", facecolors="none",
+                   edgecolors="#888888", zorder=4, clip_on=False, gid="zero-error")
+    if any(bad):
+        ax.axvline(edge / 10.0**0.5, color="#999999", lw=0.8, ls=":", zorder=1, gid="nonfinite-break")
+        ax.text(edge, 1.0, "non-finite", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8,
+                color=_OVER_TOL)
+        ax.scatter([edge] * sum(bad), [y for y, b in zip(ys, bad) if b], s=70, marker=">", color=_OVER_TOL,
+                   edgecolors="k", zorder=5, gid="nonfinite")
+    if tol is not None:
+        ax.axvline(tol, color="#ff7f0e", lw=1.4, ls="--", zorder=3, gid="tolerance")
+    rank_of = {i: r for r, i in enumerate(c.ranking, 1)}
+    for k, i in enumerate(rows):
+        r = rank_of.get(i)
+        if r is not None and r <= 3 and intro[k] != 0:
+            x = max(at(intro[k]), at(outs[k])) if outs[k] > 0 or not math.isfinite(outs[k]) else at(intro[k])
+            ax.annotate(f"rank {r}", xy=(x, ys[k]), xytext=(8, 0), textcoords="offset points", va="center",
+                        fontsize=8, color="#b01010", gid=f"rank-{r}")
+    ax.set_yticks(ys, [_row_label(d) for d in diffs], fontsize=8.5)
+    if c.ranking and c.ranking[0] in rows:
+        tick = ax.get_yticklabels()[rows.index(c.ranking[0])]
+        tick.set_color("#b01010")
+        tick.set_fontweight("bold")
+    # Decades only over the finite range: the non-finite column has no scale.
+    first_dec, last_dec = round(math.log10(left)), round(math.log10(edge / 10.0**0.5))
+    ax.set_xticks([10.0**k for k in range(first_dec, last_dec + 1)])
+    ax.set_xticks([m * 10.0**k for k in range(first_dec, last_dec) for m in range(2, 10)], minor=True)
+    ax.grid(axis="x", which="major", color="#e6e6e6", lw=0.8, zorder=0)
+    ax.set_axisbelow(True)
+    ax.set_xlabel("error as a fraction of the value's largest float32 magnitude (log scale)")
+    shown = f"{n} of {len(c.modules)} module calls" if n < len(c.modules) else f"{n} module calls"
+    ax.set_title(_tex_safe(f"error by module call: autocast {c.device_type} {c.dtype} against float32, {shown}"),
+                 fontsize=11, loc="left", pad=14)
+
+    handles: list[Artist] = []
+    if any(not over[k] for k in drawn):
+        handles.append(Patch(color=_INTRODUCED, label="error the call introduces"))
+    if any(over[k] for k in drawn):
+        handles.append(Patch(color=_OVER_TOL, label="introduced error above rtol" if tol is not None
+                             else "introduced error, non-finite"))
+    if pos:
+        handles.append(Line2D([], [], marker="o", ls="none", color=_OUTPUT, label="error of its output"))
+    if zero:
+        handles.append(Line2D([], [], marker="o", ls="none", markerfacecolor="none", markeredgecolor="#888888",
+                              label="output without error"))
+    if any(bad):
+        handles.append(Line2D([], [], marker=">", ls="none", color=_OVER_TOL, markeredgecolor="k",
+                              label="infinite error (non-finite)"))
+    if tol is not None:
+        handles.append(Line2D([], [], color="#ff7f0e", ls="--", label=f"tolerance: rtol {c.rtol:g}"))
+    fig.legend(handles=handles, loc="outside lower center", fontsize=8, ncols=min(len(handles), 6), frameon=False)
+    return fig
 
 
 def png(report: Report, *, dpi: int = 100) -> bytes | None:
