@@ -51,6 +51,11 @@ _COPIES = frozenset({"clone", "_to_copy", "_unsafe_view", "contiguous", "lift_fr
                      "detach_copy", "view_copy", "_reshape_copy"})
 
 
+# In-place ops that overwrite all of ``self`` without reading it.
+_OVERWRITE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "exponential_", "random_",
+                        "geometric_", "cauchy_", "log_normal_"})
+
+
 @dataclass(frozen=True)
 class OpInfo:
     name: str  # "aten::addmm"
@@ -58,6 +63,8 @@ class OpInfo:
     is_view: bool
     uninitialised: bool
     copy_of: int | None  # position among the op's floating tensor inputs whose values the output holds
+    write_only_args: tuple[int, ...]  # written, never read: their old values are no input
+    write_only_kwargs: tuple[str, ...]
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
     written_kwargs: tuple[str, ...]
 
@@ -82,12 +89,16 @@ def op_info(func: Any) -> OpInfo:
             else:
                 written_pos.append(i)
     base = func._overloadpacket.__name__
+    wo_pos = tuple(i for i in written_pos if base in _OVERWRITE and i == 0)
+    wo_kw = tuple(k for k in written_kw if k.startswith("out"))
     info = OpInfo(
         name=schema.name,
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
         is_view=returns_alias,
         uninitialised=base in _UNINITIALISED,
-        copy_of=0 if base in _COPIES else (1 if base == "copy_" else None),
+        copy_of=0 if base in _COPIES or base == "copy_" else None,
+        write_only_args=wo_pos,
+        write_only_kwargs=wo_kw,
         written_args=tuple(written_pos),
         written_kwargs=tuple(written_kw),
     )

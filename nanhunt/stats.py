@@ -49,7 +49,10 @@ class PendingStats:
             return
         # The stats must never join an autograd graph (inside the dispatch mode tensors are
         # below autograd already; detach costs ~20 us, so only when needed).
-        lo, hi = torch.aminmax(t.detach() if t.requires_grad else t)
+        x = t.detach() if t.requires_grad else t
+        if x.element_size() == 1:  # float8 formats: no aminmax kernel; exact in float32
+            x = x.float()
+        lo, hi = torch.aminmax(x)
         key = (t.device, t.dtype)
         group = self._groups.get(key)
         if group is None:

@@ -102,6 +102,9 @@ class _Raw(RangeStats):
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+# Casts among these are derived exactly by _cast_value (one rounding, overflow to inf).
+_EXACT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_EXACT_CASTS = frozenset({"float16", "bfloat16", "float32"})
 
 
 def _cast_value(x: float, dtype: str) -> float:
@@ -259,6 +262,7 @@ class Trace:
         self._last_seq = -1
         self._forward_seen = False
         self._backward_seen = False
+        self._accumulated = False
         self._loss_pending: list[int] = []
         self._root_outputs: set[int] = set()
         self._spans: dict[int, int] = {}
@@ -300,6 +304,8 @@ class Trace:
             self._dynamo_prev = _dispatch.set_dynamo_disabled(True)
         if model is not None:
             self._install(model)
+        # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
+        torch.clear_autocast_cache()
         if self.level == "op":
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
@@ -433,7 +439,7 @@ class Trace:
         if self._stack:
             name, call = self._stack[-1]
             return Phase.FORWARD, name, call, None, True
-        if self._backward_seen:
+        if self._accumulated:  # after a backward that filled .grad (autograd.grad alone does not)
             return Phase.UPDATE, None, 0, None, True
         if self._forward_seen:
             return Phase.LOSS, None, 0, None, True
@@ -482,9 +488,14 @@ class Trace:
                 self._last_seq = seq
                 new_node = True
         ins: list[int] = []
-        scalar = self._scan(args, ins, phase, module, call, None)
+        read_args: Iterable[Any] = args
+        read_kwargs: Iterable[Any] = kwargs.values()
+        if info.write_only_args or info.write_only_kwargs:  # out=, copy_'s destination: not inputs
+            read_args = [a for i, a in enumerate(args) if i not in info.write_only_args]
+            read_kwargs = [v for k, v in kwargs.items() if k not in info.write_only_kwargs]
+        scalar = self._scan(read_args, ins, phase, module, call, None)
         if kwargs:
-            scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
+            scalar = self._scan(read_kwargs, ins, phase, module, call, scalar)
         if want_src and (new_node or ins):
             src = self._source()
         if new_node:
@@ -519,6 +530,8 @@ class Trace:
         blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
         # A copy (clone, cast, copy_) holds its source's values: derive, don't measure.
         copy_of = ins[info.copy_of] if info.copy_of is not None and len(ins) == info.copy_of + 1 else None
+        if copy_of is not None and self._raw[copy_of].dtype not in _EXACT_CASTS:
+            copy_of = None  # float64 sources round twice, float8 targets are not emulated: measure
         inputs = tuple(ins)
         new: list[int] = []
         seen_ids: set[int] = set()
@@ -527,7 +540,8 @@ class Trace:
             if id(o) in seen_ids or not o.is_floating_point():
                 continue
             seen_ids.add(id(o))
-            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias_of=copy_of)
+            alias = copy_of if copy_of is not None and o.dtype in _EXACT_DTYPES else None
+            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias_of=alias)
             raw.blank = blank and id(o) not in written_ids
             idx = self._new(raw, o)
             if idx in self._zoom:
@@ -559,8 +573,11 @@ class Trace:
                     scalar = "inf"
             elif isinstance(a, (list, tuple)):
                 for b in a:
-                    if isinstance(b, torch.Tensor) and b.is_floating_point():
-                        ins.append(lookup(b, phase, module, call))
+                    if isinstance(b, torch.Tensor):
+                        if b.is_floating_point():
+                            ins.append(lookup(b, phase, module, call))
+                    elif isinstance(b, float) and not math.isfinite(b):  # per-tensor scalars (foreach)
+                        scalar = "nan" if b != b else (scalar or "inf")
         return scalar
 
     def _fill(self, values: dict[int, tuple[float, float]], start: int) -> None:
@@ -656,7 +673,8 @@ class Trace:
                     if role is Role.PARAM and t.requires_grad:
                         self._handles.append(t.register_post_accumulate_grad_hook(grad))  # type: ignore[no-untyped-call]
             self._direct[name] = tuple(direct)
-            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            # prepend: the user's own pre-hooks (weight_norm...) run inside the module, after ours
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
         self._root_name = self._names.get(model)
 
@@ -673,12 +691,13 @@ class Trace:
                 if self.level == "module":
                     self._mstack.append((len(self._raw), ()))
                 return
-            if self._backward_seen:  # a new step starts
-                self._backward_seen = False
-            if self._loss_pending:  # glue between module calls is forward, not loss
-                for i in self._loss_pending:
-                    self._raw[i].phase = Phase.FORWARD
-                self._loss_pending.clear()
+            if self._accumulated:  # a new step starts
+                self._accumulated = self._backward_seen = False
+            if self._loss_pending:
+                if name != self._root_name:  # glue between module calls is forward, not loss
+                    for i in self._loss_pending:
+                        self._raw[i].phase = Phase.FORWARD
+                self._loss_pending.clear()  # before the model's next call: the loss of the last one
             parent = self._stack[-1] if self._stack else None
             if parent is None and self.scope:
                 # Entering the scope: nodes made outside it must not be taken for this op's.
@@ -766,6 +785,7 @@ class Trace:
         return hook
 
     def _grad_hook(self, p: torch.Tensor) -> None:
+        self._accumulated = True
         g = p.grad
         if self._state != "running" or g is None or not g.is_floating_point():
             return

@@ -52,8 +52,6 @@ class Float8Cast(nn.Module):
         return y.float() * 2
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: _cast_value knows no float8 dtype, so a float8 cast's overflow is derived as finite")
 def test_float8_cast_overflow_is_born_in_the_cast() -> None:
     m = Float8Cast()
     with nanhunt.trace(m) as t:
@@ -67,8 +65,6 @@ class DoubleToHalf(nn.Module):
         return x.half().float() * 2  # torch casts float64 -> float32 -> float16: 65519.999 -> 65520 -> inf
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: _cast_value rounds float64->float16 once; torch rounds twice (via float32), so the overflow is derived as finite")
 def test_float64_to_half_overflow_is_born_in_the_cast() -> None:
     m = DoubleToHalf()
     with nanhunt.trace(m) as t:
@@ -155,8 +151,6 @@ class Critic(nn.Module):
         return self.fc(x)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: after torch.autograd.grad (gradient penalty) the loss ops are labelled phase update")
 def test_loss_after_gradient_penalty_is_phase_loss() -> None:
     # GIVEN a WGAN-GP style step: autograd.grad(create_graph=True) in the training loop, then the loss
     torch.manual_seed(0)
@@ -219,8 +213,6 @@ class CastIntoBuffer(nn.Module):
         return cache[0].float().sum()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: the old contents of an out= / copy_ destination count as an input, hiding the origin")
 @pytest.mark.parametrize(("block", "x", "op"), [(ExpIntoBuffer, 100.0, "aten::exp"), (CastIntoBuffer, 1e5, "aten::copy_")],
                          ids=["exp-out=", "copy_-cast"])
 def test_write_only_destination_is_no_input(block: type[nn.Module], x: float, op: str) -> None:
@@ -319,8 +311,6 @@ def test_loss_inf_absorbed_inside_the_loss_is_silent() -> None:
 # ---------------------------------------------------------------- scalar lists (foreach optimizers)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: _scan ignores floats inside a ScalarList, so foreach Adam with lr=nan 'creates' the NaN")
 def test_foreach_adam_nan_lr_is_scalar_seeded_like_the_other_paths() -> None:
     seen: dict[str, str | None] = {}
     for label, kw in (("for-loop", {"foreach": False}), ("fused", {"fused": True}), ("foreach", {"foreach": True})):
@@ -363,8 +353,6 @@ def test_nan_born_in_complex_op_is_not_blamed_on_the_real_consumer() -> None:
 # ---------------------------------------------------------------- autocast weight cache
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: an autocast-cached fp16 weight copy made before the trace is taken for the batch (phase input)")
 def test_autocast_cached_weight_is_not_phase_input() -> None:
     lin = nn.Linear(4, 4)
     with torch.no_grad():
@@ -450,8 +438,6 @@ def test_read_of_uninitialised_memory_is_reported() -> None:
 # ---------------------------------------------------------------- loss computed between two model calls
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: loss(model(a)) + loss(model(b)): the first loss's ops are relabelled phase forward")
 def test_loss_between_two_calls_of_the_model_is_phase_loss() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1))
@@ -611,8 +597,6 @@ def test_scalar_seeded_nan_in_forward_only_output_is_reported() -> None:
 # ---------------------------------------------------------------- user forward pre-hooks (old weight_norm)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: nanhunt's pre-hook is appended, so ops in a module's own earlier pre-hooks (weight_norm) go to the parent")
 def test_weight_norm_pre_hook_ops_belong_to_their_module() -> None:
     torch.manual_seed(0)
     with pytest.warns(FutureWarning):
