@@ -8,7 +8,7 @@ import networkx as nx
 
 from .records import Phase, RecordView, Role
 
-__all__ = ["nonfinite_graph", "reached_sinks", "propagation_path"]
+__all__ = ["nonfinite_graph", "reached_sinks", "propagation_path", "loss_index"]
 
 # What a value "reaching" means, in the order a report names them.
 SINKS = ("output", "loss", "gradients", "update")
@@ -27,12 +27,29 @@ def nonfinite_graph(records: Sequence[RecordView]) -> nx.DiGraph:
     return g
 
 
-def _sink_kind(r: RecordView, root_outputs: frozenset[int]) -> str | None:
+# Ops whose output values do not depend on their input's values: backward()'s gradient
+# seed (ones_like(loss)) is one, made after the loss.
+_VALUE_FREE = frozenset({"aten::ones_like", "aten::zeros_like", "aten::full_like", "aten::empty_like",
+                         "aten::new_ones", "aten::new_zeros", "aten::new_full", "aten::new_empty"})
+
+
+def loss_index(records: Sequence[RecordView]) -> int | None:
+    """The loss value: the last value computed in phase loss (with a GradScaler, the scaled loss)."""
+    for r in reversed(records):
+        if r.phase is Phase.LOSS and r.op not in _VALUE_FREE:
+            return r.index
+    return None
+
+
+def _sink_kind(r: RecordView, root_outputs: frozenset[int], loss: int | None) -> str | None:
+    """What the step hands on: the model's output, the loss value, the parameters'
+    gradients, the update. Intermediate values of the loss or of backward are not sinks:
+    a NaN that a later op absorbs there is silent."""
     if r.phase is Phase.UPDATE:
         return "update"
-    if r.phase is Phase.BACKWARD or r.role is Role.GRAD:
+    if r.role is Role.GRAD:
         return "gradients"
-    if r.phase is Phase.LOSS:
+    if r.index == loss:
         return "loss"
     if r.index in root_outputs:
         return "output"
@@ -40,14 +57,14 @@ def _sink_kind(r: RecordView, root_outputs: frozenset[int]) -> str | None:
 
 
 def reached_sinks(
-    g: nx.DiGraph, records: Sequence[RecordView], origin: int, root_outputs: frozenset[int]
+    g: nx.DiGraph, records: Sequence[RecordView], origin: int, root_outputs: frozenset[int], loss: int | None
 ) -> tuple[tuple[str, ...], int | None]:
     """Which sinks the origin's non-finite value reached, and the first sink record reached."""
     if origin not in g:
         return (), None
     found: dict[str, int] = {}
     for i in sorted({origin} | nx.descendants(g, origin)):
-        kind = _sink_kind(records[i], root_outputs)
+        kind = _sink_kind(records[i], root_outputs, loss)
         if kind is not None and kind not in found:
             found[kind] = i
     reached = tuple(k for k in SINKS if k in found)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .graph import nonfinite_graph, propagation_path, reached_sinks
+from .graph import loss_index, nonfinite_graph, propagation_path, reached_sinks
 from .records import Occurrence, Phase, Record, RecordView, Role
 
 __all__ = ["LocateResult", "locate", "origin_kind", "is_allowed"]
@@ -122,6 +122,7 @@ def locate(
             found.append(seeded)
 
     g = nonfinite_graph(records) if final else None
+    loss = loss_index(records) if final else None
     origins: list[Occurrence] = []
     first: Occurrence | None = None
     first_path: tuple[int, ...] = ()
@@ -130,7 +131,7 @@ def locate(
         reached: tuple[str, ...] | None = None  # unknown until the step is over
         path: tuple[int, ...] = (r.index,)
         if g is not None:
-            reached, target = reached_sinks(g, records, r.index, root_outputs)
+            reached, target = reached_sinks(g, records, r.index, root_outputs, loss)
             path = propagation_path(g, r.index, target)
             tainted.add(r.index)
             tainted.update(nx.descendants(g, r.index))
@@ -181,9 +182,11 @@ def _scalar_seeded(records: Sequence[RecordView], root_outputs: frozenset[int]) 
     non-finite Python scalar (``torch.full(..., nan)``); name the first op that used one."""
     # The loss value (the last loss-phase record), the parameters' gradients and the update:
     # not the model's output nor intermediate values, where -inf may sit on purpose.
-    loss_recs = [r for r in records if r.phase is Phase.LOSS]
-    sinks_bad = (bool(loss_recs) and not loss_recs[-1].finite) or any(
-        not r.finite and (r.role is Role.GRAD or r.phase is Phase.UPDATE) for r in records)
+    loss = loss_index(records)
+    sinks_bad = (loss is not None and not records[loss].finite) or any(
+        not r.finite and (r.role is Role.GRAD or r.phase is Phase.UPDATE) for r in records) or any(
+        # the model's output: NaN or +Inf (a -Inf there is usually a mask returned on purpose)
+        records[i].has_nan or records[i].max == math.inf for i in root_outputs if i < len(records))
     if not sinks_bad:
         return None
     for r in records:

@@ -278,8 +278,6 @@ class HookCleaned(nn.Module):
         return F.relu(h).sqrt()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: every backward record counts as the 'gradients' sink, so an absorbed backward Inf is never silent")
 def test_backward_inf_absorbed_by_hook_is_silent() -> None:
     torch.manual_seed(0)
     m = HookCleaned()
@@ -291,8 +289,6 @@ def test_backward_inf_absorbed_by_hook_is_silent() -> None:
     assert occ.silent, f"reached={occ.reached} although every parameter gradient is finite"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: every loss-phase record counts as the 'loss' sink, so a -inf absorbed inside the loss is never silent")
 def test_loss_inf_absorbed_inside_the_loss_is_silent() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 3), nn.Softmax(-1))
@@ -583,8 +579,6 @@ def test_replay_restores_module_attributes_changed_by_forward() -> None:
 # ---------------------------------------------------------------- scalar-seeded NaN in a forward-only step
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: a scalar-seeded NaN in the model output (no loss: eval/inference) leaves t.first None")
 def test_scalar_seeded_nan_in_forward_only_output_is_reported() -> None:
     m = FillNan()
     with torch.no_grad(), nanhunt.trace(m) as t:
