@@ -57,7 +57,7 @@ class _Trials:
                                 dtype=dtype or self.dtype, device_type=self.device_type,
                                 scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
                                 fp32_loss=LOSS_REGION in fp32)
-            ok = _step_finite(self.model, loss)
+            ok = _step_finite(self.model, loss, self.optimizer)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
         finally:
@@ -66,14 +66,23 @@ class _Trials:
         return ok
 
 
-def _step_finite(model: nn.Module, loss: torch.Tensor) -> bool:
-    """Loss, every gradient and every parameter (after the update) finite: one host read."""
+def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Loss, every gradient, parameter and buffer (after the update) and the optimizer's
+    state finite: one host read."""
     flags = [torch.isfinite(loss.detach()).all()]
     for p in model.parameters():
         flags.append(torch.isfinite(p.detach()).all())
         if p.grad is not None:
             flags.append(torch.isfinite(p.grad).all())
-    return bool(torch.stack(flags).all())
+    for b in model.buffers():
+        if b.is_floating_point():
+            flags.append(torch.isfinite(b).all())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    flags.append(torch.isfinite(v).all().to(flags[0].device))
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 def suggested_fix(culprits: Sequence[str]) -> str | None:
@@ -168,6 +177,7 @@ def bisect(
                 return verdict("not-precision", origin_alone_fixes=origin_alone)
             found = _search(trials, top, frozenset(), children, origin_mod)
             found = _refine(trials, found, children, origin_mod)
+            found = _prune(trials, found)
             # The confirmation is one more clean run of exactly that set, not a cached answer.
             trials.cache.pop((frozenset(found), None, False), None)
             confirmed = trials.finite(frozenset(found), label="confirm (clean run)")
@@ -208,6 +218,16 @@ def _search(trials: _Trials, cands: list[str], base: frozenset[str], children: M
     got_a = _search(trials, a, base | set(b), children, origin_mod)
     got_b = _search(trials, b, base | set(got_a), children, origin_mod)
     return got_a + got_b
+
+
+def _prune(trials: _Trials, found: list[str]) -> list[str]:
+    """Drop members the step does without. The search assumes more float32 never hurts; a
+    module whose float32 output is huge (a finfo.min mask) can break that."""
+    result = list(found)
+    for m in list(result):
+        if len(result) > 1 and trials.finite(frozenset(x for x in result if x != m)):
+            result.remove(m)
+    return result
 
 
 def _refine(trials: _Trials, found: list[str], children: Mapping[str, list[str]],

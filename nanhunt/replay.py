@@ -38,6 +38,9 @@ class StepState:
         self.grad_enabled = torch.is_grad_enabled()
         self.rng = rng_state()
         self.modules = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in model.modules()]
+        # Hooks and plain attributes a forward may add or change (a counter, a cache, a hook it registers).
+        self.hooks = [(d, dict(d)) for m in model.modules() for d in _hook_dicts(m)]
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}) for m in model.modules()]
         self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for _, params, buffers, _ in self.modules:
@@ -46,6 +49,7 @@ class StepState:
                     seen.add(id(t))
                     self.values.append((t, t.detach().clone()))
         self.params = [p for p in model.parameters()]
+        self.param_hooks = [(p, _param_hooks(p)) for p in self.params]
         self.grads = [p.grad for p in self.params]
         self.requires_grad = [p.requires_grad for p in self.params]
         self.opt_state: dict[Any, dict[str, Any]] | None = None
@@ -66,6 +70,27 @@ class StepState:
             set_rng_state(rng)
 
     def restore(self) -> None:
+        for d, saved_hooks in self.hooks:
+            if d.keys() != saved_hooks.keys():
+                d.clear()
+                d.update(saved_hooks)
+        for param, registries in self.param_hooks:
+            for name, (obj, content) in registries.items():
+                if obj is None:
+                    if getattr(param, name) is not None:
+                        setattr(param, name, None)
+                else:
+                    obj.clear()
+                    obj.update(content)
+                    if getattr(param, name) is not obj:
+                        setattr(param, name, obj)
+        for m, attrs in self.attrs:
+            current = vars(m)
+            for k in [k for k in current if k not in attrs and k not in _MODULE_INTERNALS]:
+                del current[k]
+            for k, v in attrs.items():
+                if current.get(k, _MISSING) is not v:
+                    current[k] = v
         for m, params, buffers, training in self.modules:
             m._parameters.clear()
             m._parameters.update(params)
@@ -111,6 +136,30 @@ class StepState:
                     setattr(self.scaler, k, _clone(v))
         set_rng_state(self.rng)
         torch.set_grad_enabled(self.grad_enabled)
+
+
+_MISSING = object()
+# A module's own bookkeeping, restored separately (parameters, buffers, training) or never
+# changed by a forward (the submodules).
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def _hook_dicts(m: nn.Module) -> list[dict[Any, Any]]:
+    """A module's hook registries (kept as objects: RemovableHandles point at them)."""
+    return [d for d in (getattr(m, name, None) for name in _HOOK_ATTRS) if isinstance(d, dict)]
+
+
+def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]]:
+    """A parameter's hook registries: ``None`` until a hook is registered, then a dict."""
+    out: dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]] = {}
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        d = getattr(p, name, None)
+        out[name] = (d, dict(d)) if isinstance(d, dict) else (None, {})
+    return out
 
 
 def _clone(v: Any) -> Any:
