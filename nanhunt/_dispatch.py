@@ -63,6 +63,8 @@ class OpInfo:
     is_view: bool
     uninitialised: bool
     copy_of: int | None  # position among the op's floating tensor inputs whose values the output holds
+    hidden_writes: tuple[int, ...]  # written although the schema does not say so (batch norm's running stats)
+    constant: bool  # lift_fresh: a tensor literal (torch.tensor(nan)) enters, like a Python scalar
     write_only_args: tuple[int, ...]  # written, never read: their old values are no input
     write_only_kwargs: tuple[str, ...]
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
@@ -97,6 +99,10 @@ def op_info(func: Any) -> OpInfo:
         is_view=returns_alias,
         uninitialised=base in _UNINITIALISED,
         copy_of=0 if base in _COPIES or base == "copy_" else None,
+        # native_batch_norm(input, weight, bias, running_mean, running_var, training, ...) updates
+        # the running stats in place when training, without an alias annotation (no version bump).
+        hidden_writes=(3, 4) if base in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") else (),
+        constant=base in ("lift_fresh", "lift_fresh_copy"),
         write_only_args=wo_pos,
         write_only_kwargs=wo_kw,
         written_args=tuple(written_pos),

@@ -68,7 +68,7 @@ class _Raw(RangeStats):
     a :class:`Record` is made only for what a user or a report looks at."""
 
     __slots__ = ("index", "phase", "module", "call_index", "op", "role", "dtype", "shape", "inputs", "source",
-                 "nonfinite_scalar", "alias_of", "full", "blank", "in_shapes", "min", "max")
+                 "nonfinite_scalar", "alias_of", "full", "blank", "in_shapes", "min", "max", "constant")
 
     def __init__(
         self,
@@ -99,6 +99,7 @@ class _Raw(RangeStats):
         self.full: FullStats | None = None
         self.blank = False  # uninitialised memory: no value to measure, counts as finite
         self.in_shapes: tuple[tuple[int, ...], ...] | None = None
+        self.constant = False  # a tensor literal: its non-finite value counts as a scalar argument's
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -445,12 +446,18 @@ class Trace:
             return Phase.LOSS, None, 0, None, True
         return Phase.FORWARD, None, 0, None, True  # glue code before the model: no module
 
+    def _unwritten_since(self, t: torch.Tensor, idx: int) -> bool:
+        """Inference tensors have no version counter: ask whether an op wrote into the
+        storage after record ``idx`` was made (a write through a view, say)."""
+        w = self._writes.get(_storage_key(t))
+        return w is None or w <= idx
+
     def _lookup(self, t: torch.Tensor, phase: Phase, module: str | None, call: int) -> int:
         """The record that holds ``t``'s current values, measuring it when unknown or changed."""
         ent = self._known.get(t)
         ver = _version(t)
         if ent is not None:
-            if ent[1] == ver:
+            if ent[1] == ver and (ver >= 0 or self._unwritten_since(t, ent[0])):
                 return int(ent[0])
             # Changed in place, perhaps through a view: link the last write into its storage.
             w = self._writes.get(_storage_key(t))
@@ -482,11 +489,14 @@ class Trace:
         phase, module, call, src, want_src = self._context(node)
         new_node = False
         seq = 0
-        if node is None:
+        # Forward ops make nodes; so do backward ops under create_graph (double backward).
+        if node is None or torch.is_grad_enabled():
             seq = _dispatch.peek_sequence_nr()
             if seq != self._last_seq:
                 self._last_seq = seq
                 new_node = True
+        if info.constant:
+            return self._constant(func, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
         read_args: Iterable[Any] = args
         read_kwargs: Iterable[Any] = kwargs.values()
@@ -522,10 +532,15 @@ class Trace:
                 written.extend(_tensors(args[i], _MAX_NEST - 1))
         for k in info.written_kwargs:
             written.extend(_tensors(kwargs.get(k), _MAX_NEST - 1))
+        hidden: list[torch.Tensor] = []
+        if info.hidden_writes and len(args) > 5 and args[5] is True:
+            hidden = [args[i] for i in info.hidden_writes if isinstance(args[i], torch.Tensor)]
         outs.extend(written)
+        outs.extend(hidden)
         if not outs:
             return out
         written_ids = {id(w) for w in written} if written else ()
+        hidden_ids = {id(h) for h in hidden} if hidden else ()
         # A view of uninitialised memory is no value either, until something writes it.
         blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
         # A copy (clone, cast, copy_) holds its source's values: derive, don't measure.
@@ -552,10 +567,25 @@ class Trace:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
                 self._writes[_storage_key(o)] = idx
+            elif id(o) in hidden_ids:
+                self._writes[_storage_key(o)] = idx  # written in place, version untouched
             self._known[o] = (idx, ver)
             new.append(idx)
         if self.stop_at_first and new:
             self._check_now(args, kwargs, outs)
+        return out
+
+    def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
+                  module: str | None, call: int, want_src: bool) -> Any:
+        """A tensor literal (``torch.tensor(nan)``, ``x[i] = inf``): recorded like a Python scalar
+        argument, a value the code wrote down, never an origin."""
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            src = self._source() if want_src else None
+            raw = _Raw(phase, module, call, _dispatch.op_info(func).name, Role.OUTPUT, out, (), src)
+            raw.constant = True
+            idx = self._new(raw, out)
+            self._known[out] = (idx, _version(out))
         return out
 
     def _scan(self, values: Iterable[Any], ins: list[int], phase: Phase, module: str | None, call: int,
@@ -593,6 +623,8 @@ class Trace:
             else:
                 lo, hi = values.get(i, (math.nan, math.nan))
             r.min, r.max = lo, hi
+            if r.constant and not r.finite:
+                r.nonfinite_scalar = "nan" if r.has_nan else "inf"
 
     def _record(self, i: int) -> Record:
         """The :class:`Record` of index ``i``, made on first use."""
