@@ -41,7 +41,8 @@ _SAME_SET_VIEWS = frozenset(
 
 # Ops whose output memory is uninitialised: whatever bits it holds (NaN included)
 # are no value yet. The op that fills it is the one to judge.
-_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+                            "resize_"})  # resize_ may grow into fresh memory
 
 
 # Ops whose output holds exactly the values of one input, perhaps cast to another dtype:

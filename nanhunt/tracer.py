@@ -103,6 +103,7 @@ class _Raw(RangeStats):
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_STALE = -2  # a version no tensor has: the record must be measured again when read
 # Casts among these are derived exactly by _cast_value (one rounding, overflow to inf).
 _EXACT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 _EXACT_CASTS = frozenset({"float16", "bfloat16", "float32"})
@@ -541,8 +542,11 @@ class Trace:
             return out
         written_ids = {id(w) for w in written} if written else ()
         hidden_ids = {id(h) for h in hidden} if hidden else ()
-        # A view of uninitialised memory is no value either, until something writes it.
+        # A view of uninitialised memory is no value either, until something writes it; a
+        # partial write (index_put_, a slice copy) leaves some of it unwritten: still no value,
+        # measured again when read (``_STALE``).
         blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
+        partial = bool(written) and not info.write_only_args and bool(ins) and self._raw[ins[0]].blank
         # A copy (clone, cast, copy_) holds its source's values: derive, don't measure.
         copy_of = ins[info.copy_of] if info.copy_of is not None and len(ins) == info.copy_of + 1 else None
         if copy_of is not None and self._raw[copy_of].dtype not in _EXACT_CASTS:
@@ -557,7 +561,7 @@ class Trace:
             seen_ids.add(id(o))
             alias = copy_of if copy_of is not None and o.dtype in _EXACT_DTYPES else None
             raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias_of=alias)
-            raw.blank = blank and id(o) not in written_ids
+            raw.blank = (blank and (info.uninitialised or id(o) not in written_ids)) or (partial and id(o) in written_ids)
             idx = self._new(raw, o)
             if idx in self._zoom:
                 raw.in_shapes = _input_shapes(args, kwargs)
@@ -567,6 +571,8 @@ class Trace:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
                 self._writes[_storage_key(o)] = idx
+                if raw.blank or info.uninitialised:
+                    ver = _STALE
             elif id(o) in hidden_ids:
                 self._writes[_storage_key(o)] = idx  # written in place, version untouched
             self._known[o] = (idx, ver)

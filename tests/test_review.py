@@ -384,8 +384,6 @@ class ResizeThenCopy(nn.Module):
         return b.sum()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: a partial non-view write into empty memory (index_put_/index_copy_) or resize_ is taken for an origin")
 @pytest.mark.usefixtures("nan_filled_uninitialised_memory")
 @pytest.mark.parametrize("block", [ComplementaryMasks, IndexCopyFill, ResizeThenCopy],
                          ids=["index_put_-masks", "index_copy_", "resize_"])
