@@ -98,8 +98,7 @@ class ReplayCommand:
         except NanhuntError:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CommandError(f"replaying the step raised {type(e).__name__}: {msg} — does the batch fit the model?") from e
+            raise _step_failed("replaying the step", e) from e
         _print(render(report))
         if args.report and render_file is not None:
             write(report, args.report)
@@ -255,8 +254,7 @@ class CompareCommand:
         except NanhuntError:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CommandError(f"running the step raised {type(e).__name__}: {msg} — does the batch fit the model?") from e
+            raise _step_failed("running the step", e) from e
         _print(render_comparison(report))
         if args.report:
             write(report, args.report)
@@ -265,6 +263,11 @@ class CompareCommand:
 
 
 COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand())
+
+
+def _step_failed(what: str, e: Exception) -> CommandError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return CommandError(f"{what} raised {type(e).__name__}: {msg} — does the batch fit the model?")
 
 
 def _command_line() -> str:

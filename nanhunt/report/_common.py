@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from ..records import Comparison, Decision, Occurrence, Record, Regression, Report, TensorDiff
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
-           "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "path_label",
+           "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans", "path_label",
            "compare_verdict", "compare_summary", "compare_title", "RULE_LABEL", "NOTHING_COMPARED", "ERROR_DEFINITION",
            "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows", "RANKING_COLUMNS", "ranking_cells",
            "carrier", "carrier_text", "decisions_head", "decisions_counts", "decision_columns", "decision_cells", "DIFF_COLUMNS",
@@ -227,6 +227,18 @@ def path_label(r: Record) -> list[Span]:
     state = "finite" if r.finite else ("NaN" if r.has_nan else "Inf")
     out.append(Span(f"{r.role.value} ({r.dtype} {list(r.shape)}, {state})"))
     return out
+
+
+def occurrence_spans(o: Occurrence) -> list[Span]:
+    """One origin in a line: ``NaN in phase forward, <module> at <op> (allowed) (silent)``."""
+    spans = [Span(f"{_kind(o.kind)} in phase {o.phase.value}, "), Span(label(o.module), o.module is not None)]
+    if o.op:
+        spans += [Span(" at "), Span(o.op, True)]
+    if o.allowed:
+        spans.append(Span(" (allowed)"))
+    if o.silent:
+        spans.append(Span(" (silent)"))
+    return spans
 
 
 def repro_text(report: Report) -> list[Span]:

@@ -115,15 +115,7 @@ def _tree(report: Report) -> str:
 
 
 def _occurrence(o: Occurrence) -> str:
-    spans = [Span(f"{'NaN' if o.kind == 'nan' else 'Inf'} in phase {o.phase.value}, "),
-             Span(c.label(o.module), o.module is not None)]
-    if o.op:
-        spans += [Span(" at "), Span(o.op, True)]
-    if o.allowed:
-        spans.append(Span(" (allowed)"))
-    if o.silent:
-        spans.append(Span(" (silent)"))
-    return _spans(spans)
+    return _spans(c.occurrence_spans(o))
 
 
 def _badges(report: Report) -> str:
