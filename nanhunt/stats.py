@@ -50,6 +50,8 @@ class PendingStats:
         # The stats must never join an autograd graph (inside the dispatch mode tensors are
         # below autograd already; detach costs ~20 us, so only when needed).
         x = t.detach() if t.requires_grad else t
+        if x.is_complex():  # NaN/Inf in either part: the real view holds both
+            x = torch.view_as_real(x)
         if x.element_size() == 1:  # float8 formats: no aminmax kernel; exact in float32
             x = x.float()
         lo, hi = torch.aminmax(x)
@@ -87,6 +89,8 @@ class PendingStats:
 def full_stats(t: torch.Tensor) -> FullStats:
     """All counts for one tensor. About 100x the cost of ``aminmax``: use sparingly."""
     x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
     n = x.numel()
     if n == 0:
         return FullStats(0, 0, 0, 0, 0, None, 0, 0, 0)

@@ -103,6 +103,13 @@ class _Raw(RangeStats):
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+# Tensors whose values can be NaN/Inf: floating (float8 included) and complex.
+_FLOATISH = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
+
+
+def _floatish(t: torch.Tensor) -> bool:
+    return t.dtype in _FLOATISH
+
 _STALE = -2  # a version no tensor has: the record must be measured again when read
 # Casts among these are derived exactly by _cast_value (one rounding, overflow to inf).
 _EXACT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -193,7 +200,7 @@ def _input_shapes(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[in
     shapes: list[tuple[int, ...]] = []
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if isinstance(t, torch.Tensor) and _floatish(t):
                 shapes.append(tuple(t.shape))
     return tuple(shapes)
 
@@ -519,7 +526,7 @@ class Trace:
 
         out = func(*args, **kwargs)
 
-        if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.is_floating_point():
+        if info.same_set_view and ins and isinstance(out, torch.Tensor) and _floatish(out):
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
         outs: list[torch.Tensor] = []
@@ -556,7 +563,7 @@ class Trace:
         seen_ids: set[int] = set()
         view_version = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else None
         for o in outs:
-            if id(o) in seen_ids or not o.is_floating_point():
+            if id(o) in seen_ids or not _floatish(o):
                 continue
             seen_ids.add(id(o))
             alias = copy_of if copy_of is not None and o.dtype in _EXACT_DTYPES else None
@@ -586,7 +593,7 @@ class Trace:
         """A tensor literal (``torch.tensor(nan)``, ``x[i] = inf``): recorded like a Python scalar
         argument, a value the code wrote down, never an origin."""
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
+        if isinstance(out, torch.Tensor) and _floatish(out):
             src = self._source() if want_src else None
             raw = _Raw(phase, module, call, _dispatch.op_info(func).name, Role.OUTPUT, out, (), src)
             raw.constant = True
@@ -600,7 +607,7 @@ class Trace:
         lookup = self._lookup
         for a in values:
             if isinstance(a, torch.Tensor):
-                if a.is_floating_point():
+                if _floatish(a):
                     ins.append(lookup(a, phase, module, call))
             elif isinstance(a, float):
                 if a != a:
@@ -610,7 +617,7 @@ class Trace:
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):
-                        if b.is_floating_point():
+                        if _floatish(b):
                             ins.append(lookup(b, phase, module, call))
                     elif isinstance(b, float) and not math.isfinite(b):  # per-tensor scalars (foreach)
                         scalar = "nan" if b != b else (scalar or "inf")
@@ -658,13 +665,13 @@ class Trace:
         if occ.op is not None and occ.output.index >= len(raws) - len(outs):
             # The culprit op is this one: its tensors are alive, so give the full statistics
             # (not for inputs it wrote into: they no longer hold what the op read).
-            ins = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            ins = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and _floatish(a)]
             out_ids = {id(o) for o in outs}
             fulls_in = tuple(
                 r if id(t) in out_ids else dataclasses.replace(r, full=full_stats(t))
                 for r, t in zip(occ.inputs, ins)
             ) if len(ins) == len(occ.inputs) else occ.inputs
-            out_t = next((o for o in outs if o.is_floating_point()), None)
+            out_t = next((o for o in outs if _floatish(o)), None)
             output = dataclasses.replace(occ.output, input_shapes=_input_shapes(args, kwargs))
             if out_t is not None:
                 output = dataclasses.replace(output, full=full_stats(out_t))
@@ -696,7 +703,7 @@ class Trace:
             direct: list[int] = []
             for role, tensors in ((Role.PARAM, mod._parameters), (Role.BUFFER, mod._buffers)):
                 for t in tensors.values():
-                    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    if not isinstance(t, torch.Tensor) or not _floatish(t):
                         continue
                     if id(t) in seen:  # shared weights: recorded once, owned by the first module
                         ent = self._known.get(t)
@@ -746,7 +753,7 @@ class Trace:
             self._forward_seen = True
             ins: list[int] = []
             for t in _tensors((args, kwargs)):
-                if not t.is_floating_point():
+                if not _floatish(t):
                     continue
                 ent = self._known.get(t)
                 if ent is not None and ent[1] == _version(t):
@@ -781,7 +788,7 @@ class Trace:
                 return
             is_root = name == self._root_name
             for t in _tensors(output):
-                if not t.is_floating_point():
+                if not _floatish(t):
                     continue
                 if self.level == "module":
                     ent = self._known.get(t)
@@ -805,7 +812,7 @@ class Trace:
 
     def _grad_output_hook(self, name: str, call: int, is_root: bool, forward_idx: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            if self._state != "running" or not grad.is_floating_point():
+            if self._state != "running" or not _floatish(grad):
                 return
             self._busy = True
             try:
@@ -825,7 +832,7 @@ class Trace:
     def _grad_hook(self, p: torch.Tensor) -> None:
         self._accumulated = True
         g = p.grad
-        if self._state != "running" or g is None or not g.is_floating_point():
+        if self._state != "running" or g is None or not _floatish(g):
             return
         self._busy = True
         try:

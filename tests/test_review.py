@@ -322,8 +322,6 @@ class SpectralNormalise(nn.Module):
         return torch.fft.irfft(Y, n=x.shape[-1])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nanhunt bug: complex tensors are never recorded, so the NaN is blamed on irfft (its complex input 'looks' finite)")
 def test_nan_born_in_complex_op_is_not_blamed_on_the_real_consumer() -> None:
     m = SpectralNormalise()
     with nanhunt.trace(m) as t:
