@@ -87,10 +87,13 @@ def locate(
             return r
 
     found: list[tuple[RecordView, str]] = []
-    grads_nonfinite = any(not r.finite and r.role in _MODULE_GRADS for r in records[:start])
-    root_nonfinite = any(not records[i].finite for i in root_outputs if i < len(records))
+    module_level = level == "module"
+    grads_nonfinite = module_level and any(not records[i].finite and records[i].role in _MODULE_GRADS
+                                           for i in range(start))
+    root_nonfinite = module_level and any(not records[i].finite for i in root_outputs if i < len(records))
     group, prev, last_group = 0, None, -1
-    for r in records[start:]:
+    for k in range(start, len(records)):
+        r = records[k]
         # Consecutive outputs of one op call (layer_norm's out, mean, rstd) form one group.
         key = (r.op, r.inputs, r.module, r.call_index, r.phase) if r.op is not None else None
         if key is None or key != prev:

@@ -375,7 +375,8 @@ def replay(
             state.reset(start_rng)
             if train is not None:
                 model.train(train)
-            t = Trace(model, level=level, allow=allow, _zoom=zoom)
+            # the second run measures the culprit in full (zoom): no need to hold tensors
+            t = Trace(model, level=level, allow=allow, full_stats=False, _zoom=zoom)
             with t:
                 loss = run_step(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type,
                                 scaler=scaler, optimizer=optimizer)

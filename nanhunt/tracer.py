@@ -110,6 +110,7 @@ _FLOATISH = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dty
 def _floatish(t: torch.Tensor) -> bool:
     return t.dtype in _FLOATISH
 
+_WINDOW = 256  # records between read-backs while the culprit's tensors are kept (trace(full_stats=True))
 _STALE = -2  # a version no tensor has: the record must be measured again when read
 # Casts among these are derived exactly by _cast_value (one rounding, overflow to inf).
 _EXACT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -228,6 +229,7 @@ class Trace:
         stop_at_first: bool = False,
         allow: Iterable[str] = (),
         scope: Iterable[str] = (),
+        full_stats: bool = True,
         _zoom: Iterable[int] = (),
     ) -> None:
         if level not in _LEVELS:
@@ -236,6 +238,7 @@ class Trace:
             allow = (allow,)
         self.level = level
         self.stop_at_first = stop_at_first
+        self.full_stats = full_stats
         self.allow: tuple[str, ...] = tuple(allow)
         self.compiled = False
         if model is not None and hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
@@ -279,6 +282,10 @@ class Trace:
         self._mode: _dispatch.TraceMode | None = None
         self._busy = False
         self._checked = 0
+        # Op level: the ops since the last read-back, with their tensors, so that the culprit's
+        # full statistics can be measured while they are alive (None: not kept).
+        self._window: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]] | None = (
+            [] if self.level == "op" and (self.full_stats or self.stop_at_first) else None)
         self._code_skip: dict[CodeType, bool] = {}
         self._dynamo_prev: bool | None = None
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
@@ -344,6 +351,9 @@ class Trace:
             raise errors[0]
 
     def _finish(self) -> None:
+        if self._window:
+            self._check()  # the last ops' tensors are still held: measure a culprit among them
+        self._window = None
         self._fill(self._pending.read(), 0)
         self._made = {}  # phases may have changed since a stop_at_first check made some
         self._result = locate(
@@ -584,8 +594,12 @@ class Trace:
                 self._writes[_storage_key(o)] = idx  # written in place, version untouched
             self._known[o] = (idx, ver)
             new.append(idx)
-        if self.stop_at_first and new:
-            self._check_now(args, kwargs, outs)
+        if self._window is not None and new:
+            self._window.append((tuple(new), args, kwargs, outs))
+            if self.stop_at_first or len(self._raw) - self._checked >= _WINDOW:
+                self._check()
+        elif self.stop_at_first and new:
+            self._check()
         return out
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
@@ -652,32 +666,53 @@ class Trace:
             )
         return rec
 
-    def _check_now(self, args: Sequence[Any], kwargs: dict[str, Any], outs: list[torch.Tensor]) -> None:
-        """stop_at_first: read back what is pending and raise at the first origin."""
+    def _check(self) -> None:
+        """Read back what is pending (one copy per dtype group) and look for the first origin
+        among the new records. Found: measure the culprit op's full statistics while its tensors
+        are alive, stop keeping tensors, and with ``stop_at_first`` raise here, inside the op."""
         raws = self._raw
         self._fill(self._pending.read(), self._checked)
         res = locate(raws, level=self.level, classes=self._classes, root_outputs=frozenset(),
                      spans=self._spans, allow=self.allow, start=self._checked, final=False, materialize=self._record)
         self._checked = len(raws)
-        if res.first is None:
-            return
+        window = self._window
+        if window is not None:
+            self._window = []
         occ = res.first
-        if occ.op is not None and occ.output.index >= len(raws) - len(outs):
-            # The culprit op is this one: its tensors are alive, so give the full statistics
-            # (not for inputs it wrote into: they no longer hold what the op read).
-            ins = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and _floatish(a)]
-            out_ids = {id(o) for o in outs}
-            fulls_in = tuple(
-                r if id(t) in out_ids else dataclasses.replace(r, full=full_stats(t))
-                for r, t in zip(occ.inputs, ins)
-            ) if len(ins) == len(occ.inputs) else occ.inputs
-            out_t = next((o for o in outs if _floatish(o)), None)
-            output = dataclasses.replace(occ.output, input_shapes=_input_shapes(args, kwargs))
-            if out_t is not None:
-                output = dataclasses.replace(output, full=full_stats(out_t))
-            occ = dataclasses.replace(occ, inputs=fulls_in, output=output)
-        self._stopped = occ
-        raise NonFiniteError(occ)
+        if occ is None:
+            return
+        if window is not None:
+            self._window = None  # the first origin is found: no more tensors kept, no more reads
+            for new, args, kwargs, outs in window:
+                if occ.output.index in new:
+                    self._measure_culprit(occ.output.index, new, args, kwargs, outs)
+                    occ = dataclasses.replace(occ, output=self._record(occ.output.index),
+                                              inputs=tuple(self._record(i) for i in occ.output.inputs))
+                    break
+        if self.stop_at_first:
+            self._stopped = occ
+            raise NonFiniteError(occ)
+
+    def _measure_culprit(self, idx: int, new: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
+                         outs: list[torch.Tensor]) -> None:
+        """Full statistics of an op's output and inputs (not of inputs it wrote into or that changed
+        since: they no longer hold what the op read)."""
+        raw = self._raw[idx]
+        out_t = [o for o in outs if _floatish(o)]
+        pos = new.index(idx)
+        if pos < len(out_t):
+            raw.full = full_stats(out_t[pos])
+        raw.in_shapes = _input_shapes(args, kwargs)
+        out_ids = {id(o) for o in outs}
+        tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+                   if isinstance(t, torch.Tensor) and _floatish(t)]
+        if len(tensors) == len(raw.inputs):
+            for i, t in zip(raw.inputs, tensors):
+                ent = self._known.get(t)
+                if id(t) not in out_ids and ent is not None and ent[0] == i and self._raw[i].full is None:
+                    self._raw[i].full = full_stats(t)
+                    self._made.pop(i, None)
+        self._made.pop(idx, None)
 
     # ---------------------------------------------------------- module hooks
     def _in_scope(self, name: str) -> bool:
@@ -806,7 +841,7 @@ class Trace:
                 if is_root:
                     self._root_outputs.add(idx)
             if self.stop_at_first and self.level == "module":
-                self._check_now((), {}, [])
+                self._check()
         finally:
             self._busy = False
 
@@ -823,7 +858,7 @@ class Trace:
                 idx = self._new(raw, grad)
                 self._known[grad] = (idx, _version(grad))
                 if self.stop_at_first:
-                    self._check_now((), {}, [])
+                    self._check()
             finally:
                 self._busy = False
 
@@ -856,6 +891,7 @@ def trace(
     stop_at_first: bool = False,
     allow: Iterable[str] = (),
     scope: Iterable[str] = (),
+    full_stats: bool = True,
 ) -> Trace:
     """Observe everything run inside the block and find where the first NaN/Inf was born.
 
@@ -876,6 +912,11 @@ def trace(
             The zoom pass after a cheap ``level="module"`` trace found the module.
             A tensor made outside the scope is recorded where it enters it
             (role ``input``, phase of the op that reads it).
+        full_stats: op level: read the statistics back every 256 records (not once at
+            the end) and keep those ops' tensors until then, so that the culprit op's
+            inputs and output get the full counts (NaN, +/-Inf, zeros, smallest non-zero,
+            beyond float16/bfloat16, subnormal) while they are alive. Stops at the first
+            origin. ``False``: one read-back per step, cheap statistics only.
 
     Example::
 
@@ -885,4 +926,4 @@ def trace(
             scaler.scale(loss).backward()
         print(t.first)   # e.g. NaN born in phase forward, module encoder.1.fc ...
     """
-    return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow, scope=scope)
+    return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow, scope=scope, full_stats=full_stats)
