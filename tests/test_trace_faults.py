@@ -237,13 +237,22 @@ def test_origin_carries_full_statistics() -> None:
     m = M.exp_overflow_mlp()
     with torch.no_grad():
         m.fc1.weight[1:].zero_()
-    # WHEN traced (no replay, no stop_at_first)
-    t = run_step(m, torch.ones(2, 4))
+    # WHEN traced live with full_stats=True (no replay, no stop_at_first)
+    with nanhunt.trace(m, full_stats=True) as t:
+        m(torch.ones(2, 4)).sum().backward()
     occ = assert_where(t.first, phase=Phase.FORWARD, module="act", op="aten::exp", kind="inf")
     # THEN the "full set for the tensors that matter" is there: counts for output and inputs
     assert occ.output.full is not None
     assert (occ.output.full.posinf, occ.output.full.nan, occ.output.full.numel) == (2, 0, 16)
     assert all(r.full is not None for r in occ.inputs)
+
+
+def test_default_trace_keeps_no_tensor_and_has_cheap_stats_only() -> None:
+    # GIVEN the same overflow WHEN traced with the defaults THEN one read-back, no held tensors:
+    # the culprit carries min/max only (full counts come from replay or full_stats=True)
+    m = M.exp_overflow_mlp()
+    t = run_step(m, torch.ones(2, 4))
+    assert t.first is not None and t.first.op == "aten::exp" and t.first.output.full is None
 
 
 def test_nan_in_target() -> None:
