@@ -24,12 +24,10 @@ from typing import Any
 
 import pytest
 
+from tests._golden import GOLDEN, check_golden, render
 from nanhunt.records import Comparison, Decision, Regression, Report, TensorDiff
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("NANHUNT_UPDATE_GOLDEN") == "1"
-WIDTH = 100  # fixed console width of the golden text
 TIE_RULE = "equal top scores go to the lowest class index, in both runs; a row holding NaN has no class (-1)"
 HOSTILE = "enc.[bold red]lay[/].<script>alert(1)</script>|`x``y`|$x$"
 HOSTILE_CLASS = "Evil<img src=x onerror=alert(1)>*cls*"
@@ -186,34 +184,6 @@ def _variants() -> list[Report]:
 # ------------------------------------------------------------------ helpers
 
 
-def _check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE or not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        if not UPDATE:
-            pytest.fail(f"golden file {name} was missing and has been written; check it and run again")
-    assert text == path.read_text(encoding="utf-8"), f"{name} changed; NANHUNT_UPDATE_GOLDEN=1 rewrites it"
-
-
-def _render(fmt: str, report: Report, width: int = WIDTH) -> str:
-    if fmt == "md":
-        from nanhunt.report.markdown import render as md
-
-        return md(report)
-    if fmt == "html":
-        from nanhunt.report.html import render as page
-
-        return page(report, draw=False)  # the picture's pixels depend on fonts: tested apart
-    if fmt == "console":
-        from nanhunt.report.console import render_text
-
-        return render_text(report, width=width)
-    from nanhunt.report.jsonreport import render as js
-
-    return js(report)
-
-
 class _Page(html.parser.HTMLParser):
     """Tags, attributes, text, and the cell count of every row of every table."""
 
@@ -268,11 +238,11 @@ def _md_text(md: str) -> str:
                                       ("json", "compare.json")])
 def test_golden(fmt: str, name: str) -> None:
     # GIVEN the fixed comparison WHEN rendered THEN byte for byte the golden file
-    _check_golden(name, _render(fmt, sample_comparison()))
+    check_golden(name, render(fmt, sample_comparison()))
 
 
 def test_golden_hostile_markdown() -> None:
-    _check_golden("compare.hostile.md", _render("md", hostile_comparison()))
+    check_golden("compare.hostile.md", render("md", hostile_comparison()))
 
 
 def test_json_golden_reads_back() -> None:
@@ -289,20 +259,20 @@ def test_status_and_rule_are_the_same_in_every_format(make: Any) -> None:
 
     r = make()
     summary, rule = compare_summary(r), _cmp(r).rule_text()
-    console = " ".join(_render("console", r, width=1000).split())
-    page = "".join(_parse(_render("html", r)).text)
-    md = _md_text(_render("md", r))
+    console = " ".join(render("console", r, width=1000).split())
+    page = "".join(_parse(render("html", r)).text)
+    md = _md_text(render("md", r))
     for out in (console, page, md):
         assert summary in out and rule in out
     assert console.startswith(summary)
-    assert _render("md", r).startswith("## nanhunt compare: ")
+    assert render("md", r).startswith("## nanhunt compare: ")
     for v in _cmp(r).violations:
         assert v in page and v in md
 
 
 def test_report_order() -> None:
     # The status and the rule, the runs, the picture (HTML), the ranking, the decisions, output and loss, the rest.
-    md = _render("md", sample_comparison())
+    md = render("md", sample_comparison())
     marks = ["**REJECTED: autocast float16", "**Rule (fixed before the run):**", "Violations:", "#### Runs",
              "#### Where the error is introduced", "Largest absolute error: `head#0`", "All 9 module calls",
              "#### Decisions", "#### Output and loss", "Gradients: 3 tensors", "Not compared",
@@ -322,7 +292,7 @@ def test_report_order() -> None:
 
 def test_content_of_the_comparison() -> None:
     r = sample_comparison()
-    md = _render("md", r)
+    md = render("md", r)
     # the ranking: the introducing module first, with its class, its numbers right-aligned
     assert "| 1 | `enc.layers.1.attn.proj#0` (Linear) | 0.0116 | 0.0121 | 0.00052 |" in md
     assert "| 2 | `enc.layers.0#0` (Block) |" in md and "| 4 | `norm#1` (LayerNorm) |" in md
@@ -336,7 +306,7 @@ def test_content_of_the_comparison() -> None:
     # gradients: largest error first
     grads = md[md.index("Gradients: 3 tensors"):]
     assert grads.index("enc.layers.1.attn.proj.weight") < grads.index("embed.weight") < grads.index("head.bias")
-    page = _parse(_render("html", r))
+    page = _parse(render("html", r))
     text = "".join(page.text)
     assert "FLIPPED" in text and "near the boundary, unchanged" in text and "rank 1" in text
     assert ("tr", "class", "flip") in page.attrs and ("tr", "class", "near") in page.attrs
@@ -348,7 +318,7 @@ def test_content_of_the_comparison() -> None:
 def test_variants_in_every_format() -> None:
     for r in _variants():
         for fmt in ("md", "html", "console", "json"):
-            out = _render(fmt, r)
+            out = render(fmt, r)
             assert out.endswith("\n") and len(out) > 200, fmt
             if fmt == "html":
                 p = _parse(out)
@@ -361,8 +331,8 @@ def test_variants_in_every_format() -> None:
 
 def test_reference_nonfinite_compares_nothing() -> None:
     r = reference_nonfinite()
-    md, page = _render("md", r), _render("html", r)
-    for out in (md, page, _render("console", r)):
+    md, page = render("md", r), render("html", r)
+    for out in (md, page, render("console", r)):
         assert "REFERENCE NON-FINITE" in out and "othing was compared" in out
         assert "Decisions" not in out and "decisions:" not in out  # nothing was compared: no decisions either
         assert "Where the error is introduced" not in out
@@ -375,20 +345,20 @@ def test_reference_nonfinite_compares_nothing() -> None:
 
 def test_amp_overflow_shows_infinite_errors() -> None:
     r = amp_overflow()
-    md = _render("md", r)
+    md = render("md", r)
     assert "| 1 | `big#0` (Linear) | inf | inf | 0 | inf | inf | 25.0% | overflowed | 0 |" in md
     assert "NON-FINITE (first at the output of module big\\#0 (Linear) (forward)), loss nan" in md
-    page = _parse(_render("html", r))
+    page = _parse(render("html", r))
     assert ("td", "class", "num bad") in page.attrs  # the infinite introduced error and the overflowed headroom
     assert "Decisions" not in md  # task none
 
 
 def test_many_calls_are_cut_with_a_count() -> None:
     r = many_calls()
-    md = _render("md", r)
+    md = render("md", r)
     assert f"... and {len(_cmp(r).ranking) - 10} more module calls introduce some error" in md
     assert "... and 160 more" in md  # the folded table shows 100 calls
-    page = _render("html", r)
+    page = render("html", r)
     assert f"... and {len(_cmp(r).ranking) - 20} more module calls introduce some error" in page
     assert "... and 60 more" in page  # 200 calls
     from nanhunt.report.picture import comparison_figure
@@ -406,7 +376,7 @@ def test_many_calls_are_cut_with_a_count() -> None:
 
 
 def test_hostile_names_markdown() -> None:
-    md = _render("md", hostile_comparison())
+    md = render("md", hostile_comparison())
     page = _parse(_markdown_to_html(md))
     # THEN no element came from the names, every table row kept its cells, and the names read literally
     assert not {"script", "a", "img", "em"} & set(page.tags) and "strong" in page.tags
@@ -434,7 +404,7 @@ def test_hostile_names_html() -> None:
 
 
 def test_hostile_names_console() -> None:
-    out = _render("console", hostile_comparison(), width=1000)
+    out = render("console", hostile_comparison(), width=1000)
     assert f"first at {HOSTILE}#0" in out  # markup not eaten
     assert f"{HOSTILE}#0 ({HOSTILE_CLASS})" in out
 

@@ -15,17 +15,14 @@ import dataclasses
 import html.parser
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._golden import GOLDEN, check_golden, render
 from nanhunt.records import FullStats, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 
-GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("NANHUNT_UPDATE_GOLDEN") == "1"
-WIDTH = 100  # fixed console width of every golden text
 
 
 # ------------------------------------------------------------------ the fixed report
@@ -125,34 +122,6 @@ def hostile_report() -> Report:
                                command=f"nanhunt replay 'a|b.pt' '{HOSTILE}' --bundle out")
 
 
-def _check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if UPDATE or not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        if not UPDATE:
-            pytest.fail(f"golden file {name} was missing and has been written; check it and run again")
-    assert text == path.read_text(encoding="utf-8"), f"{name} changed; NANHUNT_UPDATE_GOLDEN=1 rewrites it"
-
-
-def _render(fmt: str, report: Report) -> str:
-    if fmt == "md":
-        from nanhunt.report.markdown import render as md
-
-        return md(report)
-    if fmt == "html":
-        from nanhunt.report.html import render as page
-
-        return page(report, draw=False)  # the picture's pixels depend on fonts: tested apart
-    if fmt == "console":
-        from nanhunt.report.console import render_text
-
-        return render_text(report, width=WIDTH)
-    from nanhunt.report.jsonreport import render as js
-
-    return js(report)
-
-
 # ------------------------------------------------------------------ goldens
 
 
@@ -160,11 +129,11 @@ def _render(fmt: str, report: Report) -> str:
                                       ("json", "report.json")])
 def test_golden(fmt: str, name: str) -> None:
     # GIVEN the fixed report WHEN rendered THEN byte for byte the golden file
-    _check_golden(name, _render(fmt, sample_report()))
+    check_golden(name, render(fmt, sample_report()))
 
 
 def test_golden_hostile_markdown() -> None:
-    _check_golden("report_hostile.md", _render("md", hostile_report()))
+    check_golden("report_hostile.md", render("md", hostile_report()))
 
 
 # ------------------------------------------------------------------ JSON
@@ -194,7 +163,7 @@ def test_schema_v1_file_still_loads() -> None:
     assert old.repro is None
     assert old.to_dict() == sample_report(with_repro=False).to_dict()
     for fmt in ("md", "html", "console", "json"):
-        assert "blocks.1.ff.wo" in _render(fmt, old)
+        assert "blocks.1.ff.wo" in render(fmt, old)
 
 
 def test_unknown_keys_from_a_newer_schema_are_ignored() -> None:
@@ -244,7 +213,7 @@ def _markdown_to_html(md: str) -> str:
 
 
 def test_hostile_names_markdown() -> None:
-    md = _render("md", hostile_report())
+    md = render("md", hostile_report())
     page = _parse(_markdown_to_html(md))
     # THEN no element came from the names, every table row kept its cells, and the names read literally
     assert "script" not in page.tags and "a" not in page.tags and "strong" in page.tags
@@ -267,7 +236,7 @@ def test_hostile_names_html() -> None:
 
 
 def test_hostile_names_console() -> None:
-    out = _render("console", hostile_report())
+    out = render("console", hostile_report())
     assert "enc.[bold red]lay[/].<script>alert(1)</script>|`x``y`|$x$" in out  # markup not eaten
 
 
@@ -300,13 +269,13 @@ def test_html_self_contained_with_picture() -> None:
 
 def test_report_order() -> None:
     # The order: verdict, birth place, the op's tensors, path, bisection + fix, GradScaler, environment, command.
-    md = _render("md", sample_report())
+    md = render("md", sample_report())
     marks = ["Inf born in phase forward", "#### Where it was born", "#### The op's tensors", "#### Propagation path",
              "#### Bisection", "Suggested fix", "#### GradScaler", "#### Environment", "#### Reproduce",
              "nanhunt replay fixtures"]
     at = [md.index(m) for m in marks]
     assert at == sorted(at)
-    page = _render("html", sample_report())
+    page = render("html", sample_report())
     marks = ["Inf born in phase forward", "Where it was born", "The op's tensors", "Propagation path", "Bisection",
              "Suggested fix", "GradScaler", "Environment", "Reproduce", "nanhunt replay fixtures"]
     at = [page.index(m) for m in marks]
@@ -314,7 +283,7 @@ def test_report_order() -> None:
 
 
 def test_markdown_summary_fits_a_screen() -> None:
-    md = _render("md", sample_report())
+    md = render("md", sample_report())
     summary = md.split("#### Propagation path")[0]
     assert len(summary.splitlines()) <= 40
     assert "```python\nimport nanhunt\n" in md and "```sh\nnanhunt replay" in md
@@ -386,7 +355,7 @@ def _variants() -> list[Report]:
 @pytest.mark.parametrize("fmt", ["md", "html", "console", "json"])
 def test_every_renderer_every_status(fmt: str) -> None:
     for r in _variants():
-        out = _render(fmt, r)
+        out = render(fmt, r)
         assert out.endswith("\n") and len(out) > 40
         if fmt == "html":
             _parse(out)

@@ -87,8 +87,7 @@ def sentence(report: Report) -> list[Span]:
     v = report.verdict
     if v is not None and v.kind == "precision" and v.culprits:
         out.append(Span("; running "))
-        for i, c in enumerate(v.culprits):
-            out += ([Span(", ")] if i else []) + [Span(label(c), True)]
+        out += _culprits(v.culprits)
         out.append(Span(" in float32 makes the step finite" + ("" if v.confirmed else " (not confirmed)")))
     elif v is not None and v.kind == "not-precision":
         out.append(Span("; it fails in float32 too: not a precision problem"))
@@ -100,6 +99,13 @@ def sentence(report: Report) -> list[Span]:
     return out
 
 
+def _culprits(names: tuple[str, ...]) -> list[Span]:
+    out: list[Span] = []
+    for i, c in enumerate(names):
+        out += ([Span(", ")] if i else []) + [Span(label(c), True)]
+    return out
+
+
 def verdict_text(report: Report) -> list[Span]:
     """The bisection's verdict, longer than the sentence."""
     v = report.verdict
@@ -107,8 +113,7 @@ def verdict_text(report: Report) -> list[Span]:
         return [Span("No bisection was run (--no-bisect).")]
     if v.kind == "precision":
         out = [Span("Precision problem: running ")]
-        for i, c in enumerate(v.culprits):
-            out += ([Span(", ")] if i else []) + [Span(label(c), True)]
+        out += _culprits(v.culprits)
         state = "confirmed" if v.confirmed else "NOT confirmed"
         out.append(Span(f" in float32 makes the step finite ({state}; {v.replays} replays, {v.seconds:.1f} s"
                         f"{', interrupted' if v.interrupted else ''})."))

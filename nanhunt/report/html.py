@@ -114,6 +114,15 @@ def _tree(report: Report) -> str:
     return f'<ul class="tree">{"".join(item(n) for n in children.get(None, []))}</ul>'
 
 
+def _close(parts: list[str], report: Report, footer: str) -> str:
+    """The notes, the footer and the end of the page."""
+    if report.notes:
+        items = "".join(f"<li>{_e(n)}</li>" for n in report.notes)
+        parts.append(f"<details open><summary>Notes ({len(report.notes)})</summary><ul>{items}</ul></details>")
+    parts.append(f"<footer>{_e(footer)}</footer></body></html>")
+    return "\n".join(parts) + "\n"
+
+
 def _occurrence(o: Occurrence) -> str:
     return _spans(c.occurrence_spans(o))
 
@@ -214,12 +223,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         items = "".join(f"<li>run {i + 1}: {_occurrence(o) if o is not None else 'finite'}</li>"
                         for i, o in enumerate(report.runs))
         parts.append(f"<details open><summary>The two replays</summary><ul>{items}</ul></details>")
-    if report.notes:
-        items = "".join(f"<li>{_e(n)}</li>" for n in report.notes)
-        parts.append(f"<details open><summary>Notes ({len(report.notes)})</summary><ul>{items}</ul></details>")
-    parts.append(f"<footer>nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors."
-                 "</footer></body></html>")
-    return "\n".join(parts) + "\n"
+    return _close(parts, report, f"nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors.")
 
 
 # ------------------------------------------------------------------ nanhunt compare
@@ -410,9 +414,5 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
     else:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")
-    if report.notes:
-        items = "".join(f"<li>{_e(n)}</li>" for n in report.notes)
-        parts.append(f"<details open><summary>Notes ({len(report.notes)})</summary><ul>{items}</ul></details>")
-    parts.append(f"<footer>nanhunt compare report, schema {report.schema_version}, {len(cmp.modules)} module calls "
-                 "compared.</footer></body></html>")
-    return "\n".join(parts) + "\n"
+    return _close(parts, report, f"nanhunt compare report, schema {report.schema_version}, "
+                                 f"{len(cmp.modules)} module calls compared.")
