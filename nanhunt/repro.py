@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -256,20 +257,6 @@ def _nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
 
-def _map_tensors(obj: Any, fn: Callable[[int, torch.Tensor], torch.Tensor], counter: list[int]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        i = counter[0]
-        counter[0] += 1
-        return fn(i, obj)
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(o, fn, counter) for o in obj)
-    if isinstance(obj, list):
-        return [_map_tensors(o, fn, counter) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn, counter) for k, v in obj.items()}
-    return obj
-
-
 _Pick = Callable[[int, torch.Tensor], list[tuple[int, int, int]]]  # (tensor index, tensor) -> (dim, start, length)s
 
 
@@ -281,7 +268,8 @@ def _narrowed(obj: Any, pick: _Pick) -> Any:
             t = t.narrow(d, start, length)
         return t.clone()
 
-    return _map_tensors(obj, fn, [0])
+    index = itertools.count()  # tensors numbered depth first, as iter_tensors meets them
+    return map_tensors(obj, lambda t: fn(next(index), t))
 
 
 def _halves(size: int) -> tuple[tuple[int, int], tuple[int, int]]:
