@@ -19,6 +19,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "set_dynamo_disabled",
     "TorchDispatchMode",
+    "OP_INFOS",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -70,13 +71,16 @@ class OpInfo:
     write_only_kwargs: tuple[str, ...]
     written_args: tuple[int, ...]  # positional indices of arguments the op writes to
     written_kwargs: tuple[str, ...]
+    writes: bool  # any argument written (schema or hidden)
+    run: Callable[..., Any]  # the op itself, called without OpOverload.__call__'s Python frame
+    func: Any  # the OpOverload (keeps the id of OP_INFOS' key alive)
 
 
-_cache: dict[Any, OpInfo] = {}
+OP_INFOS: dict[int, OpInfo] = {}  # id(func) -> its OpInfo, filled by op_info (OpOverload hashes in Python)
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _cache.get(func)
+    info = OP_INFOS.get(id(func))
     if info is not None:
         return info
     schema = func._schema
@@ -94,22 +98,26 @@ def op_info(func: Any) -> OpInfo:
     base = func._overloadpacket.__name__
     wo_pos = tuple(i for i in written_pos if base in _OVERWRITE and i == 0)
     wo_kw = tuple(k for k in written_kw if k.startswith("out"))
+    # native_batch_norm(input, weight, bias, running_mean, running_var, training, ...) updates
+    # the running stats in place when training, without an alias annotation (no version bump).
+    hidden = (3, 4) if base in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") else ()
     info = OpInfo(
         name=schema.name,
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
         is_view=returns_alias,
         uninitialised=base in _UNINITIALISED,
         copy_of=0 if base in _COPIES or base == "copy_" else None,
-        # native_batch_norm(input, weight, bias, running_mean, running_var, training, ...) updates
-        # the running stats in place when training, without an alias annotation (no version bump).
-        hidden_writes=(3, 4) if base in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") else (),
+        hidden_writes=hidden,
         constant=base in ("lift_fresh", "lift_fresh_copy"),
         write_only_args=wo_pos,
         write_only_kwargs=wo_kw,
         written_args=tuple(written_pos),
         written_kwargs=tuple(written_kw),
+        writes=bool(written_pos or written_kw or hidden),
+        run=getattr(func, "_op", func),
+        func=func,
     )
-    _cache[func] = info
+    OP_INFOS[id(func)] = info
     return info
 
 
@@ -127,6 +135,12 @@ def set_dynamo_disabled(disabled: bool) -> bool | None:
 
 class TraceMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
     """Hands every aten op to ``on_op(func, args, kwargs)``, which must run it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo (~2 us per op) unless this
+        # says no. Nothing here is ever compiled: a trace of a compiled model turns dynamo off.
+        return False
 
     def __init__(self, on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -29,6 +29,11 @@ def dtype_tiny(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).tiny)
 
 
+_DTYPES = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+_COMPLEX = frozenset(d for d in _DTYPES if d.is_complex)
+_BYTE_FLOATS = frozenset(d for d in _DTYPES if d.is_floating_point and d.itemsize == 1)
+
+
 class PendingStats:
     """Collects ``aminmax`` results on the device; reads them back in bulk."""
 
@@ -44,18 +49,19 @@ class PendingStats:
 
     def add(self, slot: int, t: torch.Tensor) -> None:
         """Queue the statistics of ``t`` under ``slot``; no host synchronisation."""
-        if t.numel() == 0:
+        if not t.numel():
             self.values[slot] = (0.0, 0.0)
             return
+        dtype = t.dtype
         # The stats must never join an autograd graph (inside the dispatch mode tensors are
         # below autograd already; detach costs ~20 us, so only when needed).
         x = t.detach() if t.requires_grad else t
-        if x.is_complex():  # NaN/Inf in either part: the real view holds both
+        if dtype in _COMPLEX:  # NaN/Inf in either part: the real view holds both
             x = torch.view_as_real(x)
-        if x.element_size() == 1:  # float8 formats: no aminmax kernel; exact in float32
+        elif dtype in _BYTE_FLOATS:  # float8 formats: no aminmax kernel; exact in float32
             x = x.float()
         lo, hi = torch.aminmax(x)
-        key = (t.device, t.dtype)
+        key = (t.device, dtype)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = ([], [], [], [])

@@ -33,6 +33,10 @@ from .stats import PendingStats, full_stats
 __all__ = ["trace", "Trace"]
 
 _LEVELS = ("op", "module")
+_current_node = _dispatch.current_autograd_node
+_peek_seq = _dispatch.peek_sequence_nr
+_grad_enabled = torch.is_grad_enabled
+_INFOS = _dispatch.OP_INFOS
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANHUNT_DIR = os.path.dirname(__file__) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + "contextlib.py")
@@ -47,19 +51,19 @@ class _TensorMap:
     which builds a reference object on every lookup.
     """
 
-    __slots__ = ("_d",)
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self._d: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int]]] = {}
+        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int]]] = {}
 
     def get(self, t: torch.Tensor) -> tuple[int, int] | None:
-        e = self._d.get(id(t))
+        e = self.entries.get(id(t))
         if e is None or e[0]() is not t:
             return None
         return e[1]
 
     def __setitem__(self, t: torch.Tensor, value: tuple[int, int]) -> None:
-        self._d[id(t)] = (weakref.ref(t), value)
+        self.entries[id(t)] = (weakref.ref(t), value)
 
 
 class _Raw(RangeStats):
@@ -261,6 +265,7 @@ class Trace:
         self._raw: list[_Raw] = []
         self._pending = PendingStats()
         self._known = _TensorMap()  # tensor -> (record index, version)
+        self._kd = self._known.entries  # the same, read directly on the op path
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._classes: dict[str, str] = {}
         self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
@@ -367,6 +372,7 @@ class Trace:
         )
         # Drop references that could keep user objects alive (the raws hold no tensor).
         self._known = _TensorMap()
+        self._kd = self._known.entries
         self._seqmap = {}
 
     # --------------------------------------------------------------- results
@@ -499,47 +505,87 @@ class Trace:
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._busy:
             return func(*args, **kwargs)
-        node = _dispatch.current_autograd_node()
+        node = _current_node()
         if self.scope and (not self._stack if node is None else (
                 not self._recompute_depth and node._sequence_nr() not in self._seqmap)):
             return func(*args, **kwargs)  # outside the scope: not recorded
-        info = _dispatch.op_info(func)
+        info = _INFOS.get(id(func))  # OpOverload hashes in Python: key by identity
+        if info is None:
+            info = _dispatch.op_info(func)
+        run = info.run
+        kd = self._kd
+        if info.same_set_view and (node is None or self._backward_seen):
+            # Fast path, half the ops of a step: a view holding exactly the elements of a tensor
+            # whose record is current shares that record. Nothing to measure or attribute
+            # unless the op makes an autograd node (then the general path keeps its context).
+            a = args[0]
+            e = kd.get(id(a))
+            if e is not None and e[0]() is a:
+                try:
+                    ver = a._version
+                except RuntimeError:
+                    ver = -1
+                rec = e[1]
+                if rec[1] == ver and ver >= 0 and (
+                        (node is not None and not _grad_enabled()) or _peek_seq() == self._last_seq):
+                    out = run(*args, **kwargs)
+                    if isinstance(out, torch.Tensor) and out.dtype in _FLOATISH:
+                        kd[id(out)] = (weakref.ref(out), (rec[0], ver))
+                    return out
         phase, module, call, src, want_src = self._context(node)
         new_node = False
         seq = 0
         # Forward ops make nodes; so do backward ops under create_graph (double backward).
-        if node is None or torch.is_grad_enabled():
-            seq = _dispatch.peek_sequence_nr()
+        if node is None or _grad_enabled():
+            seq = _peek_seq()
             if seq != self._last_seq:
                 self._last_seq = seq
                 new_node = True
         if info.constant:
             return self._constant(func, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
-        read_args: Iterable[Any] = args
-        read_kwargs: Iterable[Any] = kwargs.values()
         if info.write_only_args or info.write_only_kwargs:  # out=, copy_'s destination: not inputs
-            read_args = [a for i, a in enumerate(args) if i not in info.write_only_args]
-            read_kwargs = [v for k, v in kwargs.items() if k not in info.write_only_kwargs]
-        scalar = self._scan(read_args, ins, phase, module, call, None)
-        if kwargs:
-            scalar = self._scan(read_kwargs, ins, phase, module, call, scalar)
+            scalar = self._scan([a for i, a in enumerate(args) if i not in info.write_only_args],
+                                ins, phase, module, call, None)
+            scalar = self._scan([v for k, v in kwargs.items() if k not in info.write_only_kwargs],
+                                ins, phase, module, call, scalar)
+        else:
+            scalar = self._scan(args, ins, phase, module, call, None)
+            if kwargs:
+                scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
         if want_src and (new_node or ins):
             src = self._source()
         if new_node:
             node_src = src
-            if not torch.is_grad_enabled():
+            if not _grad_enabled():
                 # A node made while grad mode is off is a custom Function's, created by
                 # .apply() before its forward ran this op: its line is the apply call.
                 node_src = _apply_caller() or src
             self._seqmap[seq - 1] = (module, call, node_src)
 
-        out = func(*args, **kwargs)
+        out = run(*args, **kwargs)
 
-        if info.same_set_view and ins and isinstance(out, torch.Tensor) and _floatish(out):
+        if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in _FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
-        outs: list[torch.Tensor] = []
+        if not info.writes:
+            # No argument written: only the outputs are new values.
+            if isinstance(out, torch.Tensor):
+                if out.dtype not in _FLOATISH:
+                    return out
+                outs: list[torch.Tensor] = [out]
+            elif isinstance(out, (tuple, list)):
+                outs = []
+                for o in out:
+                    if isinstance(o, torch.Tensor) and o.dtype in _FLOATISH and not any(o is p for p in outs):
+                        outs.append(o)
+                if not outs:
+                    return out
+            else:
+                return out
+            self._outputs(info, args, kwargs, outs, (), (), ins, phase, module, call, src, scalar, node)
+            return out
+        outs = []
         if isinstance(out, torch.Tensor):
             outs.append(out)
         elif isinstance(out, (tuple, list)):
@@ -555,54 +601,72 @@ class Trace:
             hidden = [args[i] for i in info.hidden_writes if isinstance(args[i], torch.Tensor)]
         outs.extend(written)
         outs.extend(hidden)
-        if not outs:
-            return out
-        written_ids = {id(w) for w in written} if written else ()
-        hidden_ids = {id(h) for h in hidden} if hidden else ()
+        unique: list[torch.Tensor] = []
+        seen_ids: set[int] = set()
+        for o in outs:
+            if id(o) not in seen_ids and o.dtype in _FLOATISH:
+                seen_ids.add(id(o))
+                unique.append(o)
+        if unique:
+            self._outputs(info, args, kwargs, unique, [id(w) for w in written], [id(h) for h in hidden], ins,
+                          phase, module, call, src, scalar, node)
+        return out
+
+    def _outputs(self, info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 outs: list[torch.Tensor], written_ids: Sequence[int], hidden_ids: Sequence[int], ins: list[int],
+                 phase: Phase, module: str | None, call: int, src: tuple[str, int, str] | None, scalar: str | None,
+                 node: Any) -> None:
+        """Record an op's new values: its floating outputs (distinct) and the arguments it wrote."""
+        raws = self._raw
         # A view of uninitialised memory is no value either, until something writes it; a
         # partial write (index_put_, a slice copy) leaves some of it unwritten: still no value,
         # measured again when read (``_STALE``).
-        blank = info.uninitialised or (info.is_view and any(self._raw[i].blank for i in ins))
-        partial = bool(written) and not info.write_only_args and bool(ins) and self._raw[ins[0]].blank
+        blank = info.uninitialised or (info.is_view and any(raws[i].blank for i in ins))
+        partial = bool(written_ids) and not info.write_only_args and bool(ins) and raws[ins[0]].blank
         # A copy (clone, cast, copy_) holds its source's values: derive, don't measure.
         copy_of = ins[info.copy_of] if info.copy_of is not None and len(ins) == info.copy_of + 1 else None
-        if copy_of is not None and self._raw[copy_of].dtype not in _EXACT_CASTS:
+        if copy_of is not None and raws[copy_of].dtype not in _EXACT_CASTS:
             copy_of = None  # float64 sources round twice, float8 targets are not emulated: measure
         inputs = tuple(ins)
         new: list[int] = []
-        seen_ids: set[int] = set()
         view_version = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else None
+        kd = self._kd
         for o in outs:
-            if id(o) in seen_ids or not _floatish(o):
-                continue
-            seen_ids.add(id(o))
+            oid = id(o)
             alias = copy_of if copy_of is not None and o.dtype in _EXACT_DTYPES else None
-            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias_of=alias)
-            raw.blank = (blank and (info.uninitialised or id(o) not in written_ids)) or (partial and id(o) in written_ids)
+            raw = _Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias)
+            is_written = oid in written_ids
+            if blank or partial:
+                raw.blank = (blank and (info.uninitialised or not is_written)) or (partial and is_written)
             idx = self._new(raw, o)
             if idx in self._zoom:
                 raw.in_shapes = _input_shapes(args, kwargs)
             # A view shares its base's version counter, but only once this mode has returned.
-            ver = view_version if view_version is not None else _version(o)
-            if id(o) in written_ids:
+            if view_version is not None:
+                ver = view_version
+            else:
+                try:
+                    ver = o._version
+                except RuntimeError:
+                    ver = -1
+            if is_written:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
                 self._writes[_storage_key(o)] = idx
                 if raw.blank or info.uninitialised:
                     ver = _STALE
-            elif id(o) in hidden_ids:
+            elif oid in hidden_ids:
                 self._writes[_storage_key(o)] = idx  # written in place, version untouched
-            self._known[o] = (idx, ver)
+            kd[oid] = (weakref.ref(o), (idx, ver))
             new.append(idx)
         # Held tensors are not kept across backward ops: a gradient referenced elsewhere makes
         # AccumulateGrad copy it instead of stealing it (more memory, extra ops in the user's step).
-        if self._window is not None and new and (node is None or self.stop_at_first):
+        if self._window is not None and (node is None or self.stop_at_first):
             self._window.append((tuple(new), args, kwargs, outs))
-            if self.stop_at_first or len(self._raw) - self._checked >= _WINDOW:
+            if self.stop_at_first or len(raws) - self._checked >= _WINDOW:
                 self._check()
-        elif self.stop_at_first and new:
+        elif self.stop_at_first:
             self._check()
-        return out
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
                   module: str | None, call: int, want_src: bool) -> Any:
