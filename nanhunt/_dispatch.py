@@ -20,6 +20,9 @@ __all__ = [
     "set_dynamo_disabled",
     "TorchDispatchMode",
     "OP_INFOS",
+    "push_mode",
+    "pop_mode",
+    "mode_on_stack",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -119,6 +122,25 @@ def op_info(func: Any) -> OpInfo:
     )
     OP_INFOS[id(func)] = info
     return info
+
+
+def push_mode(mode: TorchDispatchMode) -> None:
+    """Put ``mode`` on this thread's dispatch-mode stack (what ``with mode:`` does, without its
+    Python bookkeeping: callable from an autograd hook, whose thread state autograd restores)."""
+    torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def mode_on_stack(mode: TorchDispatchMode) -> bool:
+    return any(torch._C._get_dispatch_stack_at(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+
+
+def pop_mode(mode: TorchDispatchMode) -> bool:
+    """Take ``mode`` off the stack if it is on top; say whether it was."""
+    n = torch._C._len_torch_dispatch_stack()
+    if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
+        torch._C._pop_torch_dispatch_stack(None)
+        return True
+    return False
 
 
 def set_dynamo_disabled(disabled: bool) -> bool | None:

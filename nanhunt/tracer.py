@@ -285,6 +285,9 @@ class Trace:
         self._spans: dict[int, int] = {}
         self._handles: list[Any] = []
         self._mode: _dispatch.TraceMode | None = None
+        self._entered = False  # the mode entered for the whole block (no scope)
+        self._gate: list[bool] = []  # scope= : per scope entry, whether it put the mode on the stack
+        self._hooked: set[int] = set()  # scope= : sequence numbers of the nodes given gate hooks
         self._busy = False
         self._checked = 0
         # Op level: the ops since the last read-back, with their tensors, so that the culprit's
@@ -330,17 +333,24 @@ class Trace:
         if self.level == "op":
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
-            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            if not self.scope:
+                self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+                self._entered = True
+            # With scope= the mode is on the stack only while the scope runs: its forward (module
+            # hooks) and its backward nodes (node hooks); every other op runs at full speed.
 
     def _teardown(self) -> None:
         """Remove everything installed. Safe to call twice; every step runs even if one fails."""
         errors: list[BaseException] = []
         mode, self._mode = self._mode, None
-        if mode is not None:
+        if mode is not None and self._entered:
             try:
                 mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             except BaseException as e:  # pragma: no cover - defensive
                 errors.append(e)
+        elif mode is not None:
+            _dispatch.pop_mode(mode)  # a scoped forward interrupted before its exit hook
+        self._entered = False
         handles, self._handles = self._handles, []
         for h in handles:
             try:
@@ -830,6 +840,10 @@ class Trace:
             return
         self._busy = True
         try:
+            if self.scope and not self._stack and self._mode is not None:
+                self._gate.append(self._open_gate())
+                # Entering the scope: nodes made outside it must not be taken for this op's.
+                self._last_seq = _peek_seq()
             if _dispatch.current_autograd_node() is not None:
                 # Recomputation (torch.utils.checkpoint) inside backward: same call, not a new one.
                 self._stack.append((name, max(self._calls.get(name, 1) - 1, 0)))
@@ -845,9 +859,6 @@ class Trace:
                         self._raw[i].phase = Phase.FORWARD
                 self._loss_pending.clear()  # before the model's next call: the loss of the last one
             parent = self._stack[-1] if self._stack else None
-            if parent is None and self.scope:
-                # Entering the scope: nodes made outside it must not be taken for this op's.
-                self._last_seq = _dispatch.peek_sequence_nr()
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             self._stack.append((name, call))
@@ -910,6 +921,51 @@ class Trace:
                 self._check()
         finally:
             self._busy = False
+            if self.scope and not self._stack and self._gate:
+                self._close_gate(self._gate.pop(), (output, args, kwargs))
+
+    # ------------------------------------------------------------ scope gate
+    def _open_gate(self) -> bool:
+        """Put the dispatch mode on the stack unless it is there; True when this call put it."""
+        mode = self._mode
+        if mode is None or self._state != "running" or _dispatch.mode_on_stack(mode):
+            return False
+        _dispatch.push_mode(mode)
+        return True
+
+    def _close_gate(self, opened: bool, values: Any) -> None:
+        """Leaving the scope: take the mode off the stack again and give the backward nodes the
+        scope's ops made (reachable from its outputs, or from inputs it changed in place) gate hooks."""
+        if opened and self._mode is not None:
+            _dispatch.pop_mode(self._mode)
+        if self._state == "running":
+            self._hook_nodes(_tensors(values))
+
+    def _hook_nodes(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Pre/post hooks on the scope's not yet hooked backward nodes: the mode is on the stack
+        while such a node runs (autograd restores the thread's mode stack after every node)."""
+        seqmap, hooked = self._seqmap, self._hooked
+        todo = [g for g in (t.grad_fn for t in tensors) if g is not None]
+        while todo:
+            node = todo.pop()
+            seq = node._sequence_nr()
+            if seq in hooked or seq not in seqmap:
+                continue  # done already, or made outside the scope
+            hooked.add(seq)
+            self._handles.append(node.register_prehook(self._node_enter))
+            self._handles.append(node.register_hook(self._node_leave))
+            todo.extend(f for f, _ in node.next_functions if f is not None)
+
+    def _node_enter(self, grad_outputs: Any) -> None:
+        # No pop in a post hook: the engine sums the node's gradients into the next nodes' inputs
+        # after it (ops of this node too), and restores the thread's mode stack after each node.
+        self._open_gate()
+        # Nodes made since this node's last op were made by ops outside the scope, unseen.
+        self._last_seq = _peek_seq()
+
+    def _node_leave(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        if self._state == "running" and _grad_enabled():  # create_graph: this node's backward made nodes
+            self._hook_nodes(g for g in grad_inputs if isinstance(g, torch.Tensor))
 
     def _grad_output_hook(self, name: str, call: int, is_root: bool, forward_idx: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -920,9 +976,17 @@ class Trace:
                 # The gradient w.r.t. the root output is made by the loss's backward.
                 phase, module = (Phase.LOSS, None) if is_root else (Phase.BACKWARD, name)
                 # The edge from the forward output lets locate name the module whose backward made it.
-                raw = _Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (forward_idx,), None)
+                ent = self._known.get(grad)
+                ver = _version(grad)
+                if ent is not None and ent[1] == ver and ver >= 0:
+                    # The same gradient again (a residual add hands one tensor to both branches, a
+                    # container returns its child's output): same values, derived, not read again.
+                    raw = _Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (forward_idx, ent[0]), None,
+                               alias_of=ent[0])
+                else:
+                    raw = _Raw(phase, module, call, None, Role.GRAD_OUTPUT, grad, (forward_idx,), None)
                 idx = self._new(raw, grad)
-                self._known[grad] = (idx, _version(grad))
+                self._known[grad] = (idx, ver)
                 if self.stop_at_first:
                     self._check()
             finally:
