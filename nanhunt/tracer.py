@@ -530,7 +530,7 @@ class Trace:
             # unless the op makes an autograd node (then the general path keeps its context).
             a = args[0]
             e = kd.get(id(a))
-            if e is not None and e[0]() is a:
+            if e is not None and a is not None and e[0]() is a:
                 try:
                     ver = a._version
                 except RuntimeError:
