@@ -528,9 +528,9 @@ class Trace:
             # Fast path, half the ops of a step: a view holding exactly the elements of a tensor
             # whose record is current shares that record. Nothing to measure or attribute
             # unless the op makes an autograd node (then the general path keeps its context).
-            a = args[0]
+            a: torch.Tensor = args[0]
             e = kd.get(id(a))
-            if e is not None and a is not None and e[0]() is a:
+            if e is not None and e[0]() is a:
                 try:
                     ver = a._version
                 except RuntimeError:
