@@ -37,6 +37,8 @@ _current_node = _dispatch.current_autograd_node
 _peek_seq = _dispatch.peek_sequence_nr
 _grad_enabled = torch.is_grad_enabled
 _INFOS = _dispatch.OP_INFOS
+_FORWARD = Phase.FORWARD
+_LOSS = Phase.LOSS
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _NANHUNT_DIR = os.path.dirname(__file__) + os.sep
 _SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + "contextlib.py")
@@ -94,8 +96,8 @@ class _Raw(RangeStats):
         self.call_index = call
         self.op = op
         self.role = role
-        self.dtype = _dtype_name(t.dtype)
-        self.shape = tuple(t.shape)
+        self.dtype = _DTYPE_NAMES[t.dtype]
+        self.shape = t.shape
         self.inputs = inputs
         self.source = source
         self.nonfinite_scalar = scalar
@@ -106,7 +108,8 @@ class _Raw(RangeStats):
         self.constant = False  # a tensor literal: its non-finite value counts as a scalar argument's
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).replace("torch.", "") for d in vars(torch).values()
+                                        if isinstance(d, torch.dtype)}
 # Tensors whose values can be NaN/Inf: floating (float8 included) and complex.
 _FLOATISH = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 
@@ -146,13 +149,6 @@ def _cast_pair(lo: float, hi: float, dtype: str) -> tuple[float, float]:
     """min/max of a tensor cast to ``dtype``: casting is monotone (rounding, overflow to inf),
     so they are the cast of the source's min/max."""
     return _cast_value(lo, dtype), _cast_value(hi, dtype)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
 
 
 def _version(t: torch.Tensor) -> int:
@@ -436,13 +432,14 @@ class Trace:
             self._pending.add(idx, t)
         if idx in self._zoom:
             raw.full = full_stats(t)
-        if raw.phase is Phase.LOSS:
+        if raw.phase is _LOSS:
             self._loss_pending.append(idx)
         return idx
 
-    def _source(self) -> tuple[str, int, str] | None:
-        """The innermost frame outside torch and nanhunt: the user's line that ran the op."""
-        f: FrameType | None = sys._getframe(2)
+    def _source(self, depth: int = 3) -> tuple[str, int, str] | None:
+        """The innermost frame outside torch and nanhunt: the user's line that ran the op.
+        ``depth``: frames to skip (this one, the tracer's, the mode's)."""
+        f: FrameType | None = sys._getframe(depth)
         skip_cache = self._code_skip
         while f is not None:
             code = f.f_code
@@ -542,7 +539,15 @@ class Trace:
                     if isinstance(out, torch.Tensor) and out.dtype in _FLOATISH:
                         kd[id(out)] = (weakref.ref(out), (rec[0], ver))
                     return out
-        phase, module, call, src, want_src = self._context(node)
+        module: str | None
+        src: tuple[str, int, str] | None
+        if node is None and self._stack:  # forward inside a module: the common case, inline
+            phase = _FORWARD
+            module, call = self._stack[-1]
+            src = None
+            want_src = True
+        else:
+            phase, module, call, src, want_src = self._context(node)
         new_node = False
         seq = 0
         # Forward ops make nodes; so do backward ops under create_graph (double backward).
@@ -684,7 +689,7 @@ class Trace:
         argument, a value the code wrote down, never an origin."""
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and _floatish(out):
-            src = self._source() if want_src else None
+            src = self._source(4) if want_src else None
             raw = _Raw(phase, module, call, _dispatch.op_info(func).name, Role.OUTPUT, out, (), src)
             raw.constant = True
             idx = self._new(raw, out)
@@ -695,9 +700,20 @@ class Trace:
               scalar: str | None) -> str | None:
         """Append the records of the floating tensors in ``values``; return the non-finite scalar seen."""
         lookup = self._lookup
+        kd = self._kd
         for a in values:
             if isinstance(a, torch.Tensor):
-                if _floatish(a):
+                if a.dtype in _FLOATISH:
+                    e = kd.get(id(a))
+                    if e is not None and e[0]() is a:  # known: current unless written since
+                        rec = e[1]
+                        try:
+                            ver = a._version
+                        except RuntimeError:
+                            ver = -1
+                        if rec[1] == ver and ver >= 0:
+                            ins.append(rec[0])
+                            continue
                     ins.append(lookup(a, phase, module, call))
             elif isinstance(a, float):
                 if a != a:
@@ -736,7 +752,7 @@ class Trace:
             r = self._raw[i]
             rec = self._made[i] = Record(
                 index=i, phase=r.phase, module=r.module, call_index=r.call_index, op=r.op, role=r.role,
-                dtype=r.dtype, shape=r.shape, min=r.min, max=r.max, inputs=r.inputs,
+                dtype=r.dtype, shape=tuple(r.shape), min=r.min, max=r.max, inputs=r.inputs,
                 source=_format_source(r.source), nonfinite_scalar=r.nonfinite_scalar, full=r.full,
                 input_shapes=r.in_shapes,
             )
