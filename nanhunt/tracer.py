@@ -17,7 +17,7 @@ import struct
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -165,21 +165,32 @@ def _storage_key(t: torch.Tensor) -> int:
         return -id(t)
 
 
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     """Tensors inside module arguments/outputs: tuples, lists, dicts, ModelOutput, dataclasses."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        return [obj]
+    found: list[torch.Tensor] = []
+    _collect(obj, depth, found)
+    return found
+
+
+def _collect(obj: Any, depth: int, found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
     elif depth >= _MAX_NEST:
         return
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from _tensors(o, depth + 1)
+            if isinstance(o, torch.Tensor):
+                found.append(o)
+            elif o is not None:
+                _collect(o, depth + 1, found)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o, depth + 1)
+            _collect(o, depth + 1, found)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name, None), depth + 1)
+            _collect(getattr(obj, f.name, None), depth + 1, found)
 
 
 def _apply_caller() -> tuple[str, int, str] | None:
