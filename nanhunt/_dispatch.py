@@ -23,6 +23,7 @@ __all__ = [
     "push_mode",
     "pop_mode",
     "mode_on_stack",
+    "in_recomputation",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -141,6 +142,13 @@ def pop_mode(mode: TorchDispatchMode) -> bool:
         torch._C._pop_torch_dispatch_stack(None)
         return True
     return False
+
+
+def in_recomputation() -> bool:
+    """Whether torch.utils.checkpoint (non-reentrant) is recomputing a forward right now: its
+    saved-tensor hooks are on top while the recomputed ops run, inside some backward node."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def set_dynamo_disabled(disabled: bool) -> bool | None:

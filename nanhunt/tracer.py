@@ -524,8 +524,10 @@ class Trace:
         if self._busy:
             return func(*args, **kwargs)
         node = _current_node()
-        if self.scope and (not self._stack if node is None else (
-                not self._recompute_depth and node._sequence_nr() not in self._seqmap)):
+        if self.scope and (not self._stack if node is None else not self._recompute_depth and (
+                node._sequence_nr() not in self._seqmap
+                # a checkpointed block recomputing ops of its own outside the scope, inside a scope node
+                or (_grad_enabled() and _dispatch.in_recomputation()))):
             return func(*args, **kwargs)  # outside the scope: not recorded
         info = _INFOS.get(id(func))  # OpOverload hashes in Python: key by identity
         if info is None:
