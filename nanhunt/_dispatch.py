@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ __all__ = [
     "WeakIdKeyDictionary",
     "set_dynamo_disabled",
     "TorchDispatchMode",
+    "Mode",
+    "eager_only",
     "OP_INFOS",
     "push_mode",
     "pop_mode",
@@ -151,6 +155,21 @@ def in_recomputation() -> bool:
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
+@contextlib.contextmanager
+def eager_only() -> Iterator[None]:
+    """torch.compile'd code runs eagerly inside (a no-op when dynamo was never imported: then
+    nothing was compiled)."""
+    if "torch._dynamo" not in sys.modules:
+        yield
+        return
+    previous = set_dynamo_disabled(True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_dynamo_disabled(previous)
+
+
 def set_dynamo_disabled(disabled: bool) -> bool | None:
     """Turn torch.compile off (compiled models then run eagerly); returns the previous setting,
     or None when this torch has no dynamo."""
@@ -163,14 +182,18 @@ def set_dynamo_disabled(disabled: bool) -> bool | None:
     return previous
 
 
-class TraceMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
-    """Hands every aten op to ``on_op(func, args, kwargs)``, which must run it."""
+class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__
+    """A dispatch mode whose handler torch does not wrap in ``torch._disable_dynamo``: the wrapper
+    costs ~2 us per op and imports dynamo (~1.2 s) on first use. nanhunt keeps dynamo out of its
+    handlers itself, by turning compilation off while a mode of its own is on (see ``eager_only``)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo (~2 us per op) unless this
-        # says no. Nothing here is ever compiled: a trace of a compiled model turns dynamo off.
         return False
+
+
+class TraceMode(Mode):
+    """Hands every aten op to ``on_op(func, args, kwargs)``, which must run it."""
 
     def __init__(self, on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

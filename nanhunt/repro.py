@@ -134,7 +134,7 @@ def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: 
     return False
 
 
-class _Catch(_dispatch.TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped __init_subclass__ in torch
+class _Catch(_dispatch.Mode):
     """Catches the first call that matches the occurrence; every other op runs untouched."""
 
     def __init__(self, occ: Occurrence, device_type: str, dtype: torch.dtype) -> None:
@@ -239,7 +239,7 @@ def capture_origin_call(
         for name, mod in model.named_modules():
             handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: catch.pre(n)))
             handles.append(mod.register_forward_hook(lambda m, a, o, n=name: catch.post(n), always_call=True))
-        with catch:
+        with _dispatch.eager_only(), catch:
             run_step(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
                      optimizer=optimizer)
     finally:

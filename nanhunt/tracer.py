@@ -332,6 +332,10 @@ class Trace:
                 "nanhunt: the model is torch.compile'd; tracing its eager original (compiled kernels can differ)",
                 stacklevel=3,
             )
+        if self.compiled or "torch._dynamo" in sys.modules:
+            # Compiled code runs eagerly inside the block: its ops are seen one by one, and dynamo
+            # does not trace into the tracer's own hooks (with nothing compiled, dynamo is not
+            # even imported, and nothing is to do).
             self._dynamo_prev = _dispatch.set_dynamo_disabled(True)
         if model is not None:
             self._install(model)

@@ -385,3 +385,26 @@ def test_torch_compile_traces_eager_original() -> None:
     assert (occ.phase, occ.module, occ.op) == (Phase.FORWARD, "act", "aten::exp")
     assert t.compiled
     assert dynamo_config.disable == disabled_before
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compiled_function_inside_the_block_runs_eagerly_and_is_traced() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    # GIVEN a compiled function (not a model) called inside the traced block
+    @torch.compile(backend="eager")
+    def blow_up(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x * 100)
+
+    M.seeded(0)
+    m = nn.Linear(4, 4)
+    disabled_before = dynamo_config.disable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dynamo tracing into the tracer's hooks would warn
+        with nanhunt.trace(m) as t:
+            blow_up(m(M.batch(2, 4, scale=2.0))).sum().backward()
+    # THEN its exp is the origin, seen op by op, and dynamo is as it was
+    occ = t.first
+    assert occ is not None
+    assert (occ.phase, occ.module, occ.op, occ.kind) == (Phase.LOSS, None, "aten::exp", "inf")
+    assert dynamo_config.disable == disabled_before
