@@ -2,9 +2,10 @@
 
 The cheap statistic is one ``torch.aminmax`` per tensor: min and max propagate
 NaN, and an Inf shows up in one of them, so it gives the finite flag, the range
-and the largest magnitude in a single pass. Results stay on the device until
-:meth:`PendingStats.read` stacks them per (device, dtype) and reads each group
-back once, the way GradScaler reads its found-inf flag once per step.
+and the largest magnitude in a single pass. On an accelerator the results stay on
+the device until :meth:`PendingStats.read` stacks them per (device, dtype) and
+reads each group back once, the way GradScaler reads its found-inf flag once per
+step. On the CPU they are host memory already and are read as they come.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class PendingStats:
     # every CHUNK results of a group are stacked into one tensor, still on the device.
     CHUNK = 128
 
-    def __init__(self) -> None:
+    def __init__(self, *, host_direct: bool = True) -> None:
+        self.host_direct = host_direct  # CPU results read as they come (False: batched like a GPU's)
         # (device, dtype) -> [slots, pending mins, pending maxs, stacked (2, n) chunks]
         self._groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor], list[torch.Tensor],
                                                                    list[torch.Tensor]]] = {}
@@ -61,6 +63,12 @@ class PendingStats:
         elif dtype in _BYTE_FLOATS:  # float8 formats: no aminmax kernel; exact in float32
             x = x.float()
         lo, hi = torch.aminmax(x)
+        if x.is_cpu and self.host_direct:
+            # Already in host memory: reading it is no transfer and no sync. Kept as thousands of
+            # live 0-d tensors instead, they fragment the CPU allocator (+13-20 MiB peak RSS on a
+            # small convnet step); read now, each 0-d result is freed at once.
+            self.values[slot] = (lo.item(), hi.item())
+            return
         key = (t.device, dtype)
         group = self._groups.get(key)
         if group is None:

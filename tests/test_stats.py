@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,8 +31,9 @@ def test_cast_edges() -> None:
     assert _cast_value(1e39, "bfloat16") == math.inf
 
 
-def test_pending_reads_back_per_group() -> None:
-    p = PendingStats()
+@pytest.mark.parametrize("host_direct", [True, False], ids=["cpu-direct", "batched"])
+def test_pending_reads_back_per_group(host_direct: bool) -> None:
+    p = PendingStats(host_direct=host_direct)
     p.add(0, torch.tensor([1.0, float("nan")]))
     p.add(1, torch.tensor([-2.0, 3.0], dtype=torch.float16))
     p.add(2, torch.tensor([float("-inf"), 0.0], dtype=torch.bfloat16))
@@ -57,3 +59,18 @@ def test_full_stats_counts() -> None:
     assert f.over_fp16 == 1 and f.over_bf16 == 0
     assert f.subnormal == 1
     assert f.min_nonzero_abs is not None and f.min_nonzero_abs < 1e-44
+
+
+def test_batched_path_stacks_chunks_and_keeps_slots_apart() -> None:
+    # the accelerator path (results kept on the device, stacked every CHUNK, read once), on CPU
+    p = PendingStats(host_direct=False)
+    n = PendingStats.CHUNK * 2 + 7
+    for i in range(n):
+        dtype = torch.float16 if i % 3 else torch.float32
+        p.add(i, torch.tensor([float(-i), float(i) + 0.5], dtype=dtype))
+    assert len(p) == n
+    v = p.read()
+    assert len(p) == 0
+    assert all(v[i] == (float(-i), float(i) + 0.5) for i in range(n) if i % 3 == 0)
+    assert all(v[i] == (float(torch.tensor(-i, dtype=torch.float16)), float(torch.tensor(i + 0.5, dtype=torch.float16)))
+               for i in range(n) if i % 3)
