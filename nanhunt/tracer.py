@@ -284,6 +284,7 @@ class Trace:
         self._calls: dict[str, int] = {}
         self._seqmap: dict[int, tuple[str | None, int, tuple[str, int, str] | None]] = {}
         self._last_seq = -1
+        self._last_ctx: tuple[str | None, int, tuple[str, int, str] | None] | None = None  # the last op's
         self._forward_seen = False
         self._backward_seen = False
         self._accumulated = False
@@ -566,12 +567,12 @@ class Trace:
         else:
             phase, module, call, src, want_src = self._context(node)
         new_node = False
-        seq = 0
+        seq = first_seq = 0
         # Forward ops make nodes; so do backward ops under create_graph (double backward).
         if node is None or _grad_enabled():
             seq = _peek_seq()
             if seq != self._last_seq:
-                self._last_seq = seq
+                first_seq, self._last_seq = self._last_seq, seq
                 new_node = True
         if info.constant:
             return self._constant(func, args, kwargs, phase, module, call, want_src)
@@ -593,7 +594,17 @@ class Trace:
                 # A node made while grad mode is off is a custom Function's, created by
                 # .apply() before its forward ran this op: its line is the apply call.
                 node_src = _apply_caller() or src
-            self._seqmap[seq - 1] = (module, call, node_src)
+            # This op's node is the last one made. Nodes made before it, since the previous op, were
+            # made after that op returned: an in-place op on a view gets CopySlices for the base and
+            # a new node for the view then (a longer run means ops unseen: left unattributed).
+            ctx = (module, call, node_src)
+            if self._last_ctx is not None and 0 < seq - 1 - first_seq <= 4:
+                for s in range(first_seq, seq - 1):
+                    self._seqmap[s] = self._last_ctx
+            self._seqmap[seq - 1] = ctx
+            self._last_ctx = ctx
+        else:
+            self._last_ctx = (module, call, src)
 
         out = run(*args, **kwargs)
 
@@ -969,6 +980,12 @@ class Trace:
     def _close_gate(self, opened: bool, values: Any) -> None:
         """Leaving the scope: take the mode off the stack again and give the backward nodes the
         scope's ops made (reachable from its outputs, or from inputs it changed in place) gate hooks."""
+        seq = _peek_seq()
+        if self._last_ctx is not None and 0 < seq - self._last_seq <= 4:
+            # made after the scope's last op returned (CopySlices of an in-place op on a view)
+            for s in range(self._last_seq, seq):
+                self._seqmap[s] = self._last_ctx
+            self._last_seq = seq
         if opened and self._mode is not None:
             _dispatch.pop_mode(self._mode)
         if self._state == "running":

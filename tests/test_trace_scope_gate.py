@@ -64,6 +64,27 @@ def _sqrt_residual() -> ResidualNet:
     return m
 
 
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = inner
+        self.post = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x)))
+
+
+def _wrapped(inner: nn.Module) -> nn.Module:
+    M.seeded(0)
+    return _Wrapped(inner)
+
+
+def _tiny_lm() -> nn.Module:
+    M.seeded(0)
+    return M.TinyLM()
+
+
 def _dict_logits(m: nn.Module) -> torch.Tensor:
     out = m(torch.ones(2, 4))
     assert isinstance(out, dict)
@@ -80,6 +101,9 @@ CASES: dict[str, Case] = {
                              ["inner", "inner.norm"]),
     "inplace-input": (_sqrt_residual, lambda m: m(M.batch(2, 4)), ["block", "block.norm", "pre"]),
     "dict-output": (lambda: M.big_body(M.DictOut()), _dict_logits, ["act", ""]),
+    "custom-function": (lambda: _wrapped(M.BadGradModule()), lambda m: m(M.batch(2, 4)), ["inner"]),
+    "inplace-view-write": (lambda: _wrapped(M.InplaceViewWrite()), lambda m: m(M.batch(2, 4)), ["inner"]),
+    "transformer-encoder": (_tiny_lm, lambda m: m(torch.randint(0, 11, (2, 5))), ["enc.layers.1", "enc.layers.0.self_attn"]),
 }
 
 
@@ -206,3 +230,40 @@ def test_scope_inside_a_non_reentrant_checkpoint() -> None:
     # THEN only the scope's own ops are recorded, as the whole-step trace attributes them
     assert _op_rows(part, "inner.norm") == _op_rows(whole, "inner.norm")
     assert {r.module for r in part.records} == {"inner.norm"}
+
+
+class ViewScale(nn.Module):
+    """Scales one column in place through a view: finite forward; its backward multiplies the
+    incoming gradient by 1e20 inside the CopySlices node autograd made for the base."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.abs() * 1e-20 + 1e-20  # tiny, so that scaling it stays finite
+        h[:, 0].mul_(1e20)
+        return h
+
+
+class BigGrad(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = inner
+        self.post = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(self.pre(x))) * 1e20
+
+
+@pytest.mark.parametrize("scope", [(), ("inner",)], ids=["whole", "scoped"])
+def test_backward_of_an_in_place_op_on_a_view_belongs_to_its_module(scope: tuple[str, ...]) -> None:
+    # GIVEN a backward overflow born in the backward of an in-place op on a view (the nodes for
+    # it are made after the op returns: CopySlices for the base, a new node for the view)
+    M.seeded(0)
+    m = BigGrad(ViewScale())
+    with nanhunt.trace(m, scope=scope) as t:
+        y = m(M.batch(2, 4))
+        assert torch.isfinite(y).all()
+        y.sum().backward()
+    # THEN the origin is that backward, in the module that ran the op (it was "outside the model")
+    occ = t.first
+    assert occ is not None
+    assert (occ.phase, occ.module, occ.op, occ.kind) == (Phase.BACKWARD, "inner", "aten::mul", "inf")
