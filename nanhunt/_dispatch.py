@@ -151,7 +151,8 @@ def pop_mode(mode: TorchDispatchMode) -> bool:
 def in_recomputation() -> bool:
     """Whether torch.utils.checkpoint (non-reentrant) is recomputing a forward right now: its
     saved-tensor hooks are on top while the recomputed ops run, inside some backward node."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(True) if top is not None else None  # absent in some torch versions: assume not
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
