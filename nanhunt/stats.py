@@ -67,7 +67,7 @@ class PendingStats:
             # Already in host memory: reading it is no transfer and no sync. Kept as thousands of
             # live 0-d tensors instead, they fragment the CPU allocator (+13-20 MiB peak RSS on a
             # small convnet step); read now, each 0-d result is freed at once.
-            self.values[slot] = (lo.tolist(), hi.tolist())  # tolist: no dispatch, unlike item()
+            self.values[slot] = (lo.tolist(), hi.tolist())  # type: ignore[assignment]  # 0-d: floats; tolist does no dispatch, item() does
             return
         key = (t.device, dtype)
         group = self._groups.get(key)
