@@ -104,7 +104,23 @@ CASES: dict[str, Case] = {
     "custom-function": (lambda: _wrapped(M.BadGradModule()), lambda m: m(M.batch(2, 4)), ["inner"]),
     "inplace-view-write": (lambda: _wrapped(M.InplaceViewWrite()), lambda m: m(M.batch(2, 4)), ["inner"]),
     "transformer-encoder": (_tiny_lm, lambda m: m(torch.randint(0, 11, (2, 5))), ["enc.layers.1", "enc.layers.0.self_attn"]),
+    "tied-weights": (lambda: _seeded(M.Tied), lambda m: m(M.batch(2, 4)), ["dec", "enc"]),
+    "called-twice-backward": (M.twice_sqrt, lambda m: m(M.batch(2, 4)), ["norm"]),
+    "batchnorm": (lambda: _seeded(M.BNModel), lambda m: m(M.batch(3, 4)), ["bn"]),
+    "multihead-attention": (lambda: _seeded(M.MHAModel, True), lambda m: m(M.batch(2, 3, 8), M.causal_keep(3)), ["attn"]),
+    "autocast-bf16": (lambda: _wrapped(nn.Sequential(nn.Linear(4, 4), nn.GELU())),
+                      lambda m: _autocast(m, M.batch(2, 4)), ["inner", "inner.1"]),
 }
+
+
+def _seeded(cls: Callable[..., nn.Module], *args: object) -> nn.Module:
+    M.seeded(0)
+    return cls(*args)
+
+
+def _autocast(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return m(x).float()
 
 
 def _in(name: str | None, scope: str) -> bool:
