@@ -374,6 +374,9 @@ class Trace:
             self._dynamo_prev = None
         self._stack.clear()
         self._mstack.clear()
+        # Whatever may still call in (a mode some thread's stack kept, a hook autograd copied)
+        # from now on just runs: nothing is recorded after the block.
+        self._busy = True
         if errors:
             raise errors[0]
 

@@ -283,3 +283,22 @@ def test_backward_of_an_in_place_op_on_a_view_belongs_to_its_module(scope: tuple
     occ = t.first
     assert occ is not None
     assert (occ.phase, occ.module, occ.op, occ.kind) == (Phase.BACKWARD, "inner", "aten::mul", "inf")
+
+
+def test_a_mode_left_on_a_stack_after_the_block_records_nothing() -> None:
+    # GIVEN a finished scoped trace whose mode something pushed again (as a thread's stack could
+    # keep it): ops run under it must run plainly and add nothing to the finished trace
+    from nanhunt import _dispatch
+
+    m = M.sqrt_model()
+    with nanhunt.trace(m, scope=["norm"]) as t:
+        m(M.batch(2, 4)).sum().backward()
+    n, first = len(t.records), t.first
+    mode = _dispatch.TraceMode(t._on_op)
+    _dispatch.push_mode(mode)
+    try:
+        y = torch.exp(torch.full((2,), 1000.0))
+    finally:
+        assert _dispatch.pop_mode(mode)
+    assert torch.isinf(y).all()
+    assert len(t.records) == n and t.first == first
