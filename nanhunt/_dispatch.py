@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "TraceMode",
@@ -18,7 +17,6 @@ __all__ = [
     "op_info",
     "current_autograd_node",
     "peek_sequence_nr",
-    "WeakIdKeyDictionary",
     "set_dynamo_disabled",
     "TorchDispatchMode",
     "Mode",

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from types import CodeType, FrameType, TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from .stats import PendingStats, full_stats
 
 __all__ = ["trace", "Trace"]
 
+_V = TypeVar("_V")
 _LEVELS = ("op", "module")
 _current_node = _dispatch.current_autograd_node
 _peek_seq = _dispatch.peek_sequence_nr
@@ -45,8 +46,9 @@ _SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + 
 _MAX_NEST = 6  # how deep module inputs/outputs are searched for tensors
 
 
-class _TensorMap:
-    """tensor -> (record index, version), keyed by identity without keeping the tensor alive.
+class _TensorMap(Generic[_V]):
+    """tensor -> value (a record index and version; an owner's name), keyed by identity without
+    keeping the tensor alive.
 
     A plain dict on ``id`` with a weak reference to check that the id still names the
     same tensor (ids are reused once a tensor dies): cheaper than WeakIdKeyDictionary,
@@ -56,15 +58,18 @@ class _TensorMap:
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int]]] = {}
+        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], _V]] = {}
 
-    def get(self, t: torch.Tensor) -> tuple[int, int] | None:
+    def get(self, t: torch.Tensor) -> _V | None:
         e = self.entries.get(id(t))
         if e is None or e[0]() is not t:
             return None
         return e[1]
 
-    def __setitem__(self, t: torch.Tensor, value: tuple[int, int]) -> None:
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return self.get(t) is not None
+
+    def __setitem__(self, t: torch.Tensor, value: _V) -> None:
         self.entries[id(t)] = (weakref.ref(t), value)
 
 
@@ -271,11 +276,11 @@ class Trace:
     def _reset(self) -> None:
         self._raw: list[_Raw] = []
         self._pending = PendingStats()
-        self._known = _TensorMap()  # tensor -> (record index, version)
+        self._known: _TensorMap[tuple[int, int]] = _TensorMap()  # tensor -> (record index, version)
         self._kd = self._known.entries  # the same, read directly on the op path
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._classes: dict[str, str] = {}
-        self._owner: Any = _dispatch.WeakIdKeyDictionary()  # param -> owning module name
+        self._owner: _TensorMap[str] = _TensorMap()  # param -> owning module name
         self._root_name: str | None = None
         self._direct: dict[str, tuple[int, ...]] = {}  # module -> records of its own weights
         self._stack: list[tuple[str, int]] = []
