@@ -198,6 +198,13 @@ def _collect(obj: Any, depth: int, found: list[torch.Tensor]) -> None:
             _collect(getattr(obj, f.name, None), depth + 1, found)
 
 
+def _stashed(module: nn.Module) -> list[torch.Tensor]:
+    """Tensors with a graph that a module and its submodules keep as plain attributes (a cache,
+    an auxiliary output read later): their backward runs through the module's nodes too."""
+    return [v for m in module.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+
+
 def _apply_caller() -> tuple[str, int, str] | None:
     """The user's frame that called ``Function.apply`` (the innermost one on the stack)."""
     f: FrameType | None = sys._getframe(2)
@@ -974,7 +981,7 @@ class Trace:
         finally:
             self._busy = False
             if self.scope and not self._stack and self._gate:
-                self._close_gate(self._gate.pop(), (output, args, kwargs))
+                self._close_gate(self._gate.pop(), (output, args, kwargs, _stashed(module)))
 
     # ------------------------------------------------------------ scope gate
     def _open_gate(self) -> bool:

@@ -302,3 +302,54 @@ def test_a_mode_left_on_a_stack_after_the_block_records_nothing() -> None:
         assert _dispatch.pop_mode(mode)
     assert torch.isinf(y).all()
     assert len(t.records) == n and t.first == first
+
+
+class Stash(nn.Module):
+    """Keeps an intermediate as an attribute (an auxiliary output read by the caller later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = M.SqrtNorm()
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        self.aux = self.norm(h)  # sqrt(0) at the zeroed unit: Inf in its backward
+        return h.tanh()
+
+
+class StashNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Stash()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(self.block(x))
+        assert self.block.aux is not None
+        return y + self.block.aux.sum()  # the stashed branch joins the loss outside the block
+
+
+def _stash_net() -> StashNet:
+    M.seeded(0)
+    m = StashNet()
+    with torch.no_grad():
+        m.block.fc.weight[0].zero_()
+        m.block.fc.bias[0] = 0.0
+    return m
+
+
+def test_scope_sees_the_backward_of_a_tensor_it_stashed() -> None:
+    # GIVEN a scope that keeps an intermediate as an attribute, read later outside it
+    m = _stash_net()
+    with nanhunt.trace(m) as whole:
+        m(M.batch(2, 4)).sum().backward()
+    m = _stash_net()
+    with nanhunt.trace(m, scope=["block"]) as part:
+        m(M.batch(2, 4)).sum().backward()
+    # THEN the backward of the stashed branch is recorded as the whole-step trace records it
+    assert _op_rows(part, "block") == _op_rows(whole, "block")
+    occ = part.first
+    assert occ is not None
+    assert (occ.phase, occ.module, occ.op, occ.kind) == (Phase.BACKWARD, "block.norm", "aten::div", "inf")
