@@ -609,13 +609,9 @@ class Trace:
                 # A node made while grad mode is off is a custom Function's, created by
                 # .apply() before its forward ran this op: its line is the apply call.
                 node_src = _apply_caller() or src
-            # This op's node is the last one made. Nodes made before it, since the previous op, were
-            # made after that op returned: an in-place op on a view gets CopySlices for the base and
-            # a new node for the view then (a longer run means ops unseen: left unattributed).
+            # This op's node is the last one made; those before it, since the previous op, are that op's.
+            self._claim_nodes(first_seq, seq - 1)
             ctx = (module, call, node_src)
-            if self._last_ctx is not None and 0 < seq - 1 - first_seq <= 4:
-                for s in range(first_seq, seq - 1):
-                    self._seqmap[s] = self._last_ctx
             self._seqmap[seq - 1] = ctx
             self._last_ctx = ctx
         else:
@@ -725,6 +721,14 @@ class Trace:
                 self._check()
         elif self.stop_at_first:
             self._check()
+
+    def _claim_nodes(self, first: int, end: int) -> None:
+        """Nodes ``first``..``end-1`` were made after the last op seen had returned: autograd gives an
+        in-place op on a view CopySlices for the base and a new node for the view then. They are
+        that op's. A longer run means ops unseen: left unattributed."""
+        if self._last_ctx is not None and 0 < end - first <= 4:
+            for s in range(first, end):
+                self._seqmap[s] = self._last_ctx
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
                   module: str | None, call: int, want_src: bool) -> Any:
@@ -996,11 +1000,8 @@ class Trace:
         """Leaving the scope: take the mode off the stack again and give the backward nodes the
         scope's ops made (reachable from its outputs, or from inputs it changed in place) gate hooks."""
         seq = _peek_seq()
-        if self._last_ctx is not None and 0 < seq - self._last_seq <= 4:
-            # made after the scope's last op returned (CopySlices of an in-place op on a view)
-            for s in range(self._last_seq, seq):
-                self._seqmap[s] = self._last_ctx
-            self._last_seq = seq
+        self._claim_nodes(self._last_seq, seq)  # made after the scope's last op returned
+        self._last_seq = seq
         if opened and self._mode is not None:
             _dispatch.pop_mode(self._mode)
         if self._state == "running":
