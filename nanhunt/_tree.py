@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["map_tensors", "iter_tensors"]
+__all__ = ["map_tensors", "iter_tensors", "iter_leaves"]
+
+_T = TypeVar("_T")
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -23,13 +25,18 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside tuples, lists and dicts, depth first."""
-    if isinstance(obj, torch.Tensor):
+def iter_leaves(obj: Any, kind: type[_T]) -> Iterator[_T]:
+    """Every ``kind`` inside tuples, lists and dicts, depth first."""
+    if isinstance(obj, kind):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from iter_tensors(o)
+            yield from iter_leaves(o, kind)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from iter_tensors(o)
+            yield from iter_leaves(o, kind)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside tuples, lists and dicts, depth first."""
+    return iter_leaves(obj, torch.Tensor)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import _dispatch
-from ._tree import iter_tensors, map_tensors
+from ._tree import iter_leaves, iter_tensors, map_tensors
 from ._errors import CommandError
 from .capture import split_batch
 from .records import Occurrence, Phase, Repro
@@ -90,17 +90,6 @@ def _clone(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().clone())
 
 
-def _scalars(obj: Any) -> Iterator[float]:
-    if isinstance(obj, float):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _scalars(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _scalars(o)
-
-
 def _outputs(func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     info = _dispatch.op_info(func)
     outs = list(iter_tensors(out))
@@ -116,7 +105,7 @@ def _outputs(func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 def _inputs_clean(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The origin rule on the inputs: no NaN anywhere (NaN origin), everything finite (Inf origin)."""
     floats = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
-    scalars = list(_scalars((args, kwargs)))
+    scalars = list(iter_leaves((args, kwargs), float))
     if kind == "nan":
         return not any(math.isnan(s) for s in scalars) and not any(bool(t.isnan().any()) for t in floats)
     return all(math.isfinite(s) for s in scalars) and all(bool(t.isfinite().all()) for t in floats)
