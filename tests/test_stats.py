@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,9 +30,8 @@ def test_cast_edges() -> None:
     assert _cast_value(1e39, "bfloat16") == math.inf
 
 
-@pytest.mark.parametrize("host_direct", [True, False], ids=["cpu-direct", "batched"])
-def test_pending_reads_back_per_group(host_direct: bool) -> None:
-    p = PendingStats(host_direct=host_direct)
+def test_pending_reads_back_per_group() -> None:
+    p = PendingStats()
     p.add(0, torch.tensor([1.0, float("nan")]))
     p.add(1, torch.tensor([-2.0, 3.0], dtype=torch.float16))
     p.add(2, torch.tensor([float("-inf"), 0.0], dtype=torch.bfloat16))
@@ -62,8 +60,8 @@ def test_full_stats_counts() -> None:
 
 
 def test_batched_path_stacks_chunks_and_keeps_slots_apart() -> None:
-    # the accelerator path (results kept on the device, stacked every CHUNK, read once), on CPU
-    p = PendingStats(host_direct=False)
+    # results kept on the device, stacked every CHUNK, read once
+    p = PendingStats()
     n = PendingStats.CHUNK * 2 + 7
     for i in range(n):
         dtype = torch.float16 if i % 3 else torch.float32
