@@ -41,3 +41,10 @@ def render(fmt: str, report: Report, width: int = WIDTH) -> str:
     from nanhunt.report.jsonreport import render as js
 
     return js(report)
+
+
+def markdown_to_html(md: str) -> str:
+    """CommonMark (with tables) rendered to HTML, to check a Markdown report's structure."""
+    from markdown_it import MarkdownIt  # rich's own dependency: a CommonMark parser
+
+    return MarkdownIt("commonmark").enable("table").render(md)

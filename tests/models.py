@@ -479,17 +479,18 @@ class Mixed(nn.Module):
 
 
 class Blocks(nn.Module):
-    """``inner`` run through torch.utils.checkpoint (non-reentrant), then a head."""
+    """``inner`` run through torch.utils.checkpoint (non-reentrant unless asked), then a head."""
 
-    def __init__(self, inner: nn.Module, d_out: int) -> None:
+    def __init__(self, inner: nn.Module, d_out: int, *, reentrant: bool = False) -> None:
         super().__init__()
         self.inner = inner
         self.head = nn.Linear(d_out, 2)
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        return self.head(checkpoint(self.inner, x, use_reentrant=False))
+        return self.head(checkpoint(self.inner, x, use_reentrant=self.reentrant))
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests._golden import GOLDEN, check_golden, render
+from tests._golden import GOLDEN, check_golden, markdown_to_html, render
 from nanhunt.records import Comparison, Decision, Regression, Report, TensorDiff
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,15 +220,9 @@ def _parse(page: str) -> _Page:
     return p
 
 
-def _markdown_to_html(md: str) -> str:
-    from markdown_it import MarkdownIt  # rich's own dependency: a CommonMark parser
-
-    return MarkdownIt("commonmark").enable("table").render(md)
-
-
 def _md_text(md: str) -> str:
     """What a reader sees of the Markdown: the text of its HTML rendering."""
-    return "".join(_parse(_markdown_to_html(md)).text)
+    return "".join(_parse(markdown_to_html(md)).text)
 
 
 # ------------------------------------------------------------------ goldens
@@ -377,7 +371,7 @@ def test_many_calls_are_cut_with_a_count() -> None:
 
 def test_hostile_names_markdown() -> None:
     md = render("md", hostile_comparison())
-    page = _parse(_markdown_to_html(md))
+    page = _parse(markdown_to_html(md))
     # THEN no element came from the names, every table row kept its cells, and the names read literally
     assert not {"script", "a", "img", "em"} & set(page.tags) and "strong" in page.tags
     for table in page.tables:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests._golden import GOLDEN, check_golden, render
+from tests._golden import GOLDEN, check_golden, markdown_to_html, render
 from nanhunt.records import FullStats, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 
 
@@ -206,15 +206,9 @@ def _parse(page: str) -> _Page:
     return p
 
 
-def _markdown_to_html(md: str) -> str:
-    from markdown_it import MarkdownIt  # rich's own dependency: a CommonMark parser
-
-    return MarkdownIt("commonmark").enable("table").render(md)
-
-
 def test_hostile_names_markdown() -> None:
     md = render("md", hostile_report())
-    page = _parse(_markdown_to_html(md))
+    page = _parse(markdown_to_html(md))
     # THEN no element came from the names, every table row kept its cells, and the names read literally
     assert "script" not in page.tags and "a" not in page.tags and "strong" in page.tags
     assert set(page.rows) == {12} or all(n in (12, 2) for n in page.rows)
@@ -296,7 +290,7 @@ def test_code_fences_and_spans_survive_backticks() -> None:
     assert code("a`b") == "``a`b``" and code("`x`") == "`` `x` ``"
     assert code("a|b", table=True) == "`a\\|b`"
     assert fence("x = 1\n```\ny", "python").startswith("````python\n")
-    html_out = _markdown_to_html(fence("```\n<b>", "sh"))
+    html_out = markdown_to_html(fence("```\n<b>", "sh"))
     assert "&lt;b&gt;" in html_out and "<b>" not in html_out
 
 

@@ -10,7 +10,6 @@ import models as M
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import nanhunt
 from nanhunt import Phase, Role
@@ -43,16 +42,6 @@ class ResidualNet(nn.Module):
         h = self.pre(x)
         y = self.block(h)
         return self.head(y + h)  # h was changed in place by the block: its backward runs via this sum too
-
-
-class ReentrantBlocks(nn.Module):
-    def __init__(self, inner: nn.Module, d_out: int) -> None:
-        super().__init__()
-        self.inner = inner
-        self.head = nn.Linear(d_out, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(checkpoint(self.inner, x, use_reentrant=True))
 
 
 def _sqrt_residual() -> ResidualNet:
@@ -97,7 +86,7 @@ CASES: dict[str, Case] = {
     "attention": (M.attn_model, lambda m: m(M.batch(2, 3, 8), M.causal_keep(3)), ["attn", "attn.qkv"]),
     "fully-masked-row": (M.attn_model, lambda m: m(M.batch(2, 3, 8), torch.zeros(3, 3, dtype=torch.bool)), ["attn"]),
     "checkpoint": (lambda: M.Blocks(M.sqrt_model(), 4), lambda m: m(M.batch(2, 4)), ["inner", "head"]),
-    "checkpoint-reentrant": (lambda: ReentrantBlocks(M.sqrt_model(), 4), lambda m: m(M.batch(2, 4).requires_grad_()),
+    "checkpoint-reentrant": (lambda: M.Blocks(M.sqrt_model(), 4, reentrant=True), lambda m: m(M.batch(2, 4).requires_grad_()),
                              ["inner", "inner.norm"]),
     "inplace-input": (_sqrt_residual, lambda m: m(M.batch(2, 4)), ["block", "block.norm", "pre"]),
     "dict-output": (lambda: M.big_body(M.DictOut()), _dict_logits, ["act", ""]),
@@ -156,7 +145,7 @@ def test_scoped_records_match_the_whole_step_trace(case: str) -> None:
 
 def test_scoped_backward_fault_in_a_checkpointed_block() -> None:
     # GIVEN sqrt(0) inside a block run through reentrant checkpointing (its backward recomputes it)
-    m = ReentrantBlocks(M.sqrt_model(), 4)
+    m = M.Blocks(M.sqrt_model(), 4, reentrant=True)
     # WHEN only the block is traced at op level
     with nanhunt.trace(m, scope=["inner"]) as t:
         m(M.batch(2, 4).requires_grad_()).sum().backward()
@@ -258,15 +247,11 @@ class ViewScale(nn.Module):
         return h
 
 
-class BigGrad(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.pre = nn.Linear(4, 4)
-        self.inner = inner
-        self.post = nn.Linear(4, 2)
+class BigGrad(_Wrapped):
+    """Its output, times 1e20: the gradients flowing back into ``inner`` are large."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post(self.inner(self.pre(x))) * 1e20
+        return super().forward(x) * 1e20
 
 
 @pytest.mark.parametrize("scope", [(), ("inner",)], ids=["whole", "scoped"])
