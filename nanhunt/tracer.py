@@ -10,6 +10,7 @@ them all on exit, also when the block raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -315,7 +316,7 @@ class Trace:
         self._window: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]] | None = (
             [] if self.level == "op" and (self.full_stats or self.stop_at_first) else None)
         self._code_skip: dict[CodeType, bool] = {}
-        self._dynamo_prev: bool | None = None
+        self._eager: contextlib.AbstractContextManager[None] | None = None  # compiled code runs eagerly
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
 
     # ------------------------------------------------------------- lifecycle
@@ -345,11 +346,10 @@ class Trace:
                 "nanhunt: the model is torch.compile'd; tracing its eager original (compiled kernels can differ)",
                 stacklevel=3,
             )
-        if self.compiled or "torch._dynamo" in sys.modules:
-            # Compiled code runs eagerly inside the block: its ops are seen one by one, and dynamo
-            # does not trace into the tracer's own hooks (with nothing compiled, dynamo is not
-            # even imported, and nothing is to do).
-            self._dynamo_prev = _dispatch.set_dynamo_disabled(True)
+        # Compiled code runs eagerly inside the block: its ops are seen one by one, and dynamo
+        # does not trace into the tracer's own hooks.
+        self._eager = _dispatch.eager_only()
+        self._eager.__enter__()
         if model is not None:
             self._install(model)
         # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
@@ -381,9 +381,9 @@ class Trace:
                 h.remove()
             except BaseException as e:  # pragma: no cover - defensive
                 errors.append(e)
-        if self._dynamo_prev is not None:
-            _dispatch.set_dynamo_disabled(self._dynamo_prev)
-            self._dynamo_prev = None
+        eager, self._eager = self._eager, None
+        if eager is not None:
+            eager.__exit__(None, None, None)
         self._stack.clear()
         self._mstack.clear()
         # Whatever may still call in (a mode some thread's stack kept, a hook autograd copied)

@@ -64,6 +64,8 @@ def test_replay_and_bisect_on_cuda() -> None:
 def test_scoped_pass_on_cuda_matches_the_whole_step() -> None:
     # The scope's backward runs on autograd's CUDA device thread: the node hooks must put the
     # mode on that thread's stack, and every op of the scope must be seen as in a whole-step trace.
+    from test_trace_scope_gate import _op_rows
+
     class Sqrt(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.sqrt(x * 0)
@@ -72,10 +74,6 @@ def test_scoped_pass_on_cuda_matches_the_whole_step() -> None:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Sqrt()), nn.Linear(4, 2)).cuda()
 
-    def rows(t: nanhunt.Trace) -> list[tuple[str, str | None, str | None, bool]]:
-        return [(r.phase.value, r.module, r.op, r.finite) for r in t.records
-                if r.op is not None and r.module is not None and r.module.startswith("1")]
-
     x = torch.randn(2, 4, device="cuda")
     m = make()
     with nanhunt.trace(m) as whole:
@@ -83,7 +81,7 @@ def test_scoped_pass_on_cuda_matches_the_whole_step() -> None:
     m = make()
     with nanhunt.trace(m, scope=["1"]) as part:
         m(x).sum().backward()
-    assert rows(part) == rows(whole)
+    assert _op_rows(part, "1") == _op_rows(whole, "1")
     assert part.first is not None
     assert (part.first.phase.value, part.first.module, part.first.op) == ("backward", "1.1", "aten::div")
     assert torch._C._len_torch_dispatch_stack() == 0
