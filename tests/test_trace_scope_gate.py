@@ -122,6 +122,18 @@ def _op_rows(t: nanhunt.Trace, scope: str) -> list[tuple[str, str | None, int, s
             if r.role is Role.OUTPUT and r.op is not None and _in(r.module, scope) and r.phase is not Phase.UPDATE]
 
 
+def _whole_and_scoped(make: Callable[[], nn.Module], step: Callable[[nn.Module], object],
+                      scope: str) -> tuple[nanhunt.Trace, nanhunt.Trace]:
+    """The same step on two fresh models: traced whole, then with ``scope=[scope]``."""
+    traces = []
+    for scopes in ((), (scope,)):
+        m = make()
+        with nanhunt.trace(m, scope=scopes) as t:
+            step(m)
+        traces.append(t)
+    return traces[0], traces[1]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_scoped_records_match_the_whole_step_trace(case: str) -> None:
     make, run, scopes = CASES[case]
@@ -207,12 +219,7 @@ def test_scoped_gradient_penalty_double_backward() -> None:
         (g,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
         g.pow(2).sum().backward()
 
-    m = make()
-    with nanhunt.trace(m, scope=["1"]) as part:
-        run(m)
-    m = make()
-    with nanhunt.trace(m) as whole:
-        run(m)
+    whole, part = _whole_and_scoped(make, run, "1")
     # THEN the scope's ops of both backward passes are recorded (the first pass's, then the
     # penalty's backward through the nodes the first pass made inside the scope)
     # (a node made in the first pass outside the scope is not taken for the scope's)
@@ -226,12 +233,7 @@ def test_scope_inside_a_non_reentrant_checkpoint() -> None:
     # GIVEN a scope inside a block that non-reentrant checkpointing recomputes during backward
     # (the block's other modules are recomputed inside the scope's backward nodes)
     make, run, _ = CASES["checkpoint"]
-    m = make()
-    with nanhunt.trace(m) as whole:
-        run(m).sum().backward()
-    m = make()
-    with nanhunt.trace(m, scope=["inner.norm"]) as part:
-        run(m).sum().backward()
+    whole, part = _whole_and_scoped(make, lambda m: run(m).sum().backward(), "inner.norm")
     # THEN only the scope's own ops are recorded, as the whole-step trace attributes them
     assert _op_rows(part, "inner.norm") == _op_rows(whole, "inner.norm")
     assert {r.module for r in part.records} == {"inner.norm"}
@@ -327,12 +329,7 @@ def _stash_net() -> StashNet:
 
 def test_scope_sees_the_backward_of_a_tensor_it_stashed() -> None:
     # GIVEN a scope that keeps an intermediate as an attribute, read later outside it
-    m = _stash_net()
-    with nanhunt.trace(m) as whole:
-        m(M.batch(2, 4)).sum().backward()
-    m = _stash_net()
-    with nanhunt.trace(m, scope=["block"]) as part:
-        m(M.batch(2, 4)).sum().backward()
+    whole, part = _whole_and_scoped(_stash_net, lambda m: m(M.batch(2, 4)).sum().backward(), "block")
     # THEN the backward of the stashed branch is recorded as the whole-step trace records it
     assert _op_rows(part, "block") == _op_rows(whole, "block")
     occ = part.first
