@@ -20,6 +20,9 @@ from .records import Occurrence, Phase, Record, RecordView, Role
 __all__ = ["LocateResult", "locate", "origin_kind", "is_allowed"]
 
 _ENTERING = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.STATE)
+# Entering tensors that may hold -inf on purpose. A weight, a stale .grad or optimizer state holding
+# -inf is a corruption from an earlier step, never a mask.
+_MASKS = (Role.INPUT, Role.BUFFER)
 _MODULE_GRADS = (Role.GRAD_OUTPUT, Role.GRAD)
 
 
@@ -36,7 +39,7 @@ def origin_kind(r: RecordView, records: Sequence[RecordView]) -> str | None:
     if r.finite:
         return None
     if r.role in _ENTERING:
-        if not r.has_nan and r.max < math.inf:
+        if r.role in _MASKS and not r.has_nan and r.max < math.inf:
             return None  # only -inf: an intentional mask (a causal-mask buffer, an additive attention mask)
         return "nan" if r.has_nan else "inf"
     if r.role is not Role.OUTPUT:
