@@ -95,6 +95,7 @@ def locate(
                                            for i in range(start))
     root_nonfinite = module_level and any(not records[i].finite for i in root_outputs if i < len(records))
     group, prev, last_group = 0, None, -1
+    masks: tuple[RecordView, str] | None = None  # module level: the first module output holding only -inf
     for k in range(start, len(records)):
         r = records[k]
         # Consecutive outputs of one op call (layer_norm's out, mean, rstd) form one group.
@@ -120,10 +121,17 @@ def locate(
         s = spans.get(r.index)
         if s is not None and any(not x.finite and x.phase is Phase.FORWARD for x in records[s : r.index]):
             continue  # a child of this module already made it
+        if module_level and r.role is Role.OUTPUT and r.op is None and not r.has_nan and r.max < math.inf:
+            # Module level does not see masked_fill's -inf scalar: a module returning -inf only may
+            # mask on purpose (masked logits). It is the origin only when nothing else explains
+            # non-finite sinks (below); a silent one is left to the op level.
+            if masks is None:
+                masks = (r, kind)
+            continue
         found.append((r, kind))
 
-    if final and not found:
-        seeded = _scalar_seeded(records, root_outputs)
+    if final and not found and _sinks_bad(records, root_outputs):
+        seeded = _scalar_seeded(records) or masks
         if seeded is not None:
             found.append(seeded)
 
@@ -183,18 +191,19 @@ def _consumer(records: Sequence[RecordView], produced: int) -> RecordView | None
     return inner[-1] if inner else None
 
 
-def _scalar_seeded(records: Sequence[RecordView], root_outputs: frozenset[int]) -> tuple[RecordView, str] | None:
-    """No origin, yet the loss/gradients/output are non-finite: the value came from a
-    non-finite Python scalar (``torch.full(..., nan)``); name the first op that used one."""
-    # The loss value (the last loss-phase record), the parameters' gradients and the update:
-    # not the model's output nor intermediate values, where -inf may sit on purpose.
+def _sinks_bad(records: Sequence[RecordView], root_outputs: frozenset[int]) -> bool:
+    """The loss value (the last loss-phase record), the parameters' gradients or the update are
+    non-finite, or the model's output holds NaN or +Inf (a -Inf there is usually a mask returned
+    on purpose); intermediate values, where -inf may sit on purpose, do not count."""
     loss = loss_index(records)
-    sinks_bad = (loss is not None and not records[loss].finite) or any(
+    return (loss is not None and not records[loss].finite) or any(
         not r.finite and (r.role is Role.GRAD or r.phase is Phase.UPDATE) for r in records) or any(
-        # the model's output: NaN or +Inf (a -Inf there is usually a mask returned on purpose)
         records[i].has_nan or records[i].max == math.inf for i in root_outputs if i < len(records))
-    if not sinks_bad:
-        return None
+
+
+def _scalar_seeded(records: Sequence[RecordView]) -> tuple[RecordView, str] | None:
+    """No origin, yet the sinks are non-finite: the value came from a non-finite Python scalar
+    (``torch.full(..., nan)``); name the first op that used one."""
     for r in records:
         if not r.finite and r.role is Role.OUTPUT and r.nonfinite_scalar is not None:
             if all(records[i].finite for i in r.inputs):

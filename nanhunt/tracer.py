@@ -1039,8 +1039,10 @@ class Trace:
                 return
             self._busy = True
             try:
-                # The gradient w.r.t. the root output is made by the loss's backward.
-                phase, module = (Phase.LOSS, None) if is_root else (Phase.BACKWARD, name)
+                # The gradient w.r.t. the root output is made by the loss's backward, also when the
+                # root returned its child's output as is (an nn.Sequential): this child's hook fires first.
+                root = is_root or forward_idx in self._root_outputs
+                phase, module = (Phase.LOSS, None) if root else (Phase.BACKWARD, name)
                 # The edge from the forward output lets locate name the module whose backward made it.
                 ent = self._known.get(grad)
                 ver = _version(grad)
