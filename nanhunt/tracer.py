@@ -23,6 +23,7 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.optim.optimizer as _optim
 from torch import nn
 
 from . import _dispatch
@@ -301,6 +302,9 @@ class Trace:
         self._forward_seen = False
         self._backward_seen = False
         self._accumulated = False
+        # Optimizer steps running (torch's global step hooks), each True when it began inside a
+        # backward node (stepped from a post-accumulate-grad hook: "optimizer step in backward").
+        self._updating: list[bool] = []
         self._loss_pending: list[int] = []
         self._root_outputs: set[int] = set()
         self._spans: dict[int, int] = {}
@@ -355,6 +359,8 @@ class Trace:
         # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
         torch.clear_autocast_cache()
         if self.level == "op":
+            self._handles.append(_optim.register_optimizer_step_pre_hook(self._update_enter))
+            self._handles.append(_optim.register_optimizer_step_post_hook(self._update_leave))
             self._last_seq = _dispatch.peek_sequence_nr()
             self._mode = _dispatch.TraceMode(self._on_op)
             if not self.scope:
@@ -483,9 +489,18 @@ class Trace:
             f = f.f_back
         return None
 
+    def _update_enter(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._updating.append(_current_node() is not None)
+
+    def _update_leave(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._updating:
+            self._updating.pop()
+
     def _context(self, node: Any) -> tuple[Phase, str | None, int, tuple[str, int, str] | None, bool]:
         """Phase, module, call index and (for backward) the forward source line of the current op."""
         if node is not None:
+            if self._updating and self._updating[-1]:  # an optimizer step run by a backward hook
+                return Phase.UPDATE, None, 0, None, True
             if not self._backward_seen:
                 self._backward_seen = True
                 self._loss_pending.clear()
@@ -502,8 +517,8 @@ class Trace:
         if self._stack:
             name, call = self._stack[-1]
             return Phase.FORWARD, name, call, None, True
-        if self._accumulated:  # after a backward that filled .grad (autograd.grad alone does not)
-            return Phase.UPDATE, None, 0, None, True
+        if self._updating or self._accumulated:  # in optimizer.step(), or after a backward that filled
+            return Phase.UPDATE, None, 0, None, True  # .grad (autograd.grad alone does not)
         if self._forward_seen:
             return Phase.LOSS, None, 0, None, True
         return Phase.FORWARD, None, 0, None, True  # glue code before the model: no module

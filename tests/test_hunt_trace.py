@@ -413,10 +413,6 @@ def test_preprocessing_of_second_micro_batch_is_phase_forward() -> None:
     assert where(t.first) == (Phase.FORWARD, None, "aten::div", 0, "nan")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nanhunt bug: an optimizer step fused into backward (post-accumulate-grad hook, the PyTorch "
-    "'optimizer step in backward' recipe) is phase 'backward' (tracer.py _context: a current autograd node "
-    "means backward)"))
 def test_optimizer_step_fused_into_backward_is_phase_update() -> None:
     torch.manual_seed(0)
     m = MLP()
@@ -441,9 +437,6 @@ def test_optimizer_step_fused_into_backward_is_phase_update() -> None:
     assert occ.module in (None, "head")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nanhunt bug: a trace holding only optimizer.step() calls its ops phase 'forward' (tracer.py _context "
-    "falls through to 'glue code before the model')"))
 def test_trace_of_the_optimizer_step_alone_is_phase_update() -> None:
     torch.manual_seed(0)
     m = MLP()
