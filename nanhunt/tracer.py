@@ -604,6 +604,10 @@ class Trace:
             if seq != self._last_seq:
                 first_seq, self._last_seq = self._last_seq, seq
                 new_node = True
+                if phase is Phase.UPDATE and not self._updating:
+                    # Differentiable work after a backward, outside optimizer.step(): a second loss
+                    # on the model's outputs (backward(retain_graph=True) ran first), not an update.
+                    phase = _LOSS
         if info.constant:
             return self._constant(func, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
@@ -929,13 +933,17 @@ class Trace:
                 if self.level == "module":
                     self._mstack.append((len(self._raw), ()))
                 return
-            if self._accumulated:  # a new step starts
+            new_step = self._accumulated
+            if new_step:  # a new step (or micro-batch) starts
                 self._accumulated = self._backward_seen = False
+            glue = Phase.UPDATE if new_step else None
             if self._loss_pending:
                 if name != self._root_name:  # glue between module calls is forward, not loss
                     for i in self._loss_pending:
                         self._raw[i].phase = Phase.FORWARD
-                self._loss_pending.clear()  # before the model's next call: the loss of the last one
+                else:  # the loss of the model's last call, but for what makes this call's arguments
+                    glue = Phase.LOSS
+                self._loss_pending.clear()
             parent = self._stack[-1] if self._stack else None
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
@@ -957,11 +965,33 @@ class Trace:
                 idx = self._new(raw, t)
                 self._known[t] = (idx, _version(t))
                 ins.append(idx)
+            if glue is not None:
+                self._glue_to_forward(ins, glue)
             if self.level == "module":
                 ins.extend(self._direct.get(name, ()))
                 self._mstack.append((len(self._raw), tuple(ins)))
         finally:
             self._busy = False
+
+    def _glue_to_forward(self, ins: Sequence[int], phase: Phase) -> None:
+        """A module call after a backward (``phase`` update) or after the model's last call (loss):
+        the ops since then that made its arguments (the next micro-batch's preprocessing) were
+        forward glue; what entered them, input."""
+        raws = self._raw
+        todo = [i for i in ins if raws[i].phase is phase]
+        seen: set[int] = set()
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            r = raws[i]
+            if r.role is Role.STATE:
+                r.phase, r.role = Phase.INPUT, Role.INPUT
+            else:
+                r.phase = Phase.FORWARD
+            self._made.pop(i, None)
+            todo.extend(j for j in r.inputs if raws[j].phase is phase)
 
     def _post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         name = self._names.get(module)
