@@ -152,7 +152,7 @@ def locate(
         module, call_index = r.module, r.call_index
         if level == "module" and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
             # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
-            consumer = _consumer(records, r.inputs[0])
+            consumer = _consumer(records, r.inputs[0]) or _enclosing(records, spans, r.inputs[0])
             if consumer is not None:
                 module, call_index = consumer.module, consumer.call_index
         allowed = is_allowed(module, r.op, allow)
@@ -199,6 +199,18 @@ def _sinks_bad(records: Sequence[RecordView], root_outputs: frozenset[int]) -> b
     return (loss is not None and not records[loss].finite) or any(
         not r.finite and (r.role is Role.GRAD or r.phase is Phase.UPDATE) for r in records) or any(
         records[i].has_nan or records[i].max == math.inf for i in root_outputs if i < len(records))
+
+
+def _enclosing(records: Sequence[RecordView], spans: Mapping[int, int], produced: int) -> RecordView | None:
+    """Module level, no module call took record ``produced`` as an input: the code of the module
+    call that ran its producer did (a parent's own ops between its children). That call's output
+    record: the innermost whose span holds ``produced``."""
+    best: RecordView | None = None
+    best_start = -1
+    for i, start in spans.items():
+        if start <= produced < i and start > best_start and records[i].module != records[produced].module:
+            best, best_start = records[i], start
+    return best
 
 
 def _scalar_seeded(records: Sequence[RecordView]) -> tuple[RecordView, str] | None:

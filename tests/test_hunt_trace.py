@@ -485,10 +485,7 @@ def test_module_level_nan_from_the_loss_backward_is_phase_loss(cls: type[nn.Modu
     ("case", "want_module"),
     [
         ("child-consumes", "norm"),
-        pytest.param("parent-glue", "", marks=pytest.mark.xfail(strict=True, reason=(
-            "nanhunt bug: at module level a non-finite gradient w.r.t. a child's output made by the parent's "
-            "own code is blamed on that child (locate.py _consumer finds no module call that took the record "
-            "as input and keeps the producer's name)"))),
+        ("parent-glue", ""),
         pytest.param("user-full-backward-hooks", "norm", marks=pytest.mark.xfail(strict=True, reason=(
             "nanhunt bug: with the user's register_full_backward_hook on the modules, outputs are re-wrapped "
             "after nanhunt's hooks; module level loses the producer->consumer link (tracer.py _pre_hook makes "
