@@ -165,6 +165,15 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where and how ``t`` lies in memory (two live tensors with the same layout and version
+    counter value hold the same values)."""
+    try:
+        return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass, meta)
+        return (id(t),)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     try:
         return int(t.untyped_storage().data_ptr())
@@ -322,6 +331,9 @@ class Trace:
         self._code_skip: dict[CodeType, bool] = {}
         self._eager: contextlib.AbstractContextManager[None] | None = None  # compiled code runs eagerly
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
+        # Module level: module outputs by memory layout, for the aliases of them a module receives
+        # (a user's full backward hook hands the next module a new tensor over the same memory).
+        self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
 
     # ------------------------------------------------------------- lifecycle
     def __enter__(self) -> Trace:
@@ -957,6 +969,13 @@ class Trace:
                 if ent is not None and ent[1] == _version(t):
                     ins.append(int(ent[0]))
                     continue
+                if self.level == "module":
+                    same = self._layouts.get(_layout(t))
+                    # the same memory, layout and version as a live module output: the same values
+                    if same is not None and same[0]() is not None and same[2] == _version(t) >= 0:
+                        ins.append(same[1])
+                        self._known[t] = (same[1], same[2])
+                        continue
                 if self.level == "module" and parent is not None:
                     # Not seen at a module boundary: made by the parent's own code between child calls.
                     raw = _Raw(Phase.FORWARD, parent[0], parent[1], None, Role.OUTPUT, t, (), None)
@@ -1018,6 +1037,7 @@ class Trace:
                         idx = self._new(_Raw(Phase.FORWARD, name, call, None, Role.OUTPUT, t, ins, None), t)
                         self._known[t] = (idx, _version(t))
                         self._spans[idx] = start
+                        self._layouts[_layout(t)] = (weakref.ref(t), idx, _version(t))
                     if t.requires_grad and torch.is_grad_enabled():
                         self._handles.append(
                             t.register_hook(self._grad_output_hook(name, call, is_root, idx)))  # type: ignore[no-untyped-call]

@@ -486,10 +486,7 @@ def test_module_level_nan_from_the_loss_backward_is_phase_loss(cls: type[nn.Modu
     [
         ("child-consumes", "norm"),
         ("parent-glue", ""),
-        pytest.param("user-full-backward-hooks", "norm", marks=pytest.mark.xfail(strict=True, reason=(
-            "nanhunt bug: with the user's register_full_backward_hook on the modules, outputs are re-wrapped "
-            "after nanhunt's hooks; module level loses the producer->consumer link (tracer.py _pre_hook makes "
-            "a parent 'glue' record with no inputs) and blames the producer fc, not norm"))),
+        ("user-full-backward-hooks", "norm"),
     ],
 )
 def test_module_level_backward_names_the_module_whose_backward_made_it(case: str, want_module: str) -> None:
