@@ -333,6 +333,7 @@ class Trace:
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
         # Module level: module outputs by memory layout, for the aliases of them a module receives
         # (a user's full backward hook hands the next module a new tensor over the same memory).
+        self._nograd_calls: dict[tuple[int, str], int] = {}  # (last node's sequence nr, module) -> call
         self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
 
     # ------------------------------------------------------------- lifecycle
@@ -938,9 +939,11 @@ class Trace:
                 self._gate.append(self._open_gate())
                 # Entering the scope: nodes made outside it must not be taken for this op's.
                 self._last_seq = _peek_seq()
-            if _dispatch.current_autograd_node() is not None:
+            node = _dispatch.current_autograd_node()
+            if node is not None:
                 # Recomputation (torch.utils.checkpoint) inside backward: same call, not a new one.
-                self._stack.append((name, max(self._calls.get(name, 1) - 1, 0)))
+                call = self._nograd_calls.get((node._sequence_nr(), name))
+                self._stack.append((name, max(self._calls.get(name, 1) - 1, 0) if call is None else call))
                 self._recompute_depth += 1
                 if self.level == "module":
                     self._mstack.append((len(self._raw), ()))
@@ -961,6 +964,10 @@ class Trace:
             self._calls[name] = call + 1
             self._stack.append((name, call))
             self._forward_seen = True
+            if not _grad_enabled():
+                # A reentrant checkpoint runs its function under no_grad right after making its
+                # node: keyed by that node, the call its recomputation in backward repeats.
+                self._nograd_calls.setdefault((_peek_seq() - 1, name), call)
             ins: list[int] = []
             for t in _tensors((args, kwargs)):
                 if not _floatish(t):

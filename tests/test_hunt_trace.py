@@ -285,9 +285,7 @@ class SharedCheckpointed(nn.Module):
     "reentrant",
     [
         False,
-        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-            "nanhunt bug: a module recomputed by a reentrant checkpoint is always given its last call "
-            "index (tracer.py _pre_hook, recompute branch), so call 0's backward is reported as call 1"))),
+        True,
     ],
     ids=["non-reentrant", "reentrant"],
 )
