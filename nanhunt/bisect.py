@@ -183,7 +183,7 @@ def bisect(
             confirmed = trials.finite(frozenset(found), label="confirm (clean run)")
             return verdict("precision", tuple(found), origin_alone_fixes=origin_alone, confirmed=confirmed)
         except _Interrupted:
-            return verdict("precision" if found else "clean", tuple(found), origin_alone_fixes=origin_alone,
+            return verdict("precision" if found else "interrupted", tuple(found), origin_alone_fixes=origin_alone,
                            interrupted=True)
     finally:
         state.restore()

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import os
 import pickle
+import random
 import sys
 import warnings
 import zipfile
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,20 +47,30 @@ _PREFIXES = ("module.", "_orig_mod.")
 
 
 # --------------------------------------------------------------------- RNG
-def rng_state() -> dict[str, Any]:
+def rng_state(*, python_numpy: bool = False) -> dict[str, Any]:
+    """torch's (and CUDA's) generator state; with ``python_numpy``, also Python's ``random`` and NumPy's
+    global generator (in-memory snapshots only: capture files hold torch's, and load with weights_only)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if python_numpy:
+        state["python"] = random.getstate()
+        state["numpy"] = np.random.get_state()
     return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the generators ``state`` holds; the others (keys it lacks, as in older files) stay as they are."""
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         cuda = list(state["cuda"])
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
 
 
 # ------------------------------------------------------------ callable paths
@@ -75,6 +87,8 @@ def callable_path(obj: Any) -> str | None:
 def resolve(path: str, *, what: str, trusted: bool) -> Any:
     """Import ``"package.module:callable"``. Untrusted names (from a file) must be an
     ``nn.Module`` class or a torch function."""
+    if not isinstance(path, str):
+        raise CommandError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
     mod_name, sep, qual = path.partition(":")
     if not sep or not mod_name or not qual:
         raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
@@ -230,7 +244,7 @@ def map_state_dict(sd: Mapping[str, Any], model: nn.Module) -> dict[str, torch.T
     want = model.state_dict()
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             continue
         key = k
         changed = True
@@ -326,9 +340,7 @@ def load_step(
 ) -> LoadedStep:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
     notes: list[str] = []
-    dev = torch.device(device) if device else None
-    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError("--device cuda was given but no CUDA device is available here; use --device cpu")
+    dev = _parse_device(device) if device else None
     ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
 
@@ -342,14 +354,23 @@ def load_step(
     if isinstance(ck, nn.Module):
         model = ck
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
-        sd = ck["model"]
-        opt_sd, scaler_sd, opt_class = ck.get("optimizer"), ck.get("scaler"), ck.get("optimizer_class")
+        def checked(name: str, types: type, expected: str, fix: str, *, required: bool = False) -> Any:
+            return _capture_field(ck, name, types, expected, f"checkpoint {checkpoint!r}", fix, required=required)
+
+        again = "save the capture again (nanhunt.save_capture)"
+        sd = checked("model", Mapping, "the model's state_dict", again, required=True)
+        opt_sd = checked("optimizer", Mapping, "an optimizer state_dict or null", again)
+        opt_class = checked("optimizer_class", str, "'package.module:Class' or null", again)
+        scaler_sd = checked("scaler", Mapping, "a GradScaler state_dict or null", "pass --no-scaler to replay without it")
         training = bool(ck.get("training", True))
-        loss_path = loss or ck.get("loss_fn")
-        autocast = ck.get("autocast") or {}
+        loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
+        autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
         saved_dev = str(ck.get("device", "cpu"))
         if model_factory is None:
-            model = _build(ck["model_factory"], ck.get("model_kwargs") or {}, trusted=False)
+            factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
+                              required=True)
+            kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
+            model = _build(factory, kwargs or {}, trusted=False)
         if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
             notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                          "so the result may differ")
@@ -391,14 +412,20 @@ def load_step(
     if isinstance(bt, nn.Module):
         raise CommandError("the batch file holds a model, not a batch")
     inputs, targets = split_batch(bt)
-    rng = bt.get("rng") if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
+    rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
 
     loss_fn: Callable[..., Any] | None = None
     if loss_path:
         obj = resolve(loss_path, what="loss function", trusted=loss is not None)
-        # resolve() checked obj is callable; a loss class is instantiated into a callable module
-        loss_fn = cast("Callable[..., Any]", obj() if inspect.isclass(obj) else obj)
+        if inspect.isclass(obj):  # a loss class is instantiated into a callable module
+            try:
+                obj = obj()
+            except Exception as e:
+                raise CommandError(f"loss {loss_path!r} is a class that must be constructible with no arguments, "
+                                   f"but {_first_line(e)}; pass a function (package.module:fn) or a class whose "
+                                   "arguments have defaults") from e
+        loss_fn = cast("Callable[..., Any]", obj)  # resolve() checked obj is callable
 
     optimizer = None
     if opt_sd is not None:
@@ -407,10 +434,61 @@ def load_step(
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
     scaler = None
     if scaler_sd is not None and not no_scaler:
-        scaler = torch.amp.GradScaler(dev.type)
-        scaler.load_state_dict(dict(scaler_sd))
+        if not scaler_sd:  # GradScaler(enabled=False).state_dict() is {}
+            notes.append("the checkpoint's GradScaler was disabled (empty state): replayed without a scaler")
+        else:
+            scaler = torch.amp.GradScaler(dev.type)
+            try:
+                scaler.load_state_dict(dict(scaler_sd))
+            except Exception as e:
+                raise CommandError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
+                                   "pass --no-scaler to replay without it") from e
     dt = parse_dtype(dtype or str(autocast.get("dtype", "float16")))
     return LoadedStep(model, inputs, targets, loss_fn, optimizer, scaler, dev.type, dt, model.training, rng, notes)
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise CommandError(f"--device {device!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
+    if dev.type == "meta":
+        raise CommandError("--device meta holds no values to replay; use --device cpu or cuda")
+    try:
+        torch.empty(0, device=dev)  # a known type may still be missing here (mps on Linux, cuda:7 of 2 GPUs)
+    except Exception as e:
+        raise CommandError(f"--device {device} was given but no such device is available here; use --device cpu") from e
+    return dev
+
+
+def _capture_field(d: Mapping[str, Any], name: str, types: type, expected: str, where: str, fix: str, *,
+                   required: bool = False) -> Any:
+    """``d[name]`` if it is a ``types`` (or absent/None and not ``required``); else one error line."""
+    value = d.get(name)
+    if value is None and not required:
+        return None
+    if isinstance(value, types):
+        return value
+    what = "is missing" if name not in d else f"is of type {type(value).__name__}"
+    raise CommandError(f"{where} is not a valid nanhunt capture: field {name!r} {what}, expected {expected}; {fix}")
+
+
+def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
+    """The RNG state a nanhunt batch file holds: torch's generator and CUDA's (other keys are ignored)."""
+    rng = _capture_field(bt, "rng", Mapping, "a dict of generator states", f"batch {path!r}",
+                         "save the capture again (nanhunt.save_capture)")
+    if rng is None:
+        return None
+    out = {k: v for k, v in rng.items() if k in ("torch", "cuda")}
+    t = out.get("torch")
+    cuda = out.get("cuda", [])
+    if (t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8)) or not (
+            isinstance(cuda, (list, tuple)) and all(isinstance(c, torch.Tensor) for c in cuda)):
+        raise CommandError(f"batch {path!r} is not a valid nanhunt capture: field 'rng' does not hold generator "
+                           "states (uint8 tensors); save the capture again (nanhunt.save_capture)")
+    return out
 
 
 def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:

@@ -71,6 +71,8 @@ class ReplayCommand:
         from .report.console import render
 
         render_file = renderer_for(args.report) if args.report else None  # fail before the long part
+        if args.report:
+            _check_writable(args.report)
         if args.trust_pickle:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
@@ -179,19 +181,27 @@ class ReportCommand:
                 text = f.read()
         except OSError as e:
             raise CommandError(f"cannot read {args.input!r}: {e.strerror}") from e
-        try:
-            report = Report.from_json(text)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CommandError(f"{args.input!r} is not a nanhunt JSON report ({type(e).__name__}: {e})") from e
+        except UnicodeDecodeError as e:
+            raise CommandError(f"{args.input!r} is not a text file, so not a nanhunt JSON report; give the .json "
+                               "written by nanhunt replay --report x.json or --bundle") from e
         fmt = args.format
         if fmt is None:
             fmt = FORMATS.get(os.path.splitext(args.output)[1].lower(), "console") if args.output else "console"
-        if args.output:
-            write(report, args.output, fmt)
-        elif fmt == "console":
-            _print(render(report))
-        else:
-            sys.stdout.write(render_for_format(fmt)(report))
+        # A hand-edited file can hold any type in any field: the renderers trust a Report, so whatever
+        # loading or rendering it raises means the file is not a valid report.
+        try:
+            report = Report.from_json(text)
+            if args.output:
+                write(report, args.output, fmt)
+            elif fmt == "console":
+                _print(render(report))
+            else:
+                sys.stdout.write(render_for_format(fmt)(report))
+        except NanhuntError:
+            raise
+        except Exception as e:
+            raise CommandError(f"{args.input!r} is not a nanhunt JSON report ({_first_line(e)}); write it again "
+                               "with nanhunt replay --report x.json") from e
         return EXIT_CLEAN
 
 
@@ -228,7 +238,8 @@ class CompareCommand:
         from .report.console import render_comparison
 
         if args.report:
-            renderer_for(args.report)  # fail on a bad suffix before the long part
+            renderer_for(args.report)  # fail on a bad suffix or an unwritable path before the long part
+            _check_writable(args.report)
         if args.rtol is not None and not args.rtol >= 0 or args.atol is not None and not args.atol >= 0:
             raise CommandError("--rtol and --atol must be >= 0")
         if args.max_flips < 0:
@@ -265,9 +276,25 @@ class CompareCommand:
 COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand())
 
 
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
+
+
 def _step_failed(what: str, e: Exception) -> CommandError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return CommandError(f"{what} raised {type(e).__name__}: {msg} — does the batch fit the model?")
+    return CommandError(f"{what} raised {_first_line(e)} — does the batch fit the model?")
+
+
+def _check_writable(path: str) -> None:
+    """Fail on a report path that cannot be written before the long replay, not after it."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise CommandError(f"cannot write {path!r}: {parent!r} {what}; give a path in an existing directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"cannot write {path!r}: the directory {parent!r} is not writable; give another path")
 
 
 def _command_line() -> str:

@@ -453,7 +453,9 @@ class Verdict:
 
     ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
     ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
-    scale overflows the gradients), ``not-reproducible``, ``clean``.
+    scale overflows the gradients), ``not-reproducible``, ``clean``, ``interrupted``
+    (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
+    ``precision`` verdict).
     """
 
     kind: str

@@ -27,7 +27,9 @@ class StepState:
     Covers parameter and buffer values *and* the objects registered on each module
     (a step may rebind a buffer), ``.grad`` references, ``requires_grad``,
     ``training`` flags, optimizer state and hyper-parameters, GradScaler state,
-    the RNG and the grad mode.
+    the RNG (torch's, CUDA's, Python's ``random`` and NumPy's global one) and the
+    grad mode. Tensors the optimizer updates outside the model (a loss module's
+    weights) are parameters too.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -36,7 +38,7 @@ class StepState:
         self.optimizer = optimizer
         self.scaler = scaler
         self.grad_enabled = torch.is_grad_enabled()
-        self.rng = rng_state()
+        self.rng = rng_state(python_numpy=True)
         self.modules = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in model.modules()]
         # Hooks and plain attributes a forward may add or change (a counter, a cache, a hook it registers).
         self.hooks = [(d, dict(d)) for m in model.modules() for d in _hook_dicts(m)]
@@ -48,7 +50,17 @@ class StepState:
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     self.values.append((t, t.detach().clone()))
-        self.params = [p for p in model.parameters()]
+        self.params: list[torch.Tensor] = [p for p in model.parameters()]
+        if optimizer is not None:
+            known = {id(p) for p in self.params}
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if isinstance(p, torch.Tensor) and id(p) not in known:
+                        known.add(id(p))
+                        self.params.append(p)
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            self.values.append((p, p.detach().clone()))
         self.param_hooks = [(p, _param_hooks(p)) for p in self.params]
         self.grads = [p.grad for p in self.params]
         self.requires_grad = [p.requires_grad for p in self.params]

@@ -132,6 +132,8 @@ def verdict_text(report: Report) -> list[Span]:
                      "and skips this step (a bug only if it keeps happening).")]
     if v.kind == "not-reproducible":
         return [Span("Not reproducible: the original configuration ran finite when replayed again.")]
+    if v.kind == "interrupted":
+        return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
 
 
