@@ -92,13 +92,7 @@ def resolve(path: str, *, what: str, trusted: bool) -> Any:
     mod_name, sep, qual = path.partition(":")
     if not sep or not mod_name or not qual:
         raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(mod_name)
-    except Exception as e:
-        raise CommandError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); "
-                           f"run from the project directory or install its package") from e
+    obj: Any = _import(mod_name, path, what=what, trusted=trusted)
     for part in qual.split("."):
         try:
             obj = getattr(obj, part)
@@ -111,6 +105,38 @@ def resolve(path: str, *, what: str, trusted: bool) -> Any:
         fix = f"pass {flag} {path} to confirm you trust it" if flag else "rebuild it yourself"
         raise CommandError(f"the file names {what} {path!r}, which nanhunt does not call unconfirmed; {fix}")
     return obj
+
+
+def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
+    """Import ``mod_name``. A name you gave is looked up in the current directory too; a name read
+    from a file only where Python finds installed code (site-packages, PYTHONPATH): importing a
+    module runs it, and the current directory may hold a ticket's model.py or your own train.py."""
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]  # imported already: nothing runs
+    saved = list(sys.path)
+    cwd = os.path.realpath(os.getcwd())
+    if trusted:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+    else:
+        explicit = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd or os.path.realpath(p) in explicit]
+    try:
+        return importlib.import_module(mod_name)
+    except Exception as e:
+        top = mod_name.split(".")[0]
+        if not trusted and isinstance(e, ModuleNotFoundError) and e.name == top and (
+                os.path.exists(os.path.join(cwd, top + ".py")) or os.path.isdir(os.path.join(cwd, top))):
+            flag = {"model factory": "--model", "loss function": "--loss"}.get(what, "--model")
+            raise CommandError(f"the file names {what} {path!r}, whose module is in the current directory, not "
+                               f"installed: importing it runs that code; pass {flag} {path} to confirm you trust it, "
+                               "or install its package") from e
+        fix = "run from the project directory or install its package" if trusted else \
+            "install its package or put it on PYTHONPATH"
+        raise CommandError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); {fix}") from e
+    finally:
+        if not trusted:
+            sys.path[:] = saved
 
 
 def _safe_by_name(obj: Any, mod_name: str, what: str) -> bool:

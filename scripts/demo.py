@@ -8,7 +8,7 @@ import sys
 from nanhunt.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.chdir(ROOT)  # the fixture's model factory (fixtures.models) is importable from here
+os.chdir(ROOT)
 fixture = os.path.join("fixtures", "overflow")
 argv = ["replay", os.path.join(fixture, "checkpoint.pt"), os.path.join(fixture, "batch.pt"), *sys.argv[1:]]
 print("$ nanhunt " + " ".join(argv), flush=True)

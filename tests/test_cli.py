@@ -73,7 +73,9 @@ def test_clean_fixture_exit_0() -> None:
 
 
 def test_subprocess_entry_points() -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # The capture names fixtures.models: importable from PYTHONPATH (from the current directory
+    # alone it would need --model to confirm)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     exe = Path(sys.executable).with_name("nanhunt")
     for cmd in ([str(exe)], [sys.executable, "-m", "nanhunt"]):
         p = subprocess.run([*cmd, "replay", *_pair("nan_weight")], cwd=ROOT, capture_output=True, text=True, env=env,
