@@ -262,17 +262,27 @@ class SqrtNorm(nn.Module):
         return torch.sqrt(x * x)
 
 
-class SharedCheckpointed(nn.Module):
+class FcThenNorm(nn.Module):
+    """``fc``, whose output column 0 is exactly 0, then ``norm``: sqrt(x*x)'s backward divides by zero there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = SqrtNorm()
+        with torch.no_grad():
+            self.fc.weight[0].zero_()
+            self.fc.bias[0] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+class SharedCheckpointed(FcThenNorm):
     """``norm`` called twice, each call under torch.utils.checkpoint; only call 0 sees exact zeros."""
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.norm = SqrtNorm()
         self.reentrant = reentrant
-        with torch.no_grad():
-            self.fc.weight[0].zero_()
-            self.fc.bias[0] = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
@@ -303,15 +313,7 @@ def test_module_level_backward_of_the_second_call() -> None:
     # GIVEN norm called twice, only call 1 sees exact zeros WHEN traced at module level
     torch.manual_seed(0)
 
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-            self.norm = SqrtNorm()
-            with torch.no_grad():
-                self.fc.weight[0].zero_()
-                self.fc.bias[0] = 0.0
-
+    class Twice(FcThenNorm):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.fc(x)
             return self.norm(h.abs() + 1.0) + self.norm(h)
@@ -492,19 +494,7 @@ def test_module_level_backward_names_the_module_whose_backward_made_it(case: str
     if case == "parent-glue":
         m: nn.Module = PairDist()  # the sqrt is the root's own code, after fc
     else:
-        class Model(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.fc = nn.Linear(4, 4)
-                self.norm = SqrtNorm()
-                with torch.no_grad():
-                    self.fc.weight[0].zero_()
-                    self.fc.bias[0] = 0.0
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return self.norm(self.fc(x))
-
-        m = Model()
+        m = FcThenNorm()
     handles = ([mod.register_full_backward_hook(lambda *a: None) for mod in m.modules()]
                if case == "user-full-backward-hooks" else [])
     try:
