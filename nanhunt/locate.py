@@ -93,7 +93,9 @@ def locate(
     module_level = level == "module"
     grads_nonfinite = module_level and any(not records[i].finite and records[i].role in _MODULE_GRADS
                                            for i in range(start))
-    root_nonfinite = module_level and any(not records[i].finite for i in root_outputs if i < len(records))
+    # (a -inf-only model output may be a mask returned on purpose: it does not hide what backward does)
+    root_nonfinite = module_level and any(records[i].has_nan or records[i].max == math.inf
+                                          for i in root_outputs if i < len(records))
     group, prev, last_group = 0, None, -1
     masks: tuple[RecordView, str] | None = None  # module level: the first module output holding only -inf
     for k in range(start, len(records)):

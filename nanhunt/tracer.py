@@ -311,9 +311,10 @@ class Trace:
         self._forward_seen = False
         self._backward_seen = False
         self._accumulated = False
-        # Optimizer steps running (torch's global step hooks), each True when it began inside a
-        # backward node (stepped from a post-accumulate-grad hook: "optimizer step in backward").
-        self._updating: list[bool] = []
+        # Optimizer steps running (torch's global step hooks): [began inside a backward node (a
+        # post-accumulate-grad hook stepping), module depth then, a module called since (a closure)].
+        self._updating: list[list[Any]] = []
+        self._step_spans: list[tuple[int, int]] = []  # record index ranges made inside optimizer steps
         self._loss_pending: list[int] = []
         self._root_outputs: set[int] = set()
         self._spans: dict[int, int] = {}
@@ -333,7 +334,8 @@ class Trace:
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
         # Module level: module outputs by memory layout, for the aliases of them a module receives
         # (a user's full backward hook hands the next module a new tensor over the same memory).
-        self._nograd_calls: dict[tuple[int, str], int] = {}  # (last node's sequence nr, module) -> call
+        self._nograd_calls: dict[tuple[int, str], list[int]] = {}  # (last node's sequence nr, module) -> calls
+        self._consumed: set[int] = set()  # module level: records some module call took as an argument
         self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
 
     # ------------------------------------------------------------- lifecycle
@@ -503,16 +505,21 @@ class Trace:
         return None
 
     def _update_enter(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._updating.append(_current_node() is not None)
+        self._updating.append([_current_node() is not None, len(self._stack), False, len(self._raw)])
 
     def _update_leave(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._updating:
-            self._updating.pop()
+            self._step_spans.append((self._updating.pop()[3], len(self._raw)))
+
+    def _in_update(self) -> bool:
+        """An optimizer step's own ops run (not a closure's forward, loss and backward inside it)."""
+        u = self._updating
+        return bool(u) and not u[-1][2] and len(self._stack) <= u[-1][1]
 
     def _context(self, node: Any) -> tuple[Phase, str | None, int, tuple[str, int, str] | None, bool]:
         """Phase, module, call index and (for backward) the forward source line of the current op."""
         if node is not None:
-            if self._updating and self._updating[-1]:  # an optimizer step run by a backward hook
+            if self._updating and self._updating[-1][0] and self._in_update():  # stepped by a backward hook
                 return Phase.UPDATE, None, 0, None, True
             if not self._backward_seen:
                 self._backward_seen = True
@@ -527,11 +534,13 @@ class Trace:
             var = getattr(node, "variable", None)  # AccumulateGrad: the parameter it fills
             owner = self._owner.get(var) if isinstance(var, torch.Tensor) else None
             return Phase.BACKWARD, owner, 0, None, False
+        if self._updating and self._in_update():  # optimizer.step(), also run from a module's forward
+            return Phase.UPDATE, None, 0, None, True
         if self._stack:
             name, call = self._stack[-1]
             return Phase.FORWARD, name, call, None, True
-        if self._updating or self._accumulated:  # in optimizer.step(), or after a backward that filled
-            return Phase.UPDATE, None, 0, None, True  # .grad (autograd.grad alone does not)
+        if self._accumulated:  # after a backward that filled .grad (autograd.grad alone does not)
+            return Phase.UPDATE, None, 0, None, True
         if self._forward_seen:
             return Phase.LOSS, None, 0, None, True
         return Phase.FORWARD, None, 0, None, True  # glue code before the model: no module
@@ -602,7 +611,7 @@ class Trace:
                     return out
         module: str | None
         src: tuple[str, int, str] | None
-        if node is None and self._stack:  # forward inside a module: the common case, inline
+        if node is None and self._stack and not self._updating:  # forward inside a module: inline
             phase = _FORWARD
             module, call = self._stack[-1]
             src = None
@@ -617,10 +626,6 @@ class Trace:
             if seq != self._last_seq:
                 first_seq, self._last_seq = self._last_seq, seq
                 new_node = True
-                if phase is Phase.UPDATE and not self._updating:
-                    # Differentiable work after a backward, outside optimizer.step(): a second loss
-                    # on the model's outputs (backward(retain_graph=True) ran first), not an update.
-                    phase = _LOSS
         if info.constant:
             return self._constant(func, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
@@ -633,6 +638,10 @@ class Trace:
             scalar = self._scan(args, ins, phase, module, call, None)
             if kwargs:
                 scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
+        if new_node and phase is Phase.UPDATE and not self._in_update() and self._from_forward(ins):
+            # Differentiable work on the forward's values after a backward, outside optimizer.step():
+            # a second loss (backward(retain_graph=True) ran first), not an update (an EMA reads weights).
+            phase = _LOSS
         if want_src and (new_node or ins):
             src = self._source()
         if new_node:
@@ -942,23 +951,24 @@ class Trace:
             node = _dispatch.current_autograd_node()
             if node is not None:
                 # Recomputation (torch.utils.checkpoint) inside backward: same call, not a new one.
-                call = self._nograd_calls.get((node._sequence_nr(), name))
-                self._stack.append((name, max(self._calls.get(name, 1) - 1, 0) if call is None else call))
+                calls = self._nograd_calls.get((node._sequence_nr(), name))
+                call = calls.pop(0) if calls else max(self._calls.get(name, 1) - 1, 0)
+                self._stack.append((name, call))
                 self._recompute_depth += 1
                 if self.level == "module":
                     self._mstack.append((len(self._raw), ()))
                 return
-            new_step = self._accumulated
-            if new_step:  # a new step (or micro-batch) starts
+            upd = self._updating
+            if upd and not upd[-1][2] and len(self._stack) == upd[-1][1]:
+                upd[-1][2] = True  # a closure (LBFGS): its forward, loss and backward are no update
+            # A new step (or micro-batch) starts; a forward under no_grad (an eval, a teacher) does not.
+            new_step = self._accumulated and _grad_enabled()
+            if new_step:
                 self._accumulated = self._backward_seen = False
-            glue = Phase.UPDATE if new_step else None
-            if self._loss_pending:
-                if name != self._root_name:  # glue between module calls is forward, not loss
-                    for i in self._loss_pending:
-                        self._raw[i].phase = Phase.FORWARD
-                else:  # the loss of the model's last call, but for what makes this call's arguments
-                    glue = Phase.LOSS
-                self._loss_pending.clear()
+            # What made this call's arguments since the last call (or backward) was forward glue, not
+            # loss or update; the rest of the ops pending as loss were the last call's loss.
+            glue = (Phase.UPDATE, Phase.LOSS) if new_step else (Phase.LOSS,) if self._loss_pending else ()
+            self._loss_pending.clear()
             parent = self._stack[-1] if self._stack else None
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
@@ -966,8 +976,8 @@ class Trace:
             self._forward_seen = True
             if not _grad_enabled():
                 # A reentrant checkpoint runs its function under no_grad right after making its
-                # node: keyed by that node, the call its recomputation in backward repeats.
-                self._nograd_calls.setdefault((_peek_seq() - 1, name), call)
+                # node: keyed by that node, the calls its recomputation in backward repeats, in order.
+                self._nograd_calls.setdefault((_peek_seq() - 1, name), []).append(call)
             ins: list[int] = []
             for t in _tensors((args, kwargs)):
                 if not _floatish(t):
@@ -977,9 +987,12 @@ class Trace:
                     ins.append(int(ent[0]))
                     continue
                 if self.level == "module":
-                    same = self._layouts.get(_layout(t))
-                    # the same memory, layout and version as a live module output: the same values
-                    if same is not None and same[0]() is not None and same[2] == _version(t) >= 0:
+                    key = _layout(t)
+                    same = self._layouts.get(key)
+                    # the same memory, layout and version as a live module output that still lies
+                    # there (not re-pointed by `.data = ...`): the same values
+                    if same is not None and same[2] == _version(t) >= 0 and (
+                            (o := same[0]()) is not None and _layout(o) == key):
                         ins.append(same[1])
                         self._known[t] = (same[1], same[2])
                         continue
@@ -991,24 +1004,31 @@ class Trace:
                 idx = self._new(raw, t)
                 self._known[t] = (idx, _version(t))
                 ins.append(idx)
-            if glue is not None:
+            if glue:
                 self._glue_to_forward(ins, glue)
             if self.level == "module":
+                self._consumed.update(ins)
                 ins.extend(self._direct.get(name, ()))
                 self._mstack.append((len(self._raw), tuple(ins)))
         finally:
             self._busy = False
 
-    def _glue_to_forward(self, ins: Sequence[int], phase: Phase) -> None:
-        """A module call after a backward (``phase`` update) or after the model's last call (loss):
-        the ops since then that made its arguments (the next micro-batch's preprocessing) were
-        forward glue; what entered them, input."""
+    def _from_forward(self, ins: Sequence[int]) -> bool:
         raws = self._raw
-        todo = [i for i in ins if raws[i].phase is phase]
+        return any(raws[i].role is Role.OUTPUT and raws[i].phase in (_FORWARD, _LOSS) for i in ins)
+
+    def _glue_to_forward(self, ins: Sequence[int], phases: tuple[Phase, ...]) -> None:
+        """A module call after a backward (``phases`` update and loss) or after a model call (loss):
+        the ops since then that made its arguments (the next micro-batch's preprocessing) were
+        forward glue; what entered them, input. An optimizer step's own ops stay update (it may
+        train the model's input)."""
+        raws = self._raw
+        todo = [i for i in ins if raws[i].phase in phases]
         seen: set[int] = set()
+        steps = self._step_spans
         while todo:
             i = todo.pop()
-            if i in seen:
+            if i in seen or any(a <= i < b for a, b in steps):
                 continue
             seen.add(i)
             r = raws[i]
@@ -1017,7 +1037,7 @@ class Trace:
             else:
                 r.phase = Phase.FORWARD
             self._made.pop(i, None)
-            todo.extend(j for j in r.inputs if raws[j].phase is phase)
+            todo.extend(j for j in r.inputs if raws[j].phase in phases)
 
     def _post_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         name = self._names.get(module)
@@ -1112,8 +1132,9 @@ class Trace:
             self._busy = True
             try:
                 # The gradient w.r.t. the root output is made by the loss's backward, also when the
-                # root returned its child's output as is (an nn.Sequential): this child's hook fires first.
-                root = is_root or forward_idx in self._root_outputs
+                # root returned its child's output as is (an nn.Sequential): this child's hook fires
+                # first. Unless a module took that output too (features returned beside a head's).
+                root = is_root or (forward_idx in self._root_outputs and forward_idx not in self._consumed)
                 phase, module = (Phase.LOSS, None) if root else (Phase.BACKWARD, name)
                 # The edge from the forward output lets locate name the module whose backward made it.
                 ent = self._known.get(grad)
