@@ -74,11 +74,13 @@ def locate(
     start: int = 0,
     final: bool = True,
     materialize: Callable[[int], Record] | None = None,
+    calls: Sequence[tuple[int, int, str, int]] = (),
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
     ``spans`` (module level) maps a module output record to the index where its
-    call began: a module is no origin when one of its children already was.
+    call began: a module is no origin when one of its children already was. ``calls`` (module
+    level) holds every module call as (first record, end, module, call index).
     With ``final=False`` (a check while the step runs) no propagation is computed.
     ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
     :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
@@ -154,9 +156,11 @@ def locate(
         module, call_index = r.module, r.call_index
         if level == "module" and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
             # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
-            consumer = _consumer(records, r.inputs[0]) or _enclosing(records, spans, r.inputs[0])
+            consumer = _consumer(records, r.inputs[0])
             if consumer is not None:
                 module, call_index = consumer.module, consumer.call_index
+            else:
+                module, call_index = _enclosing(records, calls, r.inputs[0]) or (module, call_index)
         allowed = is_allowed(module, r.op, allow)
         occ = Occurrence(
             phase=r.phase,
@@ -203,15 +207,16 @@ def _sinks_bad(records: Sequence[RecordView], root_outputs: frozenset[int]) -> b
         records[i].has_nan or records[i].max == math.inf for i in root_outputs if i < len(records))
 
 
-def _enclosing(records: Sequence[RecordView], spans: Mapping[int, int], produced: int) -> RecordView | None:
+def _enclosing(records: Sequence[RecordView], calls: Sequence[tuple[int, int, str, int]],
+               produced: int) -> tuple[str, int] | None:
     """Module level, no module call took record ``produced`` as an input: the code of the module
-    call that ran its producer did (a parent's own ops between its children). That call's output
-    record: the innermost whose span holds ``produced``."""
-    best: RecordView | None = None
+    call that ran its producer did (a parent's own ops between its children): the innermost call
+    whose records hold ``produced``, other than the producer's own."""
+    best: tuple[str, int] | None = None
     best_start = -1
-    for i, start in spans.items():
-        if start <= produced < i and start > best_start and records[i].module != records[produced].module:
-            best, best_start = records[i], start
+    for start, end, module, call in calls:
+        if start <= produced < end and start > best_start and module != records[produced].module:
+            best, best_start = (module, call), start
     return best
 
 

@@ -318,6 +318,7 @@ class Trace:
         self._loss_pending: list[int] = []
         self._root_outputs: set[int] = set()
         self._spans: dict[int, int] = {}
+        self._calls_made: list[tuple[int, int, str, int]] = []  # module level: (start, end, module, call)
         self._handles: list[Any] = []
         self._mode: _dispatch.TraceMode | None = None
         self._entered = False  # the mode entered for the whole block (no scope)
@@ -427,6 +428,7 @@ class Trace:
             spans=self._spans,
             allow=self.allow,
             materialize=self._record,
+            calls=self._calls_made,
         )
         # Drop references that could keep user objects alive (the raws hold no tensor).
         self._known = _TensorMap()
@@ -1052,6 +1054,8 @@ class Trace:
             start, ins = self._mstack.pop() if self.level == "module" and self._mstack else (0, ())
             if in_backward:
                 return
+            if self.level == "module":
+                self._calls_made.append((start, len(self._raw), name, call))
             is_root = name == self._root_name
             for t in _tensors(output):
                 if not _floatish(t):

@@ -486,9 +486,6 @@ def test_module_level_intentional_mask_next_to_a_real_fault(case: str, want: tup
     assert where(t.first) == want
 
 
-@pytest.mark.xfail(strict=True, reason="nanhunt bug: _enclosing finds the call whose own code consumed a child's "
-                   "output only through the call's output record; a root returning its last child's output as is "
-                   "has none (locate.py _enclosing over `spans`; tracer.py _post_hook makes no record for it)")
 def test_module_level_root_glue_backward_when_root_returns_a_child_output() -> None:
     # GIVEN pairwise distances computed by the root's own code between fc and head; the root returns
     # head's output as is
