@@ -26,6 +26,7 @@ __all__ = [
     "pop_mode",
     "mode_on_stack",
     "in_recomputation",
+    "tensor_version",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -125,6 +126,14 @@ def op_info(func: Any) -> OpInfo:
     )
     OP_INFOS[id(func)] = info
     return info
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place write); -1 for inference tensors, which have none."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
 
 
 def push_mode(mode: TorchDispatchMode) -> None:

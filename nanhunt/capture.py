@@ -428,6 +428,8 @@ def load_step(
         raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if sd is not None:
         mapped = map_state_dict(sd, model)
+        if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
+            _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
         model.load_state_dict(mapped, strict=True)
 
     if dev is None:
@@ -526,6 +528,18 @@ def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CommandError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _take_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """Give the model's floating parameters and buffers the dtypes of the saved ones, as ``model.half()``
+    would: ``load_state_dict`` would cast a float16/bfloat16 model's weights to the factory's float32,
+    and its low-precision batch would then meet float32 weights. Each tensor stays the same object
+    (tied weights, ``requires_grad``); the optimizer is built on them afterwards."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            saved = sd.get(name)
+            if saved is not None and saved.dtype != t.dtype and saved.is_floating_point() and t.is_floating_point():
+                t.data = t.data.to(saved.dtype)
 
 
 def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | None) -> torch.optim.Optimizer | None:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import CommandError
+from ._tree import map_tensors
 from .capture import split_batch
 from .records import Comparison, Decision, Regression, Report, TensorDiff
 from .replay import StepState, _backward, _call_model, _loss_of, environment
@@ -238,6 +239,10 @@ def _run(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any
             g = p.grad.detach().to("cpu", torch.float32, copy=True)
             grads[name] = g / scale if scale != 1.0 else g  # unscaled as GradScaler.unscale_ would
     return _Run(rec.calls, copies[0] if copies else None, dtypes[0] if dtypes else "", loss_copy, grads, weights_bad)
+
+
+def _upcast(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
 
 
 def _nonfinite(ts: Iterable[torch.Tensor]) -> bool:
@@ -566,6 +571,9 @@ def compare(
     if low:
         base_notes += (f"parameters held in {', '.join(low)}: the reference runs them as they are, so it is float32 "
                   "arithmetic on rounded weights",)
+    # A float32 model's reference takes a float16/bfloat16 batch upcast (exactly): with autocast off, a
+    # low-precision input would meet float32 weights. The autocast run takes the batch as it is.
+    ref_batch = (inputs, targets) if low else (_upcast(inputs), _upcast(targets))
     rule = _Rule(dtype=dtype_name, device_type=device_type, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
                  fail_on_tolerance=fail_on_tolerance, tie_rule=TIE_RULE if task == "classify" else "")
 
@@ -573,7 +581,8 @@ def compare(
         state.reset(start_rng)
         if train is not None:
             model.train(train)
-        return _run(model, inputs, targets, loss_fn, dtype=dt, device_type=device_type, amp=amp,
+        ins, tgts = (inputs, targets) if amp else ref_batch
+        return _run(model, ins, tgts, loss_fn, dtype=dt, device_type=device_type, amp=amp,
                     scale=scale if amp else 1.0)
 
     def report(status: str, comparison: Comparison, loss: float | None, extra: Sequence[str] = ()) -> Report:

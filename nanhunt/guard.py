@@ -14,8 +14,10 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.hooks import RemovableHandle
 
+from ._dispatch import tensor_version as _version
 from ._errors import GuardError
 from .capture import callable_path, rng_state, save_capture
 
@@ -104,6 +106,7 @@ class _Step:
     scale_before: torch.Tensor | float | None = None
     tracker_before: torch.Tensor | int | None = None
     scaler_unset: bool = False  # the scale did not exist yet at entry (created lazily by scaler.scale)
+    buffers: dict[int, torch.Tensor] | None = None  # entry copies of the buffers a step changes (Guard._buffers' index)
     loss: torch.Tensor | None = None
     autocast: torch.dtype | None = None
     forward_seen: bool = False
@@ -131,12 +134,13 @@ class Guard:
     Parameters: with ``check_params=True`` every update is followed by a fused
     check of the optimizer's parameters (and a second host read). By default
     weights that an update made non-finite are found by the next step's loss or
-    gradient check; the guard then checks the weights (on the failure path only)
-    and reports the earlier update as the culprit (``kind="params"``).
+    gradient check; the guard then checks the model's weights (on the failure path
+    only) and reports the earlier update as the culprit (``kind="params"``).
 
     On a detection it writes ``step{N}[-rank{R}]-checkpoint.pt`` and
     ``-batch.pt`` (and ``-event.json``) into ``dump_dir``: weights, optimizer,
-    GradScaler state, batch and RNG as they were *before* the failing update,
+    GradScaler state, batch and RNG as they were *before* the failing update
+    (buffers such as BatchNorm running statistics as the failing step began),
     then raises :class:`nanhunt.GuardError` (a :class:`nanhunt.NonFiniteError`;
     ``on_fail="raise"``), continues silently (``"dump"``) or warns (``"warn"``).
     Detections in :meth:`check_grads` come before ``scaler.step``/``optimizer.step``,
@@ -161,8 +165,10 @@ class Guard:
     saw the problem, and those ranks write their captures (every rank with
     ``dump_all_ranks=True``). A skip counts towards the policy when any rank skipped.
 
-    Clean-path cost per step: the RNG state at entry (plus two scalar copies in
-    loops that don't call :meth:`check_grads`), a few scalar ops and one host read
+    Clean-path cost per step: at entry the RNG state, two scalar copies (the
+    GradScaler's scale and growth tracker) and one fused copy of the model's
+    buffers into memory kept between steps (none without buffers; BatchNorm's
+    running statistics are small); then a few scalar ops and one host read
     in :meth:`check_grads` (without a GradScaler, one fused reduction over the
     gradients), and with ``check_params=True`` one reduction and one host read at
     exit. Nothing reads back per parameter. ``scripts/bench_guard.py`` measures it.
@@ -271,6 +277,17 @@ class Guard:
         self._params_by_device = _by_device(self._params)
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self.device_type = device_type or self._device.type
+        # What a forward can change: the buffers the capture saves (persistent ones), copied at every step's entry.
+        saved = self._module.state_dict(keep_vars=True)
+        self._buffers: list[tuple[str, torch.Tensor]] = [
+            (name, b) for name, b in self._module.named_buffers() if saved.get(name) is b]
+        # Only buffers that change are copied at entry after the first step (a causal-mask buffer that
+        # never changes costs nothing): normalisation statistics (their kernels write them without
+        # bumping the version counter) and any buffer whose version moved since the last entry.
+        self._buffer_versions = [_version(b) for _, b in self._buffers]
+        self._buffer_moves = [isinstance(self._module.get_submodule(name.rpartition(".")[0]), _NormBase)
+                              for name, _ in self._buffers]
+        self._buffer_copies: dict[int, torch.Tensor] = {}
 
         self._pg = process_group
         self._rank: int | None = None
@@ -298,7 +315,6 @@ class Guard:
         # First step at whose start the weights were seen non-finite: no snapshot is taken from then on.
         self._poisoned_at: int | None = None
         self._cur: _Step | None = None
-        self._last_checked = False
         self._closed = False
         self._hooks: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._pre_update),
@@ -418,24 +434,49 @@ class Guard:
         if self._scaling():
             assert self.scaler is not None
             cur.scaler_unset = self.scaler._scale is None
-            # Loops that call check_grads get the scaler state from its read; only the others need a copy
-            # now, to tell a skipped step at exit and to capture the scale the step ran with.
-            if not self._last_checked and self.scaler._scale is not None and self.scaler._growth_tracker is not None:
+            # Copied at every entry, whether or not the loop calls check_grads (a gradient-accumulation
+            # micro-batch does not): to tell a skipped step at exit and to capture the scale the step ran with.
+            if self.scaler._scale is not None and self.scaler._growth_tracker is not None:
                 cur.scale_before = self.scaler._scale.detach().clone()
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
+        if self._buffers:
+            cur.buffers = self._copy_buffers()
         if self.snapshot_every and cur.index % self.snapshot_every == 0 and self._poisoned_at is None:
             self._refresh_snapshot(cur)
         self._cur = cur
 
-    def _exit(self, failed: bool) -> None:
+    def _copy_buffers(self) -> dict[int, torch.Tensor]:
+        """Copies of the buffers as this step begins: every one at the first step, then those that
+        changed since (a buffer no step has changed is saved live: it still holds its entry value)."""
+        first = self.iterations == 0
+        want: list[int] = []
+        for k, (_, b) in enumerate(self._buffers):
+            v = _version(b)
+            if v != self._buffer_versions[k]:
+                self._buffer_versions[k], self._buffer_moves[k] = v, True
+            if first or self._buffer_moves[k]:
+                want.append(k)
+        old = self._buffer_copies
+        copies = {k: old[k] for k in want if k in old and old[k].shape == self._buffers[k][1].shape}
+        with torch.no_grad():
+            if copies:  # one op, into the copies the last step used
+                torch._foreach_copy_(list(copies.values()), [self._buffers[k][1] for k in copies])
+            for k in want:
+                if k not in copies:
+                    copies[k] = self._buffers[k][1].detach().clone()
+        self._buffer_copies = copies
+        return copies
+
+    def _exit(self, failed: bool, exc: BaseException | None = None) -> None:
         cur = self._cur
         assert cur is not None
         try:
             if not failed:
                 self._check_exit(cur)
+            elif isinstance(exc, Exception) and self._world == 1:
+                self._check_aborted(cur, exc)
         finally:
             self._cur = None
-            self._last_checked = cur.checked
             self.iterations += 1
             self.stepped = cur.update_ran and not cur.local_skip
             self.updates += int(self.stepped)
@@ -451,11 +492,9 @@ class Guard:
         extra: list[torch.Tensor] = []
         if scale_now is not None and not cur.checked:
             if isinstance(before, torch.Tensor):
-                # update() backs the scale off exactly when it skipped the step.
+                # update() backs the scale off exactly when it skipped the step; a step that did not call
+                # update() (a gradient-accumulation micro-batch) leaves it as it was.
                 skip_flag, extra = scale_now < before.to(scale_now.device), [before]
-            else:
-                # No copy of the scale (earlier steps called check_grads): an optimizer that did not run was skipped.
-                skip_flag = self._zero if cur.update_ran else _one(self._device)
         need_skip = skip_flag is not None
         need_loss = cur.loss is not None and not cur.checked
         if not (self.check_params or need_skip or need_loss):
@@ -483,7 +522,9 @@ class Guard:
             kind, detail, ranks = "loss", "non-finite loss", _seen(per_rank, _LOSS)
         elif any_bits & _PARAMS:
             kind, detail, ranks = "params", "non-finite parameters after the update", _seen(per_rank, _PARAMS)
-        if scaling and not cur.policy_done:
+        # Only a step whose optimizer step was due counts towards the skip policy: it ran, or GradScaler
+        # skipped it (on any rank). A micro-batch that only accumulated gradients is neither.
+        if scaling and not cur.policy_done and (cur.update_ran or any_bits & _SKIP):
             reason = self._policy(bool(any_bits & _SKIP), cur)
             if reason and kind is None and not cur.tripped:
                 kind, detail, ranks = "skips", reason, _seen(per_rank, _SKIP)
@@ -492,6 +533,26 @@ class Guard:
             # snapshot); the scaler state is put back to what it was when the step began.
             touched = cur.update_ran and not cur.local_skip
             self._trip(cur, kind, detail, ranks, per_rank, live=not touched, scaler_before=True, stacklevel=5)
+
+    def _check_aborted(self, cur: _Step, exc: Exception) -> None:
+        """A step that raised: a non-finite loss it was handed and did not check is still the detection.
+
+        Recorded (event, capture, warning), never raised: the step's own exception propagates, with the
+        event as a note. Only outside torch.distributed: a rank that raised cannot count on the others
+        joining a collective."""
+        if cur.tripped or cur.checked or cur.loss is None:
+            return
+        try:
+            per_rank, _ = self._read([self._loss_flag(cur), None, None, None], [])
+            if not per_rank[0] & _LOSS:
+                return
+            touched = cur.update_ran and not cur.local_skip
+            event = self._trip(cur, "loss", "non-finite loss (then the step raised)", _seen(per_rank, _LOSS),
+                               per_rank, live=not touched, scaler_before=True, propagate=False, stacklevel=5)
+        except Exception:
+            return  # the step's exception is what matters; a device in error may fail any read here
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(event.describe())
 
     # ------------------------------------------------------------- checks
     def _require(self, what: str) -> _Step:
@@ -560,18 +621,20 @@ class Guard:
 
     # ------------------------------------------------------------- capture
     def _trip(self, cur: _Step, kind: str, detail: str, ranks: tuple[int, ...], per_rank: list[int], *,
-              live: bool, scaler_before: bool = False, stacklevel: int = 3) -> None:
+              live: bool, scaler_before: bool = False, propagate: bool = True, stacklevel: int = 3) -> GuardEvent:
         """Report a detection: capture (this rank's, if it saw it), event, then raise/warn/continue.
 
-        ``live``: the live weights are those the step began with (nothing updated them yet)."""
+        ``live``: the live weights are those the step began with (nothing updated them yet).
+        ``propagate=False``: never raise (another exception is propagating)."""
         cur.tripped = True
+        began = live  # the live weights are this step's starting weights, its buffers the entry copies
         bad_update = cur.index  # the step whose update the capture should hold the state before
-        if live and kind != "params" and not self.check_params:
-            # Nobody checked the weights after the last update: were they already non-finite when this step
-            # began? Then an earlier update is the culprit, not this step. Failure path only; every rank is
-            # here at the same time, so the all_reduce in the read is safe.
-            p_rank, _ = self._read([None, None, _nonfinite(self._params, self._device, self._params_by_device), None],
-                                   [])
+        if live and kind != "params":
+            # Were the weights already non-finite when this step began? Then an earlier update is the
+            # culprit, not this step. All the model's weights: another optimizer, or an update check_params
+            # did not watch, may have written them. Failure path only; every rank is here at the same time,
+            # so the all_reduce in the read is safe.
+            p_rank, _ = self._read([None, None, _nonfinite(self._weights(), self._device), None], [])
             if _or(p_rank) & _PARAMS:
                 self._poison(cur.index)
                 kind, detail, ranks, per_rank = ("params", f"{detail}; the weights were already non-finite when the "
@@ -591,7 +654,7 @@ class Guard:
                     self._save_snapshot(snap, cur, ck, bt)
                     captured, pre_update = snap.step, snap.step == bad_update
                 else:
-                    self._save_live(cur, ck, bt, scaler_before=scaler_before)
+                    self._save_live(cur, ck, bt, scaler_before=scaler_before, began=began)
                     captured, pre_update = cur.index, live
                 self.captures += 1
             except Exception as e:  # the detection matters more than the file: report, don't mask
@@ -608,10 +671,17 @@ class Guard:
         self.events.append(event)
         if ck is not None:
             self._write_event(event)
-        if self.on_fail == "raise":
+        if self.on_fail == "raise" and propagate:
             raise GuardError(event)
         if self.on_fail == "warn":
             warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
+        return event
+
+    def _weights(self) -> list[torch.Tensor]:
+        """The model's parameters, and any other parameter the optimizer updates."""
+        weights = list(self._module.parameters())
+        ids = {id(p) for p in weights}
+        return weights + [p for p in self._params if id(p) not in ids]
 
     def _poison(self, step: int) -> None:
         if self._poisoned_at is None:
@@ -644,13 +714,22 @@ class Guard:
             "device_type": self.device_type, "dtype": self._capture_dtype(cur),
         }
 
-    def _save_live(self, cur: _Step, ck: str, bt: str, *, scaler_before: bool) -> None:
+    def _save_live(self, cur: _Step, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:
         scaler = self.scaler if self._scaling() else None
         state = None
         if scaler is not None and scaler_before:
             state = _scaler_state(scaler, cur.scale_before, cur.tracker_before)
-        save_capture(ck, bt, model=self._module, batch=cur.batch, optimizer=self.optimizer, scaler=scaler,
-                     scaler_state=state, rng=cur.rng, **self._save_kwargs(cur))
+        model_state = None
+        if began and cur.buffers is not None:
+            # The weights are those the step began with; its forward has already written the buffers
+            # (BatchNorm running statistics): save the copies taken at entry.
+            model_state = self._module.state_dict(keep_vars=True)
+            for k, copy in cur.buffers.items():
+                name, live = self._buffers[k]
+                if model_state.get(name) is live and copy.shape == live.shape:
+                    model_state[name] = copy
+        save_capture(ck, bt, model=self._module, model_state=model_state, batch=cur.batch, optimizer=self.optimizer,
+                     scaler=scaler, scaler_state=state, rng=cur.rng, **self._save_kwargs(cur))
 
     def _refresh_snapshot(self, cur: _Step) -> None:
         """Copy the state this step begins with to the CPU; keep it only if its weights are finite."""
@@ -687,7 +766,7 @@ class _StepContext:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._guard._exit(failed=exc_type is not None)
+        self._guard._exit(failed=exc_type is not None, exc=exc)
 
 
 # ------------------------------------------------------------------ helpers

@@ -374,12 +374,22 @@ AUTOCAST_DTYPE = {autocast}  # None: autocast off for this op
 RECORDED_DEVICE = {device!r}
 
 
+def tensors(x):
+    """The tensors in an output or argument: a tensor, or a (nested) tuple or list of them."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in tensors(item)]
+    return []
+
+
 def run(t, device):
     with torch.no_grad(), torch.autocast(device_type=torch.device(device).type,
                                          dtype=AUTOCAST_DTYPE or torch.float32,
                                          enabled=AUTOCAST_DTYPE is not None):
         out = {call}
-    return [o for o in {outputs} if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    # The op's outputs and the arguments it writes in place (a tensor or a list of them)
+    return [o for o in tensors({outputs}) if o.is_floating_point()]
 
 
 def main():
@@ -464,8 +474,9 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
     if rp.nbytes > cap_bytes:
         return dataclasses.replace(rp, result=f"inputs of {rp.nbytes} bytes exceed the cap of {cap_bytes} bytes and "
                                               "no smaller slice reproduces")
-    written = [f"t[{_tensor_slot(args, i)}]" for i in _dispatch.op_info(call.func).written_args
-               if i < len(args) and isinstance(args[i], torch.Tensor)]
+    # The source of each written argument (``t[i]`` or a list of them): the script reads them after the op.
+    written = [arg_src[i] for i in _dispatch.op_info(call.func).written_args
+               if i < len(args) and any(True for _ in iter_tensors(args[i]))]
     ns, _, _ = call.op.partition("::")
     call_src = f"torch.ops.{ns}.{call.func._overloadpacket.__name__}.{call.overload}({', '.join(arg_src)})"
     source = _TEMPLATE.format(
@@ -488,10 +499,6 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
 
 def _name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
-
-
-def _tensor_slot(args: tuple[Any, ...], i: int) -> int:
-    return sum(1 for _ in iter_tensors(args[:i]))
 
 
 def _first_line(e: BaseException) -> str:

@@ -158,11 +158,7 @@ def _cast_pair(lo: float, hi: float, dtype: str) -> tuple[float, float]:
     return _cast_value(lo, dtype), _cast_value(hi, dtype)
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
+_version = _dispatch.tensor_version
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:

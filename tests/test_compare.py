@@ -168,6 +168,16 @@ def test_bfloat16_uses_its_own_tolerances() -> None:
     assert c.modules[0].headroom is not None and c.modules[0].headroom > 1e30
 
 
+def test_float16_batch_is_upcast_for_the_float32_reference_only() -> None:
+    # GIVEN a float32 model and a batch the loader already gives in float16
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(4, 8).half(), torch.tensor([0, 1, 2, 3])
+    c16 = _cmp(compare(model, (x, y), loss_fn=F.cross_entropy))
+    # THEN the reference runs (it would meet float32 weights with float16 inputs) on the exact upcast batch
+    c32 = _cmp(compare(model, (x.float(), y), loss_fn=F.cross_entropy))
+    assert c16.reference_finite and (c16.ref_loss, c16.amp_loss) == (c32.ref_loss, c32.amp_loss)
+
+
 # ------------------------------------------------------------------ the reference first
 
 

@@ -412,3 +412,44 @@ def test_user_exception_in_step_propagates_without_checks(tmp_path: Path) -> Non
         warnings.simplefilter("error")
         train_step(guard, model, opt, scaler, batch(1))
     assert guard.stepped
+
+
+def test_consecutive_skips_count_across_accumulation_micro_batches(tmp_path: Path) -> None:
+    # GIVEN gradient accumulation over 2 micro-batches (check_grads and the update on every 2nd) and every
+    # update overflowing in float16, max_consecutive_skips=3
+    model, opt, scaler = mlp_setup()
+    assert scaler is not None
+    guard = guard_for(model, opt, scaler, tmp_path, max_consecutive_skips=3)
+    with pytest.raises(nanhunt.GuardError) as info:
+        for i in range(20):
+            x, y = batch(i, big_target=True)
+            with guard.step((x, y)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = guard.loss(F.mse_loss(model(x), y) / 2)
+                scaler.scale(loss).backward()
+                if i % 2 == 1:
+                    guard.check_grads()
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
+    # THEN the micro-batches in between neither count as skips nor break the run: the third update trips
+    ev = info.value.event
+    assert (ev.step, ev.kind, ev.skipped) == (5, "skips", 2)
+    assert "3 steps in a row" in ev.detail
+
+
+def test_nonfinite_loss_then_user_exception_keeps_the_user_exception(tmp_path: Path) -> None:
+    # GIVEN on_fail="raise" and a step whose loss goes non-finite, then raises before check_grads
+    model, opt, scaler = mlp_setup()
+    guard = guard_for(model, opt, scaler, tmp_path)
+    x, y = batch(0, big_input=True)
+    with pytest.raises(KeyError) as info:
+        with guard.step((x, y)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                guard.loss(F.mse_loss(model(x), y))
+            raise KeyError("user")
+    # THEN the user's exception propagates, naming the capture the guard wrote for the non-finite loss
+    assert [(e.step, e.kind, e.pre_update) for e in guard.events] == [(0, "loss", True)]
+    assert guard.events[0].checkpoint is not None and os.path.exists(guard.events[0].checkpoint)
+    if hasattr(info.value, "add_note"):  # Python 3.11+
+        assert any("nanhunt replay" in n for n in getattr(info.value, "__notes__", []))
