@@ -115,28 +115,47 @@ def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
         return sys.modules[mod_name]  # imported already: nothing runs
     saved = list(sys.path)
     cwd = os.path.realpath(os.getcwd())
+    top = mod_name.partition(".")[0]
+    flag = {"model factory": "--model", "loss function": "--loss"}.get(what, "--model")
+    refused = CommandError(f"the file names {what} {path!r}, whose module is in the current directory, not "
+                           f"installed: importing it runs that code; pass {flag} {path} to confirm you trust it, "
+                           "or install its package")
     if trusted:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
     else:
-        explicit = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-        sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd or os.path.realpath(p) in explicit]
+        # PYTHONPATH entries you set are trusted; a relative one ('.') would follow the directory
+        # nanhunt runs in, so only absolute ones count.
+        explicit = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                    if os.path.isabs(p)}
+        if cwd not in explicit:
+            if _loaded_from(sys.modules.get(top)) == cwd:  # a submodule of a package imported from here
+                raise refused
+            sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd]
     try:
         return importlib.import_module(mod_name)
     except Exception as e:
-        top = mod_name.split(".")[0]
         if not trusted and isinstance(e, ModuleNotFoundError) and e.name == top and (
                 os.path.exists(os.path.join(cwd, top + ".py")) or os.path.isdir(os.path.join(cwd, top))):
-            flag = {"model factory": "--model", "loss function": "--loss"}.get(what, "--model")
-            raise CommandError(f"the file names {what} {path!r}, whose module is in the current directory, not "
-                               f"installed: importing it runs that code; pass {flag} {path} to confirm you trust it, "
-                               "or install its package") from e
+            raise refused from e
         fix = "run from the project directory or install its package" if trusted else \
             "install its package or put it on PYTHONPATH"
         raise CommandError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); {fix}") from e
     finally:
         if not trusted:
             sys.path[:] = saved
+
+
+def _loaded_from(module: Any) -> str | None:
+    """The sys.path entry a top-level module or package was imported from (real path)."""
+    if module is None:
+        return None
+    file: str | None = getattr(module, "__file__", None)
+    if file:
+        where = os.path.dirname(os.path.realpath(file))
+        return os.path.dirname(where) if os.path.basename(file).startswith("__init__.") else where
+    paths = list(getattr(module, "__path__", []) or [])  # a namespace package
+    return os.path.dirname(os.path.realpath(paths[0])) if paths else None
 
 
 def _safe_by_name(obj: Any, mod_name: str, what: str) -> bool:

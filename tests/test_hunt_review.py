@@ -627,9 +627,6 @@ def _isolated_imports(monkeypatch: pytest.MonkeyPatch) -> Any:
             del sys.modules[name]
 
 
-@pytest.mark.xfail(strict=True, reason="nanhunt bug: an untrusted name's submodule of a package already imported "
-                   "from the current directory is imported through the package's __path__, which the sys.path "
-                   "filter does not cover (capture.py _import)")
 def test_untrusted_submodule_of_a_cwd_package_already_imported_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _isolated_imports: None) -> None:
     # GIVEN the user's project directory with its own package (not installed): nhreview_proj/losses.py and
@@ -651,9 +648,6 @@ def test_untrusted_submodule_of_a_cwd_package_already_imported_is_refused(
     assert not marker.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="nanhunt bug: a relative PYTHONPATH entry ('.') is resolved against the "
-                   "current directory at resolve time, while Python made it absolute at startup "
-                   "(capture.py _import: `explicit = {os.path.realpath(p) for p in ...PYTHONPATH...}`)")
 def test_relative_pythonpath_entry_does_not_admit_a_later_cwd(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _isolated_imports: None) -> None:
     # GIVEN Python started in proj/ with PYTHONPATH=. (sys.path holds proj/ itself, and '' for `python -c` or a
