@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import networkx as nx
@@ -34,12 +35,13 @@ class LocateResult:
     tainted: frozenset[int] = frozenset()  # origins and every non-finite record they fed
 
 
-def origin_kind(r: RecordView, records: Sequence[RecordView]) -> str | None:
-    """``"nan"``/``"inf"`` when ``r`` creates a non-finite value from finite inputs, else ``None``."""
+def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool = True) -> str | None:
+    """``"nan"``/``"inf"`` when ``r`` creates a non-finite value from finite inputs, else ``None``.
+    ``may_mask=False``: ``r`` cannot be a -inf mask (a normalisation layer's running statistics)."""
     if r.finite:
         return None
     if r.role in _ENTERING:
-        if r.role in _MASKS and not r.has_nan and r.max < math.inf:
+        if may_mask and r.role in _MASKS and not r.has_nan and r.max < math.inf:
             return None  # only -inf: an intentional mask (a causal-mask buffer, an additive attention mask)
         return "nan" if r.has_nan else "inf"
     if r.role is not Role.OUTPUT:
@@ -75,12 +77,14 @@ def locate(
     final: bool = True,
     materialize: Callable[[int], Record] | None = None,
     calls: Sequence[tuple[int, int, str, int]] = (),
+    not_masks: AbstractSet[int] = frozenset(),
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
     ``spans`` (module level) maps a module output record to the index where its
     call began: a module is no origin when one of its children already was. ``calls`` (module
-    level) holds every module call as (first record, end, module, call index).
+    level) holds every module call as (first record, end, module, call index); ``not_masks``, the
+    records that cannot be -inf masks (running statistics).
     With ``final=False`` (a check while the step runs) no propagation is computed.
     ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
     :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
@@ -109,7 +113,7 @@ def locate(
         prev = key
         if r.finite:
             continue
-        kind = origin_kind(r, records)
+        kind = origin_kind(r, records, may_mask=r.index not in not_masks)
         if kind is None and level == "module" and r.role in _MODULE_GRADS:
             # Module level sees no backward ops: the first non-finite gradient is where
             # backward went bad, unless the forward output already was.

@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.optim.optimizer as _optim
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from . import _dispatch
 from ._errors import NonFiniteError, TraceStateError
@@ -332,6 +333,7 @@ class Trace:
         # Module level: module outputs by memory layout, for the aliases of them a module receives
         # (a user's full backward hook hands the next module a new tensor over the same memory).
         self._nograd_calls: dict[tuple[int, str], list[int]] = {}  # (last node's sequence nr, module) -> calls
+        self._not_masks: set[int] = set()  # records that cannot be -inf masks (running statistics)
         self._consumed: set[int] = set()  # module level: records some module call took as an argument
         self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
 
@@ -425,6 +427,7 @@ class Trace:
             allow=self.allow,
             materialize=self._record,
             calls=self._calls_made,
+            not_masks=self._not_masks,
         )
         # Drop references that could keep user objects alive (the raws hold no tensor).
         self._known = _TensorMap()
@@ -851,7 +854,8 @@ class Trace:
         raws = self._raw
         self._fill(self._pending.read(), self._checked)
         res = locate(raws, level=self.level, classes=self._classes, root_outputs=frozenset(),
-                     spans=self._spans, allow=self.allow, start=self._checked, final=False, materialize=self._record)
+                     spans=self._spans, allow=self.allow, start=self._checked, final=False, materialize=self._record,
+                     calls=self._calls_made, not_masks=self._not_masks)
         self._checked = len(raws)
         window = self._window
         if window is not None:
@@ -925,6 +929,8 @@ class Trace:
                         continue
                     seen.add(id(t))
                     idx = self._new(_Raw(Phase.WEIGHTS, name, 0, None, role, t, (), None), t)
+                    if role is Role.BUFFER and isinstance(mod, _NormBase):
+                        self._not_masks.add(idx)  # running statistics: a -inf there is no mask
                     self._known[t] = (idx, _version(t))
                     self._owner[t] = name
                     direct.append(idx)

@@ -373,9 +373,6 @@ def test_second_micro_batch_fp16_overflow_names_call_1() -> None:
 
 
 @pytest.mark.parametrize("level", ["op", "module"])
-@pytest.mark.xfail(strict=True, reason="nanhunt bug: BatchNorm running statistics are buffers, and a buffer holding "
-                   "only -inf counts as an intentional mask (locate.py _MASKS = (Role.INPUT, Role.BUFFER)): a "
-                   "running_mean corrupted by an earlier overflow is never named; module level finds nothing")
 def test_batchnorm_running_mean_corrupted_to_minus_inf_is_an_origin(level: str) -> None:
     # GIVEN fine-tuning in eval mode; an earlier overflow left running_mean[1] = -inf (a batch mean of -inf
     # folded in by the momentum update); everything else is finite
