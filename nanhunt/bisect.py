@@ -11,13 +11,14 @@ plus two per halving, i.e. it grows with log(modules), not with their number.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from .precision import LOSS_REGION, keep_fp32
+from .precision import LOSS_REGION, float32_weights, keep_fp32, to_fp32
 from .records import Occurrence, Verdict
 from .replay import StepState, run_step
 
@@ -34,33 +35,44 @@ class _Trials:
     def __init__(self, model: nn.Module, inputs: Any, targets: Any, *, loss_fn: Callable[..., Any] | None,
                  dtype: torch.dtype, device_type: str, scaler: torch.amp.GradScaler | None,
                  optimizer: torch.optim.Optimizer | None, state: StepState, rng: Mapping[str, Any],
-                 progress: Callable[[int, str], None] | None) -> None:
+                 progress: Callable[[int, str], None] | None, train: bool | None = None) -> None:
         self.model, self.inputs, self.targets = model, inputs, targets
         self.loss_fn, self.dtype, self.device_type = loss_fn, dtype, device_type
         self.scaler, self.optimizer, self.state, self.rng = scaler, optimizer, state, rng
-        self.progress = progress
+        self.progress, self.train = progress, train
         self.count = 0
         self.cache: dict[tuple[Any, ...], bool] = {}
 
     def finite(self, fp32: frozenset[str], *, dtype: torch.dtype | None = None, unscaled: bool = False,
-               label: str = "") -> bool:
+               label: str = "", called: set[str] | None = None) -> bool:
+        """``dtype=torch.float32`` is the float32 control: the model's half-precision weights and
+        the batch run in float32 too. ``called`` collects the names of the modules the step calls."""
         key = (fp32, dtype, unscaled)
-        if key in self.cache:
+        if key in self.cache and called is None:
             return self.cache[key]
         self.count += 1
         if self.progress is not None:
             self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
         self.state.reset(self.rng)
+        handles = [] if called is None else _record_calls(self.model, called)
         try:
-            with keep_fp32(self.model, fp32):
-                loss = run_step(self.model, self.inputs, self.targets, loss_fn=self.loss_fn,
+            if self.train is not None:
+                self.model.train(self.train)  # as the traced runs (StepState restores the flags)
+            inputs, targets = self.inputs, self.targets
+            as_fp32 = dtype == torch.float32
+            if as_fp32:
+                inputs, targets = to_fp32(inputs), to_fp32(targets)
+            with float32_weights(self.model, enabled=as_fp32), keep_fp32(self.model, fp32):
+                loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn,
                                 dtype=dtype or self.dtype, device_type=self.device_type,
                                 scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
                                 fp32_loss=LOSS_REGION in fp32)
-            ok = _step_finite(self.model, loss, self.optimizer)
+                ok = _step_finite(self.model, loss, self.optimizer)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
         finally:
+            for h in handles:
+                h.remove()
             self.state.restore()
         self.cache[key] = ok
         return ok
@@ -101,20 +113,36 @@ def suggested_fix(culprits: Sequence[str]) -> str | None:
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their forward runs nothing
 
 
-def _children(model: nn.Module) -> dict[str, list[str]]:
-    """Module tree for the search; containers are transparent (their children move up)."""
+def _record_calls(model: nn.Module, called: set[str]) -> list[RemovableHandle]:
+    """Forward pre-hooks adding each called module's name to ``called``; returns their handles."""
+    handles: list[RemovableHandle] = []
+    for name, mod in model.named_modules():
+        def hook(_m: nn.Module, _args: Any, name: str = name) -> None:
+            called.add(name)
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    return handles
+
+
+def _children(model: nn.Module, called: Collection[str] | None = None) -> dict[str, list[str]]:
+    """Module tree for the search; containers, and modules the step never calls (a plain
+    nn.Module used as a namespace, ``called`` known), are transparent: their children move up.
+    keep_fp32 on such a module would change nothing."""
     names = {id(m): n for n, m in model.named_modules()}
+
+    def transparent(m: nn.Module) -> bool:
+        return m is not model and (isinstance(m, _CONTAINERS) or (called is not None and names.get(id(m)) not in called))
 
     def kids(m: nn.Module) -> list[str]:
         out: list[str] = []
         for c in m.children():
-            if isinstance(c, _CONTAINERS):
+            if transparent(c):
                 out.extend(kids(c))
             elif id(c) in names:
                 out.append(names[id(c)])
         return out
 
-    return {n: kids(m) for n, m in model.named_modules() if not isinstance(m, _CONTAINERS)}
+    return {n: kids(m) for n, m in model.named_modules() if not transparent(m)}
 
 
 def bisect(
@@ -130,17 +158,24 @@ def bisect(
     rng: Mapping[str, Any] | None = None,
     progress: Callable[[int, str], None] | None = None,
     locate_fp32: Callable[[], Occurrence | None] | None = None,
+    train: bool | None = None,
+    origins: Sequence[Occurrence] = (),
 ) -> Verdict:
     """Find a minimal set of modules (and ``<loss>``) whose float32 execution makes the step finite.
 
-    Restores the model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the
-    verdict then says ``interrupted`` and holds what was found so far).
+    ``origin`` is the first origin, ``origins`` all of them (default: ``origin`` alone); ``train``
+    sets the training mode of every trial, as the traced runs did. Restores the model, optimizer,
+    scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted`` and holds
+    what was found so far).
     """
     inputs, targets = batch
     state = StepState(model, optimizer, scaler)
     start_rng = dict(rng) if rng is not None else state.rng
     trials = _Trials(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
-                     optimizer=optimizer, state=state, rng=start_rng, progress=progress)
+                     optimizer=optimizer, state=state, rng=start_rng, progress=progress, train=train)
+    all_origins = tuple(origins) or ((origin,) if origin is not None else ())
+    # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
+    reaching = next((o for o in all_origins if not o.silent), None)
     t0 = time.perf_counter()
     alternatives: dict[str, bool] = {}
     children = _children(model)
@@ -157,17 +192,29 @@ def bisect(
     origin_alone: bool | None = None
     try:
         try:
-            if dtype != torch.float32 and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere"):
+            # With half-precision weights (model.half()) the original is no float32 run even without autocast.
+            if ((dtype != torch.float32 or _has_half(model))
+                    and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
                 return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None)
-            if trials.finite(frozenset(), label="original configuration"):
+            called: set[str] = set()
+            if trials.finite(frozenset(), label="original configuration", called=called):
+                if all_origins and reaching is None:
+                    # Every origin was absorbed (silent) and the step is finite again, as traced:
+                    # a finding, but nothing for float32 to fix.
+                    return verdict("clean")
                 return verdict("not-reproducible")
+            children = _children(model, called)
+            n_candidates = len(children) + (1 if with_loss else 0)
             if dtype == torch.float16:
                 alternatives["bfloat16"] = trials.finite(frozenset(), dtype=torch.bfloat16, label="bfloat16 instead")
             if scaler is not None and scaler.is_enabled():
                 alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
-                if alternatives["scale 1"] and origin is not None and origin.phase.value == "backward":
+                if alternatives["scale 1"] and reaching is not None and reaching.phase.value == "backward":
                     return verdict("scale-induced")
             origin_mod = origin.module if origin is not None else None
+            # What the search tries first: the origin's module, or <loss> for an origin in the loss.
+            target = (LOSS_REGION if origin is not None and origin_mod is None and origin.phase.value == "loss"
+                      and with_loss else origin_mod)
             if origin_mod is not None and origin_mod in children:
                 origin_alone = trials.finite(frozenset({origin_mod}), label=f"{origin_mod or '<root>'} alone")
             elif origin is not None and origin.phase.value == "loss" and with_loss:
@@ -175,8 +222,8 @@ def bisect(
             top = [root] + ([LOSS_REGION] if with_loss else [])
             if not trials.finite(frozenset(top), label="whole model and loss"):
                 return verdict("not-precision", origin_alone_fixes=origin_alone)
-            found = _search(trials, top, frozenset(), children, origin_mod)
-            found = _refine(trials, found, children, origin_mod)
+            found = _search(trials, top, frozenset(), children, target)
+            found = _refine(trials, found, children, target)
             found = _prune(trials, found)
             # The confirmation is one more clean run of exactly that set, not a cached answer.
             trials.cache.pop((frozenset(found), None, False), None)
@@ -190,8 +237,16 @@ def bisect(
 
 
 def _on_path(c: str, origin_mod: str | None) -> bool:
-    """``c`` is the origin's module or one of its ancestors."""
-    return origin_mod is not None and c != LOSS_REGION and (c == "" or origin_mod == c or origin_mod.startswith(c + "."))
+    """``c`` is the origin's module or one of its ancestors (``origin_mod`` may be ``<loss>``)."""
+    if origin_mod is None:
+        return False
+    if LOSS_REGION in (c, origin_mod):
+        return c == origin_mod
+    return c == "" or origin_mod == c or origin_mod.startswith(c + ".")
+
+
+def _has_half(model: nn.Module) -> bool:
+    return any(t.dtype in (torch.float16, torch.bfloat16) for t in (*model.parameters(), *model.buffers()))
 
 
 def _order(cands: list[str], origin_mod: str | None) -> list[str]:

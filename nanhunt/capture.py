@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 CAPTURE_FORMAT = 1
-_PREFIXES = ("module.", "_orig_mod.")
+_PREFIXES = ("module", "_orig_mod")  # DDP, torch.compile
 
 
 # --------------------------------------------------------------------- RNG
@@ -216,6 +216,8 @@ def save_capture(
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
         "training": bool(model.training),
+        # every module's own flag: a frozen (eval) BatchNorm inside a training model stays frozen
+        "module_training": {name: bool(m.training) for name, m in model.named_modules()},
         "loss_fn": loss_path,
         "optimizer": dict(optimizer_state) if optimizer_state is not None else (
             None if optimizer is None else optimizer.state_dict()),
@@ -283,32 +285,58 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {s[0] if s else ''}"
 
 
-def map_state_dict(sd: Mapping[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Map DDP (``module.``), torch.compile (``_orig_mod.``) and wrapper prefixes to the model's keys,
-    and check every key and shape; one error listing the first mismatches."""
+def map_state_dict(sd: Mapping[str, Any], model: nn.Module, *,
+                   notes: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Map DDP (``module.``), torch.compile (``_orig_mod.``) and wrapper prefixes (Lightning's ``model.``)
+    to the model's keys, and check every key and shape; one error listing the first mismatches.
+
+    A key keeps its name when the model has it (``AveragedModel``'s own ``module.*``); otherwise the
+    shortest prefix whose removal makes it a model key is removed. Keys of something beside the model
+    (a loss's ``criterion.pos_weight``) are ignored with a line in ``notes``."""
     want = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
+    heads = {k.split(".", 1)[0] for k in want}
+    # each checkpoint key -> (components stripped, its wrapper head or None, the model key it fits)
+    fits: dict[str, tuple[int, str | None, str]] = {}
+    unmatched: list[str] = []
     for k, v in sd.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             continue
-        key = k
-        changed = True
-        while changed:
-            changed = False
-            for p in _PREFIXES:
-                if key.startswith(p):
-                    key, changed = key[len(p):], True
-        out[key] = v
-    if not (set(out) & set(want)) and out:
-        # Lightning and other wrappers: a common leading component ("model.").
-        heads = {k.split(".", 1)[0] for k in out}
-        if len(heads) == 1:
-            head = next(iter(heads)) + "."
-            out = {k[len(head):]: v for k, v in out.items()}
+        found = next(((i, head, cand) for i, head, cand in _candidates(k) if cand in want), None)
+        if found is None:
+            unmatched.append(k)
+        else:
+            fits[k] = found
+    # one wrapper head for most keys ('model.') wins over a stray one ('criterion.') fitting the same key
+    popular: dict[str | None, int] = {}
+    for _, head, _ in fits.values():
+        popular[head] = popular.get(head, 0) + 1
+    source: dict[str, str] = {}
+    ambiguous: list[str] = []
+    for k, (i, head, target) in fits.items():
+        other = source.get(target)
+        if other is None:
+            source[target] = k
+            continue
+        j, other_head, _ = fits[other]
+        mine, theirs = (-i, popular[head]), (-j, popular[other_head])
+        if mine == theirs:
+            ambiguous.append(f"{other} and {k} (both {target})")
+        elif mine > theirs:
+            source[target] = k
+    if ambiguous:
+        raise CommandError(f"checkpoint keys fit the model in more than one way: {_few(ambiguous)}; "
+                           "save the model's own state_dict (model.state_dict())")
+    out = {target: sd[k] for target, k in source.items()}
+    duplicates = [k for k in fits if source[fits[k][2]] != k]
+    # a key naming none of the model's top-level entries, under any wrapper, belongs to something else
+    foreign = [k for k in unmatched if not any(cand.split(".", 1)[0] in heads for _, _, cand in _candidates(k))]
     missing = [k for k in want if k not in out]
-    unexpected = [k for k in out if k not in want]
     shapes = [f"{k} {tuple(out[k].shape)} vs {tuple(want[k].shape)}"
               for k in want if k in out and tuple(out[k].shape) != tuple(want[k].shape)]
+    # only a complete load ignores them: beside a missing key, an extra one is likely that key renamed
+    unexpected = unmatched if missing or shapes else [k for k in unmatched if k not in foreign]
+    if not (missing or shapes) and (foreign or duplicates) and notes is not None:
+        notes.append(f"checkpoint entries that are not the model's were ignored: {_few(foreign + duplicates)}")
     if missing or unexpected or shapes:
         parts = []
         if missing:
@@ -319,6 +347,18 @@ def map_state_dict(sd: Mapping[str, Any], model: nn.Module) -> dict[str, torch.T
             parts.append(f"shape mismatch {_few(shapes)}")
         raise CommandError("checkpoint keys don't match the model: " + "; ".join(parts)
                            + " — is --model the factory that built this checkpoint?")
+    return out
+
+
+def _candidates(key: str) -> list[tuple[int, str | None, str]]:
+    """``key`` and its shorter forms, fewest components stripped first: any number of DDP/compile
+    prefixes and at most one other wrapper component (its name given, as the wrapper's head)."""
+    parts = key.split(".")
+    out: list[tuple[int, str | None, str]] = []
+    for i in range(len(parts)):
+        wrappers = [p for p in parts[:i] if p not in _PREFIXES]
+        if len(wrappers) <= 1:
+            out.append((i, wrappers[0] if wrappers else None, ".".join(parts[i:])))
     return out
 
 
@@ -394,6 +434,7 @@ def load_step(
     opt_sd = scaler_sd = None
     opt_class = None
     training = True
+    module_training: Mapping[str, Any] | None = None
     loss_path = loss
     autocast: Mapping[str, Any] = {}
     if isinstance(ck, nn.Module):
@@ -408,6 +449,7 @@ def load_step(
         opt_class = checked("optimizer_class", str, "'package.module:Class' or null", again)
         scaler_sd = checked("scaler", Mapping, "a GradScaler state_dict or null", "pass --no-scaler to replay without it")
         training = bool(ck.get("training", True))
+        module_training = checked("module_training", Mapping, "a dict of module name -> bool", again)
         loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
         autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
         saved_dev = str(ck.get("device", "cpu"))
@@ -446,7 +488,7 @@ def load_step(
     if model is None:
         raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if sd is not None:
-        mapped = map_state_dict(sd, model)
+        mapped = map_state_dict(sd, model, notes=notes)
         if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
             _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
         model.load_state_dict(mapped, strict=True)
@@ -455,6 +497,8 @@ def load_step(
         dev = torch.device("cpu")
     model.to(dev)
     model.train(training if train is None else train)
+    if module_training is not None and (train is None or train == training):
+        _restore_training(model, module_training)
 
     if isinstance(bt, nn.Module):
         raise CommandError("the batch file holds a model, not a batch")
@@ -547,6 +591,15 @@ def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CommandError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _restore_training(model: nn.Module, flags: Mapping[str, Any]) -> None:
+    """Set each module's own ``training`` flag as saved (older captures hold only the root's). The
+    attribute is set, not ``train()`` called: that would recurse and reset the children again."""
+    for name, m in model.named_modules():
+        flag = flags.get(name)
+        if isinstance(flag, bool):
+            m.training = flag
 
 
 def _take_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:

@@ -11,14 +11,69 @@ from torch import nn
 
 from ._tree import map_tensors
 
-__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "LOSS_REGION"]
+__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "to_fp32", "LOSS_REGION"]
 
 LOSS_REGION = "<loss>"  # the loss function, as a bisection candidate
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def _to_fp32(obj: Any) -> Any:
+def to_fp32(obj: Any) -> Any:
+    """``obj`` with its float16/bfloat16 tensors cast to float32 (nested tuples, lists, dicts)."""
     return map_tensors(obj, lambda t: t.float() if t.dtype in _LOW else t)
+
+
+_to_fp32 = to_fp32
+
+
+@contextlib.contextmanager
+def float32_weights(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
+    """Inside the block, the model's float16/bfloat16 parameters and buffers hold float32 copies
+    (``.data`` swapped, gradients and updates in float32 too); on exit each gets back its original
+    tensor, untouched, and ``.grad`` is what it was before. For a float32 control of a
+    ``model.half()`` model."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    if enabled:
+        seen: set[int] = set()
+        for t in (*model.parameters(), *model.buffers()):
+            if id(t) in seen or t.dtype not in _LOW:
+                continue
+            seen.add(id(t))
+            swapped.append((t, t.data, t.grad))
+            t.grad = None
+            t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, data, grad in reversed(swapped):
+            t.grad = None
+            t.data = data
+            t.grad = grad
+
+
+def _fp32_weights_in(module: nn.Module) -> tuple[Callable[[], None], torch.dtype | None]:
+    """Make the half-precision parameters and buffers of ``module``'s subtree float32 for one call:
+    each entry is swapped for a float32 copy made in the graph (its gradient flows back, cast,
+    to the original parameter). Returns the undo, which also writes in-place buffer updates
+    (BatchNorm running stats) back to the original buffers, and the half dtype found (or None)."""
+    swaps: list[tuple[dict[str, Any], str, torch.Tensor, bool]] = []
+    for mod in module.modules():
+        tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)  # a plain tensor in place of the Parameter
+        for table in tables:
+            for name, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and t.dtype in _LOW:
+                    table[name] = t.float()
+                    swaps.append((table, name, t, table is mod._buffers))
+
+    def undo() -> None:
+        for table, name, orig, is_buffer in reversed(swaps):
+            cur = table.get(name)
+            # running stats are updated in place without a version bump: always write buffers back
+            if is_buffer and isinstance(cur, torch.Tensor):
+                with torch.no_grad():
+                    orig.copy_(cur)
+            table[name] = orig
+
+    return undo, (swaps[0][2].dtype if swaps else None)
 
 
 def _device_type(args: Any, module: nn.Module | None) -> str:
@@ -51,8 +106,19 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
     orig = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type((args, kwargs), module), enabled=False):
-            return orig(*_to_fp32(args), **_to_fp32(kwargs))
+        # float32 inputs need float32 weights: a model.half() module would otherwise fail on the dtype mismatch
+        device_type = _device_type((args, kwargs), module)
+        outer_autocast = torch.is_autocast_enabled(device_type)
+        undo_weights, half = _fp32_weights_in(module)
+        try:
+            with torch.autocast(device_type, enabled=False):
+                out = orig(*_to_fp32(args), **_to_fp32(kwargs))
+        finally:
+            undo_weights()
+        if half is not None and not outer_autocast:
+            # A half-precision model without autocast: the rest of it takes its own dtype, as before.
+            out = map_tensors(out, lambda t: t.to(half) if t.dtype == torch.float32 else t)
+        return out
 
     forward.__nanhunt_fp32__ = True  # type: ignore[attr-defined]
     module.forward = forward

@@ -14,7 +14,7 @@ from torch import nn
 
 from ._errors import CommandError
 from .capture import rng_state, set_rng_state, split_batch
-from .precision import fp32_call
+from .precision import float32_weights, fp32_call, to_fp32
 from .records import Occurrence, Phase, Record, Report, Role, Verdict
 from .tracer import Trace
 
@@ -294,18 +294,21 @@ def _bisect(model: nn.Module, batch: tuple[Any, Any], status: str, first: Occurr
             loss_fn: Callable[..., Any] | None, dtype: torch.dtype, device_type: str,
             scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer | None,
             rng: Mapping[str, Any], progress: Callable[[int, str], None] | None, level: str,
-            allow: tuple[str, ...]) -> Verdict:
+            allow: tuple[str, ...], train: bool | None, origins: Sequence[Occurrence]) -> Verdict:
     from .bisect import bisect
 
     if status != "nonfinite":
         return Verdict(kind=status)
 
     def locate_fp32() -> Occurrence | None:
-        return replay(model, batch, loss_fn=loss_fn, dtype=torch.float32, device_type=device_type, scaler=scaler,
-                      optimizer=optimizer, level=level, rng=rng, allow=allow).first
+        # Really float32, as bisect's control: half-precision weights and batch cast for this replay.
+        with float32_weights(model):
+            return replay(model, to_fp32(batch), loss_fn=loss_fn, dtype=torch.float32, device_type=device_type,
+                          scaler=scaler, optimizer=optimizer, level=level, train=train, rng=rng, allow=allow).first
 
     return bisect(model, batch, origin=first, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
-                  optimizer=optimizer, rng=rng, progress=progress, locate_fp32=locate_fp32)
+                  optimizer=optimizer, rng=rng, progress=progress, locate_fp32=locate_fp32, train=train,
+                  origins=origins)
 
 
 def _sinks_finite(records: Sequence[Record]) -> bool:
@@ -420,7 +423,7 @@ def replay(
     if bisect:
         verdict = _bisect(model, (inputs, targets), status, first, loss_fn=loss_fn, dtype=dtype,
                           device_type=device_type, scaler=scaler, optimizer=optimizer, rng=start_rng,
-                          progress=progress, level=level, allow=allow)
+                          progress=progress, level=level, allow=allow, train=train, origins=tuple(final.origins))
     timeline = tuple(
         (r.index, r.phase.value, r.absmax if r.finite else math.nan, "finite" if r.finite else ("nan" if r.has_nan else "inf"))
         for r in records
