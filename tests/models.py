@@ -14,6 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanhunt import Occurrence
+
+
+def where(occ: Occurrence | None) -> tuple[object, ...] | None:
+    """What a finding says: (phase, module, op, call index, kind)."""
+    return None if occ is None else (occ.phase, occ.module, occ.op, occ.call_index, occ.kind)
+
 
 def seeded(seed: int = 0) -> None:
     torch.manual_seed(seed)
@@ -96,6 +103,33 @@ class SqrtNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sqrt(x * x)  # FAULT: d sqrt(u)/du at u = 0 is Inf
+
+
+class FcThenNorm(nn.Module):
+    """``fc``, whose output column 0 is exactly 0, then ``norm``: sqrt(x*x)'s backward divides by zero there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = SqrtNorm()
+        with torch.no_grad():
+            self.fc.weight[0].zero_()
+            self.fc.bias[0] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+class FcHead(nn.Module):
+    """``fc``, ReLU, ``head``: a model with two named layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(x)))
 
 
 class SqrtModel(nn.Module):

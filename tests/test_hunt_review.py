@@ -21,7 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import nanhunt
-from nanhunt import Occurrence, Phase
+from nanhunt import Phase
+from models import FcHead as MLP
+from models import FcThenNorm, where
 from nanhunt._errors import CommandError
 from nanhunt.capture import resolve
 
@@ -39,37 +41,6 @@ def _warm() -> None:
 
     with nanhunt.trace(m):
         opt.step(closure)
-
-
-def where(occ: Occurrence | None) -> tuple[object, ...] | None:
-    return None if occ is None else (occ.phase, occ.module, occ.op, occ.call_index, occ.kind)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc(x)))
-
-
-class SqrtNorm(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x * x)  # backward at x == 0: grad / (2 * 0) = inf, then inf * 0 = nan
-
-
-class FcThenNorm(nn.Module):
-    """``fc`` whose output column 0 is exactly 0, and ``norm``: sqrt(x*x)'s backward divides by zero there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.norm = SqrtNorm()
-        with torch.no_grad():
-            self.fc.weight[0].zero_()
-            self.fc.bias[0] = 0.0
 
 
 # ====================================================================== (4)/(5) phases: update vs loss vs forward

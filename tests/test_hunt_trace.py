@@ -17,21 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import nanhunt
-from nanhunt import Occurrence, Phase
-
-
-def where(occ: Occurrence | None) -> tuple[object, ...] | None:
-    return None if occ is None else (occ.phase, occ.module, occ.op, occ.call_index, occ.kind)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.fc(x)))
+from nanhunt import Phase
+from models import FcHead as MLP
+from models import FcThenNorm, where
 
 
 # ---------------------------------------------------------------- masks next to real faults
@@ -255,26 +243,6 @@ def test_pairwise_distance_diagonal_backward_op_level() -> None:
     assert torch.isfinite(d).all() and torch.isnan(m.fc.weight.grad).any()
     # THEN the root's own sqrt backward divides by zero
     assert where(t.first) == (Phase.BACKWARD, "", "aten::div", 0, "inf")
-
-
-class SqrtNorm(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x * x)
-
-
-class FcThenNorm(nn.Module):
-    """``fc``, whose output column 0 is exactly 0, then ``norm``: sqrt(x*x)'s backward divides by zero there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.norm = SqrtNorm()
-        with torch.no_grad():
-            self.fc.weight[0].zero_()
-            self.fc.bias[0] = 0.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.fc(x))
 
 
 class SharedCheckpointed(FcThenNorm):

@@ -16,13 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt import Occurrence, Phase
+from nanhunt import Phase
+from models import where
 
 D = 8
-
-
-def where(occ: Occurrence | None) -> tuple[object, ...] | None:
-    return None if occ is None else (occ.phase, occ.module, occ.op, occ.call_index, occ.kind)
 
 
 @pytest.fixture
