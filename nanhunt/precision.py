@@ -100,16 +100,22 @@ def fp32_call(fn: Callable[..., Any], device_type: str | None = None) -> Callabl
     return call
 
 
+def _nothing() -> None:
+    pass
+
+
 def _wrap(module: nn.Module) -> Callable[[], None]:
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
     orig = module.forward
+    # float32 inputs need float32 weights: a model.half() module would otherwise fail on the dtype
+    # mismatch. Looked at once: a float32 module (the usual case) pays nothing per call.
+    low = any(t.dtype in _LOW for t in (*module.parameters(), *module.buffers()))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        # float32 inputs need float32 weights: a model.half() module would otherwise fail on the dtype mismatch
         device_type = _device_type((args, kwargs), module)
         outer_autocast = torch.is_autocast_enabled(device_type)
-        undo_weights, half = _fp32_weights_in(module)
+        undo_weights, half = _fp32_weights_in(module) if low else (_nothing, None)
         try:
             with torch.autocast(device_type, enabled=False):
                 out = orig(*_to_fp32(args), **_to_fp32(kwargs))
