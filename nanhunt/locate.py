@@ -78,13 +78,15 @@ def locate(
     materialize: Callable[[int], Record] | None = None,
     calls: Sequence[tuple[int, int, str, int]] = (),
     not_masks: AbstractSet[int] = frozenset(),
+    sinks_seen: bool = True,
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
     ``spans`` (module level) maps a module output record to the index where its
     call began: a module is no origin when one of its children already was. ``calls`` (module
     level) holds every module call as (first record, end, module, call index); ``not_masks``, the
-    records that cannot be -inf masks (running statistics).
+    records that cannot be -inf masks (running statistics). ``sinks_seen=False`` (a scoped
+    trace, which records neither the loss nor the model's output): ``reached`` stays unknown.
     With ``final=False`` (a check while the step runs) no propagation is computed.
     ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
     :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
@@ -154,6 +156,8 @@ def locate(
         path: tuple[int, ...] = (r.index,)
         if g is not None:
             reached, target = reached_sinks(g, records, r.index, root_outputs, loss)
+            if not sinks_seen:
+                reached = None  # not "silent": the sinks were not recorded
             path = propagation_path(g, r.index, target)
             tainted.add(r.index)
             tainted.update(nx.descendants(g, r.index))

@@ -301,6 +301,17 @@ def _json_float(x: float) -> float | str:
     return x
 
 
+def _json_floats(obj: Any) -> Any:
+    """``obj`` (dicts, lists, scalars) with every non-finite float kept as a string, as above."""
+    if isinstance(obj, float):
+        return _json_float(obj)
+    if isinstance(obj, dict):
+        return {k: _json_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_floats(v) for v in obj]
+    return obj
+
+
 def _from_json_float(x: Any) -> float:
     if x is None:
         return math.nan
@@ -364,7 +375,7 @@ class Report:
             "path": [r.to_dict() for r in self.path],
             "runs": [None if o is None else o.to_dict() for o in self.runs],
             "loss": None if self.loss is None else _json_float(self.loss),
-            "config": dict(self.config),
+            "config": _json_floats(self.config),
             "modules": dict(self.modules),
             "module_classes": dict(self.module_classes),
             "environment": dict(self.environment),
@@ -443,8 +454,14 @@ class Inspection:
     notes: tuple[str, ...] = ()
 
     @property
+    def scaler_nonfinite(self) -> bool:
+        """The GradScaler's saved scale is NaN or Inf (every later step scales by it)."""
+        s = self.scaler.get("scale")
+        return isinstance(s, (int, float)) and not math.isfinite(s)
+
+    @property
     def nonfinite(self) -> bool:
-        return any(t.nan or t.inf for t in self.flagged)
+        return self.scaler_nonfinite or any(t.nan or t.inf for t in self.flagged)
 
 
 @dataclass(frozen=True)

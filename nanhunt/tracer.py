@@ -428,6 +428,7 @@ class Trace:
             materialize=self._record,
             calls=self._calls_made,
             not_masks=self._not_masks,
+            sinks_seen=not self.scope,
         )
         # Drop references that could keep user objects alive (the raws hold no tensor).
         self._known = _TensorMap()

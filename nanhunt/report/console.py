@@ -145,7 +145,10 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         if len(found.flagged) > limit:
             parts.append(Text(f"... and {len(found.flagged) - limit} more"))
     if found.scaler:
-        parts.append(Text("GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())))
+        line = "GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())
+        if found.scaler_nonfinite:
+            line += " (non-finite scale: every loss it scales is non-finite)"
+        parts.append(Text(line, style="bold red" if found.scaler_nonfinite else ""))
     return Group(*parts)
 
 
