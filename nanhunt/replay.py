@@ -311,6 +311,19 @@ def _bisect(model: nn.Module, batch: tuple[Any, Any], status: str, first: Occurr
                   origins=origins)
 
 
+def _state_notes(config: Mapping[str, Any], compiled: bool) -> tuple[str, ...]:
+    """What the step was replayed from that the findings alone do not say."""
+    out: list[str] = []
+    scale = config.get("scaler_scale")
+    if isinstance(scale, float) and not math.isfinite(scale):
+        # GradScaler makes its scale tensor inside the step, as a literal: no op is its origin
+        out.append(f"the GradScaler's scale is {scale}: every scaled loss and gradient is non-finite before any "
+                   "op runs; fix the scaler state (nanhunt inspect flags it)")
+    if compiled:
+        out.append("the model is torch.compile'd: the eager original was replayed")
+    return tuple(out)
+
+
 def _sinks_finite(records: Sequence[Record]) -> bool:
     return all(r.finite for r in records if r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.role is Role.GRAD)
 
@@ -442,6 +455,6 @@ def replay(
         module_classes=final.module_classes(),
         environment=environment(device_type),
         command=command,
-        notes=tuple(notes) + (("the model is torch.compile'd: the eager original was replayed",) if final.compiled else ()),
+        notes=tuple(notes) + _state_notes(config, final.compiled),
         n_records=len(records),
     )

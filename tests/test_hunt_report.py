@@ -67,6 +67,9 @@ def test_report_json_of_a_replay_whose_scaler_scale_is_inf() -> None:
     text = r.to_json()
     _strict(text)
     assert Report.from_json(text).config["scaler_scale"] in (math.inf, "inf")
+    # AND the report says the scale itself is the cause (no op is: GradScaler makes it as a literal)
+    assert any("GradScaler's scale is inf" in n for n in r.notes)
+    assert "GradScaler's scale is inf" in render("md", r)
 
 
 # ------------------------------------------------------------------ nanhunt inspect
