@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .precision import LOSS_REGION, float32_weights, keep_fp32, to_fp32
+from .precision import LOSS_REGION, float32_weights, has_half_weights, keep_fp32, to_fp32
 from .records import Occurrence, Verdict
 from .replay import StepState, run_step
 
@@ -193,7 +193,7 @@ def bisect(
     try:
         try:
             # With half-precision weights (model.half()) the original is no float32 run even without autocast.
-            if ((dtype != torch.float32 or _has_half(model))
+            if ((dtype != torch.float32 or has_half_weights(model))
                     and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
                 return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None)
             called: set[str] = set()
@@ -243,10 +243,6 @@ def _on_path(c: str, origin_mod: str | None) -> bool:
     if LOSS_REGION in (c, origin_mod):
         return c == origin_mod
     return c == "" or origin_mod == c or origin_mod.startswith(c + ".")
-
-
-def _has_half(model: nn.Module) -> bool:
-    return any(t.dtype in (torch.float16, torch.bfloat16) for t in (*model.parameters(), *model.buffers()))
 
 
 def _order(cands: list[str], origin_mod: str | None) -> list[str]:

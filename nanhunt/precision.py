@@ -11,7 +11,8 @@ from torch import nn
 
 from ._tree import map_tensors
 
-__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "to_fp32", "LOSS_REGION"]
+__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "has_half_weights", "to_fp32",
+           "LOSS_REGION"]
 
 LOSS_REGION = "<loss>"  # the loss function, as a bisection candidate
 _LOW = (torch.float16, torch.bfloat16)
@@ -22,7 +23,9 @@ def to_fp32(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.float() if t.dtype in _LOW else t)
 
 
-_to_fp32 = to_fp32
+def has_half_weights(module: nn.Module) -> bool:
+    """Some float16/bfloat16 parameter or buffer in ``module``'s subtree (a ``model.half()`` model)."""
+    return any(t.dtype in _LOW for t in (*module.parameters(), *module.buffers()))
 
 
 @contextlib.contextmanager
@@ -95,7 +98,7 @@ def fp32_call(fn: Callable[..., Any], device_type: str | None = None) -> Callabl
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type or _device_type((args, kwargs), None), enabled=False):
-            return fn(*_to_fp32(args), **_to_fp32(kwargs))
+            return fn(*to_fp32(args), **to_fp32(kwargs))
 
     return call
 
@@ -110,7 +113,7 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
     orig = module.forward
     # float32 inputs need float32 weights: a model.half() module would otherwise fail on the dtype
     # mismatch. Looked at once: a float32 module (the usual case) pays nothing per call.
-    low = any(t.dtype in _LOW for t in (*module.parameters(), *module.buffers()))
+    low = has_half_weights(module)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         device_type = _device_type((args, kwargs), module)
@@ -118,7 +121,7 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
         undo_weights, half = _fp32_weights_in(module) if low else (_nothing, None)
         try:
             with torch.autocast(device_type, enabled=False):
-                out = orig(*_to_fp32(args), **_to_fp32(kwargs))
+                out = orig(*to_fp32(args), **to_fp32(kwargs))
         finally:
             undo_weights()
         if half is not None and not outer_autocast:

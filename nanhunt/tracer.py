@@ -76,6 +76,18 @@ class _TensorMap(Generic[_V]):
         self.entries[id(t)] = (weakref.ref(t), value)
 
 
+class _StepRun:
+    """One ``optimizer.step()`` running: whether it began inside a backward node (a post-accumulate-grad
+    hook stepping), the module depth then, the first record it made, and whether a module was called
+    since at that depth (a closure: its forward, loss and backward are no update)."""
+
+    __slots__ = ("in_node", "depth", "start", "closure")
+
+    def __init__(self, in_node: bool, depth: int, start: int) -> None:
+        self.in_node, self.depth, self.start = in_node, depth, start
+        self.closure = False
+
+
 class _Raw(RangeStats):
     """A record under construction: its statistics stay on the device until the trace
     reads them back (``min``/``max`` NaN until then). The locator reads these directly;
@@ -308,9 +320,7 @@ class Trace:
         self._forward_seen = False
         self._backward_seen = False
         self._accumulated = False
-        # Optimizer steps running (torch's global step hooks): [began inside a backward node (a
-        # post-accumulate-grad hook stepping), module depth then, a module called since (a closure)].
-        self._updating: list[list[Any]] = []
+        self._updating: list[_StepRun] = []  # optimizer steps running (torch's global step hooks)
         self._step_spans: list[tuple[int, int]] = []  # record index ranges made inside optimizer steps
         self._loss_pending: list[int] = []
         self._root_outputs: set[int] = set()
@@ -330,11 +340,11 @@ class Trace:
         self._code_skip: dict[CodeType, bool] = {}
         self._eager: contextlib.AbstractContextManager[None] | None = None  # compiled code runs eagerly
         self._writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
-        # Module level: module outputs by memory layout, for the aliases of them a module receives
-        # (a user's full backward hook hands the next module a new tensor over the same memory).
         self._nograd_calls: dict[tuple[int, str], list[int]] = {}  # (last node's sequence nr, module) -> calls
         self._not_masks: set[int] = set()  # records that cannot be -inf masks (running statistics)
         self._consumed: set[int] = set()  # module level: records some module call took as an argument
+        # Module level: module outputs by memory layout, for the aliases of them a module receives
+        # (a user's full backward hook hands the next module a new tensor over the same memory).
         self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
 
     # ------------------------------------------------------------- lifecycle
@@ -507,21 +517,21 @@ class Trace:
         return None
 
     def _update_enter(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._updating.append([_current_node() is not None, len(self._stack), False, len(self._raw)])
+        self._updating.append(_StepRun(_current_node() is not None, len(self._stack), len(self._raw)))
 
     def _update_leave(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._updating:
-            self._step_spans.append((self._updating.pop()[3], len(self._raw)))
+            self._step_spans.append((self._updating.pop().start, len(self._raw)))
 
     def _in_update(self) -> bool:
         """An optimizer step's own ops run (not a closure's forward, loss and backward inside it)."""
         u = self._updating
-        return bool(u) and not u[-1][2] and len(self._stack) <= u[-1][1]
+        return bool(u) and not u[-1].closure and len(self._stack) <= u[-1].depth
 
     def _context(self, node: Any) -> tuple[Phase, str | None, int, tuple[str, int, str] | None, bool]:
         """Phase, module, call index and (for backward) the forward source line of the current op."""
         if node is not None:
-            if self._updating and self._updating[-1][0] and self._in_update():  # stepped by a backward hook
+            if self._updating and self._updating[-1].in_node and self._in_update():  # stepped by a backward hook
                 return Phase.UPDATE, None, 0, None, True
             if not self._backward_seen:
                 self._backward_seen = True
@@ -964,8 +974,8 @@ class Trace:
                     self._mstack.append((len(self._raw), ()))
                 return
             upd = self._updating
-            if upd and not upd[-1][2] and len(self._stack) == upd[-1][1]:
-                upd[-1][2] = True  # a closure (LBFGS): its forward, loss and backward are no update
+            if upd and not upd[-1].closure and len(self._stack) == upd[-1].depth:
+                upd[-1].closure = True  # a closure (LBFGS): its forward, loss and backward are no update
             # A new step (or micro-batch) starts; a forward under no_grad (an eval, a teacher) does not.
             new_step = self._accumulated and _grad_enabled()
             if new_step:
