@@ -507,8 +507,8 @@ class _ConvGrad(nn.Module):
         return self.conv(x) * 1e30
 
 
-class _IndexPut(nn.Module):
-    """float16 scatter-accumulate of many rows into one: aten::index_put_ with a list of integer indices."""
+class _Fc1000(nn.Module):
+    """``fc`` with every weight 1000: outputs of 4000 * x, large enough to overflow float16 once summed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -516,6 +516,10 @@ class _IndexPut(nn.Module):
         with torch.no_grad():
             self.fc.weight.fill_(1000.0)
             self.fc.bias.zero_()
+
+
+class _IndexPut(_Fc1000):
+    """float16 scatter-accumulate of many rows into one: aten::index_put_ with a list of integer indices."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x).half()
@@ -523,14 +527,7 @@ class _IndexPut(nn.Module):
         return torch.zeros(2, 4, dtype=torch.float16).index_put_((idx,), h, accumulate=True)
 
 
-class _SumDtype(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        with torch.no_grad():
-            self.fc.weight.fill_(1000.0)
-            self.fc.bias.zero_()
-
+class _SumDtype(_Fc1000):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x).sum(dim=0, dtype=torch.float16)  # a dtype keyword: float32 values summed into float16
 
