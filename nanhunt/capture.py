@@ -3,30 +3,35 @@
 Everything is loaded with ``torch.load(..., weights_only=True)``: a checkpoint
 attached to a bug ticket is untrusted input, and a full pickle executes code.
 The pickled-``nn.Module`` path exists only behind an explicit ``trust_pickle``.
-Names of callables stored in a file (model factory, loss) are resolved only when
-they are an ``nn.Module`` class or a function of ``torch`` itself; anything else
-must be confirmed on the command line (``--model``/``--loss``).
+Names of callables stored in a file (model factory, loss, optimizer class) are judged by
+what they resolve to (``resolve``): an ``nn.Module`` class, an optimizer class, or one of
+``torch.nn.functional``'s losses; anything else must be confirmed on the command line
+(``--model``/``--loss``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import keyword
 import os
-import pickle
 import random
 import sys
-import warnings
-import zipfile
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.machinery import ModuleSpec
 from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._errors import CommandError
+from ._safeload import load_file
 from ._tree import map_tensors
 
 __all__ = [
@@ -85,26 +90,123 @@ def callable_path(obj: Any) -> str | None:
 
 
 def resolve(path: str, *, what: str, trusted: bool) -> Any:
-    """Import ``"package.module:callable"``. Untrusted names (from a file) must be an
-    ``nn.Module`` class or a torch function."""
+    """Import ``"package.module:callable"``.
+
+    A name you gave (``trusted``) is imported and looked up as written. A name read from a file is
+    judged by the object it resolves to: an ``nn.Module`` class (model or loss), an optimizer class,
+    or one of ``torch.nn.functional``'s loss functions, reached without passing through another
+    module. It is vetted before anything is imported: no standard-library module, no dunder
+    attribute, its module found on disk outside the current directory."""
     if not isinstance(path, str):
         raise CommandError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
     mod_name, sep, qual = path.partition(":")
-    if not sep or not mod_name or not qual:
+    if not sep or not _dotted(mod_name) or not _dotted(qual):
         raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
+    if not trusted:
+        _vet_name(path, mod_name, qual, what)
     obj: Any = _import(mod_name, path, what=what, trusted=trusted)
     for part in qual.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
             raise CommandError(f"{what} {path!r}: module {mod_name!r} has no attribute {part!r}") from e
+        if not trusted and isinstance(obj, types.ModuleType):
+            # torch.os, torch.builtins: a path through another module reaches anything
+            raise _refused(path, what, f"{part!r} is another module ({obj.__name__!r}), not something of {mod_name!r}")
     if not callable(obj):
         raise CommandError(f"{what} {path!r} is not callable")
-    if not trusted and not _safe_by_name(obj, mod_name, what):
-        flag = {"model factory": "--model", "loss function": "--loss"}.get(what)
-        fix = f"pass {flag} {path} to confirm you trust it" if flag else "rebuild it yourself"
-        raise CommandError(f"the file names {what} {path!r}, which nanhunt does not call unconfirmed; {fix}")
+    if not trusted and not _allowed(obj, what):
+        flag = _FLAGS.get(what)
+        # only a plain function of the named (non-torch) module is offered for confirmation: never a
+        # builtin, a torch function or anything the name reached by another way
+        own = (inspect.isfunction(obj) and getattr(obj, "__module__", None) == mod_name
+               and mod_name.partition(".")[0] != "torch")
+        fix = (f"if you trust it, pass {flag} {path} to confirm" if own and flag else
+               f"pass {flag} package.module:{'factory' if flag == '--model' else 'fn'} with your own"
+               if flag else "rebuild it yourself")
+        raise CommandError(f"the file names {what} {path!r}, which is {_kind(what)}: nanhunt does not call it "
+                           f"unconfirmed; {fix}")
     return obj
+
+
+_FLAGS = {"model factory": "--model", "loss function": "--loss"}
+# torch.nn.functional's losses: the only functions a file may name (the loss is called on the model's
+# output and the file's targets; torch.save, torch.from_file and the like would act on them too)
+_LOSS_NAMES = (
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss", "cross_entropy",
+    "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss", "kl_div", "l1_loss",
+    "margin_ranking_loss", "mse_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss", "smooth_l1_loss", "soft_margin_loss",
+    "triplet_margin_loss", "triplet_margin_with_distance_loss",
+)
+
+
+def _dotted(name: str) -> bool:
+    return bool(name) and all(p.isidentifier() and not keyword.iskeyword(p) for p in name.split("."))
+
+
+def _kind(what: str) -> str:
+    return {"model factory": "not an nn.Module class",
+            "optimizer class": "not a torch.optim.Optimizer class"}.get(
+        what, "neither an nn.Module class nor one of torch.nn.functional's losses")
+
+
+def _refused(path: str, what: str, why: str) -> CommandError:
+    flag = _FLAGS.get(what)
+    fix = f"pass {flag} package.module:{'factory' if flag == '--model' else 'fn'} with your own" if flag \
+        else "rebuild it yourself"
+    return CommandError(f"the file names {what} {path!r}, which nanhunt refuses: {why}; the file may be "
+                        f"hostile; {fix}")
+
+
+def _vet_name(path: str, mod_name: str, qual: str, what: str) -> None:
+    """What can be said of a name from a file before anything is imported."""
+    dunder = next((p for p in qual.split(".") if p.startswith("__")), None)
+    if dunder:
+        raise _refused(path, what, f"{dunder!r} is a Python internal")
+    top = mod_name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "__main__":
+        raise _refused(path, what, f"{top!r} is Python's own module, which holds no "
+                                   f"{'loss' if what == 'loss function' else 'model or optimizer'}")
+
+
+def _find(mod_name: str) -> ModuleSpec | None:
+    """The spec of ``mod_name`` found without running any of its packages' ``__init__``."""
+    parts = mod_name.split(".")
+    spec: ModuleSpec | None = None
+    for i in range(len(parts)):
+        name = ".".join(parts[:i + 1])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            spec = getattr(loaded, "__spec__", None) or ModuleSpec(name, None)
+            if loaded.__dict__.get("__path__") is not None:
+                spec.submodule_search_locations = list(loaded.__path__)
+            continue
+        if i == 0:
+            try:
+                spec = importlib.util.find_spec(name)  # a top-level name: nothing is executed
+            except (ImportError, ValueError):
+                return None
+        else:
+            where = None if spec is None else spec.submodule_search_locations
+            if not where:
+                return None  # the parent is a plain module, not a package
+            spec = importlib.machinery.PathFinder.find_spec(name, list(where))
+        if spec is None:
+            return None
+    return spec
+
+
+def _allowed(obj: Any, what: str) -> bool:
+    """What a name read from an untrusted file may resolve to: a model class, an optimizer
+    class, or a loss (an ``nn.Module`` class or one of torch.nn.functional's loss functions)."""
+    if what == "optimizer class":
+        return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
+    if inspect.isclass(obj):
+        return issubclass(obj, nn.Module)
+    if what == "loss function":
+        return any(obj is getattr(F, n, None) for n in _LOSS_NAMES)
+    return False
 
 
 def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
@@ -133,6 +235,8 @@ def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
                 raise refused
             sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != cwd]
     try:
+        if not trusted and _find(mod_name) is None:  # found missing before any package's __init__ runs
+            raise ModuleNotFoundError(f"no module named {mod_name!r}", name=top if _find(top) is None else mod_name)
         return importlib.import_module(mod_name)
     except Exception as e:
         if not trusted and isinstance(e, ModuleNotFoundError) and e.name == top and (
@@ -156,18 +260,6 @@ def _loaded_from(module: Any) -> str | None:
         return os.path.dirname(where) if os.path.basename(file).startswith("__init__.") else where
     paths = list(getattr(module, "__path__", []) or [])  # a namespace package
     return os.path.dirname(os.path.realpath(paths[0])) if paths else None
-
-
-def _safe_by_name(obj: Any, mod_name: str, what: str) -> bool:
-    """What a name read from an untrusted file may resolve to: a model class, an optimizer
-    class, or a loss (class or torch function called on tensors, never on file paths)."""
-    if what == "model factory":
-        return inspect.isclass(obj) and issubclass(obj, nn.Module)
-    if what == "optimizer class":
-        return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
-    if inspect.isclass(obj):
-        return issubclass(obj, nn.Module)
-    return mod_name in ("torch", "torch.nn.functional")
 
 
 # ------------------------------------------------------------------- saving
@@ -222,6 +314,8 @@ def save_capture(
         "optimizer": dict(optimizer_state) if optimizer_state is not None else (
             None if optimizer is None else optimizer.state_dict()),
         "optimizer_class": None if optimizer is None else callable_path(optimizer),
+        # each group's parameters by name: the state_dict numbers them in group order, not model order
+        "optimizer_params": None if optimizer is None else _group_names(model, optimizer),
         "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),
         "autocast": {
             "device_type": device_type or dev.type,
@@ -250,36 +344,6 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 # ------------------------------------------------------------------ loading
-def load_file(path: str, *, what: str, trust_pickle: bool = False) -> Any:
-    """``torch.load`` with ``weights_only=True`` and one clear error per failure."""
-    if not os.path.exists(path):
-        raise CommandError(f"{what} {path!r} does not exist; check the path")
-    if os.path.isdir(path):
-        raise CommandError(f"{what} {path!r} is a directory; give the .pt file")
-    if not os.access(path, os.R_OK):
-        raise CommandError(f"{what} {path!r} is not readable; check its permissions")
-    if os.path.getsize(path) == 0:
-        raise CommandError(f"{what} {path!r} is empty; the job that wrote it probably died while saving")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights_only" not in str(e) and "Weights only" not in str(e):
-            raise CommandError(f"{what} {path!r} is not a readable torch file (corrupt or truncated): {_first_line(e)}") from e
-        if not trust_pickle:
-            raise CommandError(
-                f"{what} {path!r} holds pickled Python objects, which can execute code when loaded; "
-                f"if you trust its source, rerun with --trust-pickle"
-            ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError) as e:
-        raise CommandError(f"{what} {path!r} is not a readable torch file (corrupt or truncated): {_first_line(e)}") from e
-    warnings.warn(f"nanhunt: loading {path} with weights_only=False (--trust-pickle): this runs code from the file",
-                  stacklevel=2)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CommandError(f"{what} {path!r} could not be unpickled: {_first_line(e)}") from e
-
-
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return f"{type(e).__name__}: {s[0] if s else ''}"
@@ -433,6 +497,7 @@ def load_step(
     sd: Mapping[str, Any] | None = None
     opt_sd = scaler_sd = None
     opt_class = None
+    opt_names = None
     training = True
     module_training: Mapping[str, Any] | None = None
     loss_path = loss
@@ -447,6 +512,7 @@ def load_step(
         sd = checked("model", Mapping, "the model's state_dict", again, required=True)
         opt_sd = checked("optimizer", Mapping, "an optimizer state_dict or null", again)
         opt_class = checked("optimizer_class", str, "'package.module:Class' or null", again)
+        opt_names = checked("optimizer_params", list, "a list of parameter names per group, or null", again)
         scaler_sd = checked("scaler", Mapping, "a GradScaler state_dict or null", "pass --no-scaler to replay without it")
         training = bool(ck.get("training", True))
         module_training = checked("module_training", Mapping, "a dict of module name -> bool", again)
@@ -489,6 +555,7 @@ def load_step(
         raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if sd is not None:
         mapped = map_state_dict(sd, model, notes=notes)
+        _check_dtypes(model, mapped)
         if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
             _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
         model.load_state_dict(mapped, strict=True)
@@ -520,7 +587,7 @@ def load_step(
 
     optimizer = None
     if opt_sd is not None:
-        optimizer = _build_optimizer(model, opt_sd, opt_class)
+        optimizer = _build_optimizer(model, opt_sd, opt_class, opt_names)
         if optimizer is None:
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
     scaler = None
@@ -602,6 +669,23 @@ def _restore_training(model: nn.Module, flags: Mapping[str, Any]) -> None:
             m.training = flag
 
 
+def _check_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """A floating tensor may load into a floating one of another width; any other mismatch would be
+    cast silently by ``load_state_dict`` (int, bool or complex weights into float ones, float into int
+    buffers) and change what the values mean."""
+    own = model.state_dict(keep_vars=True)
+    bad = [f"{k} ({_dtype_name(v)} in the checkpoint, {_dtype_name(own[k])} in the model)"
+           for k, v in sd.items() if k in own and v.dtype != own[k].dtype
+           and not (v.is_floating_point() and own[k].is_floating_point())]
+    if bad:
+        raise CommandError(f"checkpoint dtypes don't match the model: {_few(bad)}; nanhunt converts only between "
+                           "floating dtypes — is --model the factory that built this checkpoint?")
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 def _take_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     """Give the model's floating parameters and buffers the dtypes of the saved ones, as ``model.half()``
     would: ``load_state_dict`` would cast a float16/bfloat16 model's weights to the factory's float32,
@@ -614,18 +698,66 @@ def _take_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
                 t.data = t.data.to(saved.dtype)
 
 
-def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | None) -> torch.optim.Optimizer | None:
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
+    """Each parameter group's parameters by their name in ``model`` (None: not the model's)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | None,
+                     names: list[Any] | None = None) -> torch.optim.Optimizer | None:
+    """The optimizer, its groups holding the parameters they held when saved: by name when the capture
+    says (decay / no-decay groups), else by position (older captures, plain checkpoints)."""
     if not cls_path:
         return None
     cls = resolve(cls_path, what="optimizer class", trusted=False)
     params = list(model.parameters())
+    by_name = dict(model.named_parameters())
+    saved_groups = sd.get("param_groups")
+    if names is not None:
+        if not (isinstance(saved_groups, (list, tuple)) and len(names) == len(saved_groups) and all(
+                isinstance(g, list) and isinstance(sg, Mapping) and isinstance(sg.get("params"), (list, tuple))
+                and len(g) == len(sg["params"]) for g, sg in zip(names, saved_groups))):
+            raise CommandError("the checkpoint's optimizer_params do not match its optimizer's param_groups; "
+                               "save the capture again")
+        unknown = [n for g in names for n in g if not isinstance(n, str) or n not in by_name]
+        if unknown:
+            raise CommandError(f"the checkpoint's optimizer holds parameters the model does not have: {unknown[:3]!r}; "
+                               "is --model the factory that built this checkpoint?")
+        if len({n for g in names for n in g}) != sum(len(g) for g in names):
+            raise CommandError("the checkpoint's optimizer names one parameter twice; save the capture again")
+    # the state is keyed by these numbers: each must be one of the saved parameters, once
+    _check_param_indices(sd, len(params) if names is None else sum(len(g) for g in names))
     groups = []
     try:
-        for g in sd["param_groups"]:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({"params": [params[i] for i in g["params"]], **hyper})
+        for k, g in enumerate(sd["param_groups"]):
+            hyper = {key: v for key, v in g.items() if key != "params"}
+            held = [by_name[n] for n in names[k]] if names is not None else [params[i] for i in g["params"]]
+            groups.append({"params": held, **hyper})
         opt = cls(groups)
         opt.load_state_dict(dict(sd))
     except Exception as e:
         raise CommandError(f"cannot rebuild the optimizer {cls_path}: {_first_line(e)}") from e
     return opt  # type: ignore[no-any-return]
+
+
+def _check_param_indices(sd: Mapping[str, Any], n: int) -> None:
+    """Each group's ``params`` must be indices of the model's parameters, each used once: a negative
+    one would pick a parameter from the end, a repeated one would update it twice."""
+    groups = sd.get("param_groups")
+    if not isinstance(groups, (list, tuple)):
+        return  # no groups to check: rebuilding reports it
+    used: set[int] = set()
+    for g, group in enumerate(groups):
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(ids, (list, tuple)):
+            raise CommandError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] has no list of "
+                               "parameter indices; save the capture again")
+        for i in ids:
+            why = ("is not an index" if type(i) is not int else "is repeated" if i in used else
+                   "is out of range" if not 0 <= i < n else None)
+            if why:
+                raise CommandError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] names parameter "
+                                   f"{i!r}, which {why} (the model has {n} parameters, 0..{n - 1}, each in one group); "
+                                   "is --model the factory that built this checkpoint?")
+            used.add(i)
