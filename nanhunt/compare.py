@@ -590,7 +590,7 @@ def compare(
                       environment=environment(device_type), command=command, notes=base_notes + tuple(extra),
                       comparison=comparison)
 
-    try:
+    with state:  # restored on leaving, also on Ctrl-C (held until the restore is complete)
         ref = run(amp=False)
         ref_loss = float(ref.loss.double().sum())
         ref_bad = _first_nonfinite(ref, batch_floats)
@@ -602,8 +602,6 @@ def compare(
                                                             reference_finite=False, reference_first_nonfinite=ref_bad,
                                                             amp_finite=None, ref_loss=ref_loss), ref_loss)
         amp = run(amp=True)
-    finally:
-        state.restore()
 
     amp_loss = float(amp.loss.double().sum())
     amp_bad = _first_nonfinite(amp, batch_floats)

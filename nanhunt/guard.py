@@ -7,7 +7,8 @@ import math
 import os
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -427,10 +428,18 @@ class Guard:
             self._cur.update_ran = True
 
     # ------------------------------------------------------------ the step
-    def _enter(self, batch: Any) -> None:
+    def _enter(self, batch: Any) -> Guard:
         if self._cur is not None:
             raise RuntimeError("guard.step() is already active: steps do not nest")
-        cur = _Step(self.iterations, batch, rng_state())
+        try:
+            return self._open(_Step(self.iterations, batch, rng_state()))
+        except BaseException:
+            # Interrupted (Ctrl-C) before the with-block began: its __exit__ never runs, so the step is
+            # closed here, not counted, and the next guard.step() starts afresh.
+            self._cur = None
+            raise
+
+    def _open(self, cur: _Step) -> Guard:
         if self._scaling():
             assert self.scaler is not None
             cur.scaler_unset = self.scaler._scale is None
@@ -444,6 +453,7 @@ class Guard:
         if self.snapshot_every and cur.index % self.snapshot_every == 0 and self._poisoned_at is None:
             self._refresh_snapshot(cur)
         self._cur = cur
+        return self
 
     def _copy_buffers(self) -> dict[int, torch.Tensor]:
         """Copies of the buffers as this step begins: every one at the first step, then those that
@@ -475,12 +485,19 @@ class Guard:
                 self._check_exit(cur)
             elif isinstance(exc, Exception) and self._world == 1:
                 self._check_aborted(cur, exc)
+        except BaseException as e:
+            failed = failed or not isinstance(e, Exception)  # a Ctrl-C in the checks: the step was aborted
+            raise
         finally:
-            self._cur = None
-            self.iterations += 1
-            self.stepped = cur.update_ran and not cur.local_skip
-            self.updates += int(self.stepped)
-            self.skipped += int(bool(cur.local_skip) and not failed)  # an aborted step attempted nothing
+            self._close(cur, failed)
+
+    def _close(self, cur: _Step, failed: bool) -> None:
+        """Count the step and end it. One assignment: interrupted, every counter is as it was or all are
+        updated (``_StepContext.__exit__`` ends the step in any case)."""
+        stepped = cur.update_ran and not cur.local_skip
+        skipped = bool(cur.local_skip) and not failed  # an aborted step attempted nothing
+        self._cur, self.iterations, self.stepped, self.updates, self.skipped = (
+            None, self.iterations + 1, stepped, self.updates + stepped, self.skipped + skipped)
 
     def _check_exit(self, cur: _Step) -> None:
         scaling = self._scaling()
@@ -650,12 +667,12 @@ class Guard:
             snap = None if live else self._snapshot
             try:
                 ck, bt = self._paths(cur.index)
-                if snap is not None:
-                    self._save_snapshot(snap, cur, ck, bt)
-                    captured, pre_update = snap.step, snap.step == bad_update
-                else:
-                    self._save_live(cur, ck, bt, scaler_before=scaler_before, began=began)
-                    captured, pre_update = cur.index, live
+                with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
+                    if snap is not None:
+                        self._save_snapshot(snap, cur, ck_tmp, bt_tmp)
+                    else:
+                        self._save_live(cur, ck_tmp, bt_tmp, scaler_before=scaler_before, began=began)
+                captured, pre_update = (snap.step, snap.step == bad_update) if snap is not None else (cur.index, live)
                 self.captures += 1
             except Exception as e:  # the detection matters more than the file: report, don't mask
                 err, ck, bt = f"{type(e).__name__}: {e}", None, None
@@ -761,12 +778,16 @@ class _StepContext:
         self._batch = batch
 
     def __enter__(self) -> Guard:
-        self._guard._enter(self._batch)
-        return self._guard
+        return self._guard._enter(self._batch)  # one line: nothing runs between the step's start and the block
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._guard._exit(failed=exc_type is not None, exc=exc)
+        try:
+            self._guard._exit(failed=exc_type is not None, exc=exc)
+        finally:
+            # Ended here too: a Ctrl-C inside _exit before its own try/finally, or inside that finally,
+            # must not leave a step open (every later guard.step() would raise "steps do not nest").
+            self._guard._cur = None
 
 
 # ------------------------------------------------------------------ helpers
@@ -784,6 +805,28 @@ def _unwrap(model: nn.Module) -> nn.Module:
             continue
         break
     return model
+
+
+@contextmanager
+def _both_or_neither(checkpoint: str, batch: str) -> Iterator[tuple[str, str]]:
+    """Temporary names for a capture's two files, renamed onto theirs once both are written. On any failure
+    (a batch torch.save cannot pickle, a full disk, Ctrl-C) neither file is left, so an event that says
+    "no capture" never sits beside an orphan checkpoint, and an older capture under these names stays whole."""
+    tmp = (checkpoint + ".partial", batch + ".partial")
+    renamed = False
+    try:
+        for t in tmp:
+            with suppress(FileNotFoundError):
+                os.remove(t)  # left by a process killed mid-write (or a link: removed, never written through)
+        yield tmp
+        renamed = True  # set first: a Ctrl-C between the two renames must take the batch file away again
+        os.replace(tmp[1], batch)
+        os.replace(tmp[0], checkpoint)
+    except BaseException:
+        for t in (*tmp, batch) if renamed else tmp:
+            with suppress(OSError):
+                os.remove(t)
+        raise
 
 
 def _nonfinite(tensors: list[torch.Tensor], device: torch.device,
