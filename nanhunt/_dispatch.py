@@ -27,6 +27,7 @@ __all__ = [
     "mode_on_stack",
     "in_recomputation",
     "tensor_version",
+    "no_autocast",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -34,6 +35,9 @@ current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
 # op's backward node *before* the op reaches a dispatch mode, so when the number
 # moved since the previous op, the node of this op is number - 1.
 peek_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+# Autocast off until the block ends, for every device (a C++ guard excluding the autocast
+# dispatch keys: ~0.6 us, against ~5 us for ``torch.autocast(..., enabled=False)``).
+no_autocast: Callable[[], contextlib.AbstractContextManager[None]] = torch._C._DisableAutocast
 
 # Views whose output holds exactly the elements of their input: a NaN in one is a
 # NaN in the other, so the output shares the input's record instead of a new pass.

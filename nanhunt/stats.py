@@ -5,6 +5,11 @@ NaN, and an Inf shows up in one of them, so it gives the finite flag, the range
 and the largest magnitude in a single pass. Results stay on the device until
 :meth:`PendingStats.read` stacks them per (device, dtype) and reads each group
 back once, the way GradScaler reads its found-inf flag once per step.
+
+Autocast never touches them: ``aminmax`` is on none of its lists, and the stacking
+(``stack``/``cat`` are on its "promote" list, which refuses float16 under a bfloat16
+autocast and bfloat16 under a float16 one) runs with autocast off. Complex tensors
+are measured on their real view (a NaN/Inf in either part shows), float8 in float32.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 
 import torch
 
+from ._dispatch import no_autocast
 from .records import FullStats
 
 __all__ = ["PendingStats", "full_stats", "FP16_MAX", "BF16_MAX", "dtype_max", "dtype_tiny"]
@@ -71,7 +77,8 @@ class PendingStats:
         mins.append(lo)
         maxs.append(hi)
         if len(mins) >= self.CHUNK:
-            group[3].append(torch.stack([torch.stack(mins), torch.stack(maxs)]))
+            with no_autocast():  # once per CHUNK results, not per tensor
+                group[3].append(torch.stack([torch.stack(mins), torch.stack(maxs)]))
             mins.clear()
             maxs.clear()
 
@@ -80,15 +87,16 @@ class PendingStats:
 
     def read(self) -> dict[int, tuple[float, float]]:
         """Read every queued statistic back to the host: one copy per group."""
-        for slots, mins, maxs, chunks in self._groups.values():
-            parts = list(chunks)
-            if mins:
-                parts.append(torch.stack([torch.stack(mins), torch.stack(maxs)]))
-            both = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-            # float64 holds every float16/bfloat16/float32 value exactly.
-            host = both.to(device="cpu", dtype=torch.float64).tolist()
-            for slot, lo, hi in zip(slots, host[0], host[1]):
-                self.values[slot] = (lo, hi)
+        with no_autocast():
+            for slots, mins, maxs, chunks in self._groups.values():
+                parts = list(chunks)
+                if mins:
+                    parts.append(torch.stack([torch.stack(mins), torch.stack(maxs)]))
+                both = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                # float64 holds every float16/bfloat16/float32 value exactly.
+                host = both.to(device="cpu", dtype=torch.float64).tolist()
+                for slot, lo, hi in zip(slots, host[0], host[1]):
+                    self.values[slot] = (lo, hi)
         self._groups.clear()
         return self.values
 
