@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ._errors import CommandError, NanhuntError
+from ._errors import CommandError, NanhuntError, visible
 
 __all__ = ["main"]
 
@@ -73,6 +73,7 @@ class ReplayCommand:
         render_file = renderer_for(args.report) if args.report else None  # fail before the long part
         if args.report:
             _check_writable(args.report)
+        earlier = _check_bundle(args.bundle) if args.bundle else []
         if args.trust_pickle:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
@@ -81,7 +82,7 @@ class ReplayCommand:
             dtype=args.dtype, no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle,
         )
         for n in step.notes:
-            print(f"warning: {n}", file=sys.stderr)
+            print(visible(f"warning: {n}"), file=sys.stderr)
         try:
             with _Progress() as progress:
                 report = replay(
@@ -110,7 +111,9 @@ class ReplayCommand:
                 written += [os.path.join(args.bundle, f) for f in report.repro.files]
             rp = report.repro
             state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
-            print(f"bundle: {', '.join(written)} ({state})", file=sys.stderr)
+            print(visible(f"bundle: {', '.join(written)} ({state})"), file=sys.stderr)
+            if earlier:
+                _replaced_line(args.bundle, earlier, written)
         return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
 
 
@@ -129,7 +132,7 @@ class _Progress:
     def update(self, n: int, label: str) -> None:
         from rich.markup import escape
 
-        text = f"bisecting: replay {n} ({escape(label)})"
+        text = f"bisecting: replay {n} ({escape(visible(label))})"
         if not self._console.is_terminal:
             return
         if self._status is None:
@@ -156,6 +159,9 @@ class InspectCommand:
         from .inspect_ckpt import inspect_checkpoint
         from .report.console import render_inspection
 
+        if args.trust_pickle:
+            print("warning: --trust-pickle loads the file with weights_only=False, which runs any code it contains",
+                  file=sys.stderr)
         found = inspect_checkpoint(args.checkpoint, trust_pickle=args.trust_pickle)
         _print(render_inspection(found))
         return EXIT_NONFINITE if found.nonfinite else EXIT_CLEAN
@@ -187,6 +193,8 @@ class ReportCommand:
         fmt = args.format
         if fmt is None:
             fmt = FORMATS.get(os.path.splitext(args.output)[1].lower(), "console") if args.output else "console"
+        if args.output:
+            _check_writable(args.output, fmt)
         # A hand-edited file can hold any type in any field: the renderers trust a Report, so whatever
         # loading or rendering it raises means the file is not a valid report.
         try:
@@ -252,7 +260,7 @@ class CompareCommand:
             dtype=args.dtype, train=args.train, trust_pickle=args.trust_pickle,
         )
         for n in step.notes:
-            print(f"warning: {n}", file=sys.stderr)
+            print(visible(f"warning: {n}"), file=sys.stderr)
         # A capture taken in float32 has no autocast dtype to compare: float16 then.
         dtype = args.dtype or ("float16" if str(step.dtype) == "torch.float32" else str(step.dtype))
         try:
@@ -282,11 +290,43 @@ def _first_line(e: BaseException) -> str:
 
 
 def _step_failed(what: str, e: Exception) -> CommandError:
+    """The step raised: the user's code (model, loss) on this batch, or nanhunt's own, told by the last
+    frame of the traceback outside torch and the standard library."""
+    if _raised_by_nanhunt(e):
+        return CommandError(f"{what} failed inside nanhunt ({_first_line(e)}): a nanhunt bug, not your model; "
+                            "rerun with --debug and report the traceback")
     return CommandError(f"{what} raised {_first_line(e)} — does the batch fit the model?")
 
 
-def _check_writable(path: str) -> None:
-    """Fail on a report path that cannot be written before the long replay, not after it."""
+# nanhunt's functions that run the user's step on its behalf (an op of the model under the tracer, the
+# loss, the update): an error raised under them is the step's own
+_CALL_THROUGH = frozenset({"_on_op", "__torch_dispatch__", "_call_model", "_loss_of", "_backward", "run_step",
+                           "forward", "call"})
+
+
+def _raised_by_nanhunt(e: BaseException) -> bool:
+    ours = os.path.dirname(os.path.abspath(__file__))
+    skipped = [os.path.dirname(os.path.abspath(os.__file__))]  # the standard library
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and torch_mod.__file__:
+        skipped.append(os.path.dirname(os.path.abspath(torch_mod.__file__)))
+    last = None
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        f = os.path.abspath(code.co_filename)
+        if f.startswith(ours + os.sep) or not any(f.startswith(d + os.sep) for d in skipped):
+            last = (f, code.co_name)
+        tb = tb.tb_next
+    return last is not None and last[0].startswith(ours + os.sep) and last[1] not in _CALL_THROUGH
+
+
+def _check_writable(path: str, fmt: str | None = None) -> None:
+    """Fail on a report path that cannot be written before the long replay, not after it: its directory,
+    and every file the report writes there (an HTML page's picture too) is absent or a regular file."""
+    from ._files import check_target
+    from .report import targets
+
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
@@ -295,6 +335,43 @@ def _check_writable(path: str) -> None:
         raise CommandError(f"cannot write {path!r}: {parent!r} {what}; give a path in an existing directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CommandError(f"cannot write {path!r}: the directory {parent!r} is not writable; give another path")
+    for p in targets(path, fmt):
+        check_target(p)
+
+
+def _bundle_files() -> tuple[str, ...]:
+    from .report import BUNDLE_FILES
+    from .repro import INPUTS, SCRIPT
+
+    return (*BUNDLE_FILES, SCRIPT, INPUTS)
+
+
+def _check_bundle(directory: str) -> list[str]:
+    """Fail before the replay on a bundle directory nanhunt cannot write; the files of an earlier bundle in it."""
+    from ._files import check_directory, check_target
+
+    check_directory(directory, what="the bundle directory")
+    return [name for name in _bundle_files() if check_target(os.path.join(directory, name))]
+
+
+def _replaced_line(directory: str, earlier: list[str], written: list[str]) -> None:
+    """One stderr line: the files of an earlier bundle replaced, and those removed as not part of this one
+    (a repro.py left beside a report that has none would reproduce the old bug)."""
+    from ._files import remove_stale
+
+    now = {os.path.basename(p) for p in written}
+    replaced = [n for n in earlier if n in now]
+    removed = remove_stale(directory, [n for n in earlier if n not in now])
+    line = f"bundle: replaced an earlier bundle in {directory!r}: {', '.join(replaced) or 'no file'} rewritten"
+    if removed:
+        line += f"; {', '.join(removed)} removed (not part of this bundle)"
+    print(visible(line), file=sys.stderr)
+
+
+def _error(e: BaseException) -> None:
+    # The one place errors are printed: a message may quote a file's content (a key, a module name), whose
+    # control characters would otherwise end the line, forge another or recolour the terminal.
+    print("nanhunt: error: " + visible(str(e)), file=sys.stderr)
 
 
 def _command_line() -> str:
@@ -328,12 +405,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as e:
         if debug:
             raise
-        print(f"nanhunt: error: {e}", file=sys.stderr)
+        _error(e)
         return e.exit_code
     except NanhuntError as e:
         if debug:
             raise
-        print(f"nanhunt: error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_INPUT
     except KeyboardInterrupt:
         print("nanhunt: interrupted; the model and files were left as they were", file=sys.stderr)

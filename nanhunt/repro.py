@@ -39,6 +39,7 @@ from torch import nn
 from . import _dispatch
 from ._tree import iter_leaves, iter_tensors, map_tensors
 from ._errors import CommandError
+from ._files import new_file, write_file
 from .capture import split_batch
 from .records import Occurrence, Phase, Repro
 from .replay import StepState, run_step
@@ -487,12 +488,13 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
     )
     try:
         os.makedirs(directory, exist_ok=True)
-        # Every tensor is a clone (its own storage, strides kept): the file holds just their values.
-        torch.save([t.detach().cpu() for t in tensors], os.path.join(directory, INPUTS))
-        with open(os.path.join(directory, SCRIPT), "w", encoding="utf-8") as f:
-            f.write(source)
     except OSError as e:
         raise CommandError(f"cannot write the repro into {directory!r}: {e.strerror}") from e
+    # New files renamed onto their names: a link planted at either name is refused, never written through.
+    with new_file(os.path.join(directory, INPUTS)) as f:
+        # Every tensor is a clone (its own storage, strides kept): the file holds just their values.
+        torch.save([t.detach().cpu() for t in tensors], f)
+    write_file(os.path.join(directory, SCRIPT), source)
     device_flag = "" if call.device_type == "cpu" else f" --device {call.device_type}"
     return dataclasses.replace(rp, call=call_src, files=(SCRIPT, INPUTS), command=f"python {SCRIPT}{device_flag}")
 

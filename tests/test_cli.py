@@ -19,8 +19,10 @@ FIX = ROOT / "fixtures"
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Fixture model factories (fixtures.models) import from the repository root.
+    # Fixture model factories (fixtures.models) import from the repository root, on PYTHONPATH (from the
+    # current directory alone a capture's name would need --model to confirm).
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
 
 
 def _pair(name: str) -> list[str]:
@@ -58,9 +60,9 @@ def test_overflow_fixture_is_clean_in_bfloat16() -> None:
 
 @pytest.mark.parametrize(
     "name, phase, module, op",
-    [("nan_weight", "weights", "fc2", None), ("nan_batch", "input", "", None)],
+    [("nan_weight", "weights", "fc2", None), ("nan_batch", "input", None, None)],
 )
-def test_entering_nan_fixtures(name: str, phase: str, module: str, op: str | None, tmp_path: Path) -> None:
+def test_entering_nan_fixtures(name: str, phase: str, module: str | None, op: str | None, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["replay", *_pair(name), "--report", str(out)]) == 1
     first = Report.from_json(out.read_text()).first
@@ -244,6 +246,20 @@ def test_batch_does_not_fit(batch: object, text: str, capsys: pytest.CaptureFixt
     torch.save(batch, b)
     assert main(["replay", _pair("clean")[0], str(b)]) == 2
     assert text in _err(capsys)
+
+
+def test_a_failure_inside_nanhunt_is_not_blamed_on_the_batch(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN nanhunt's own code failing after the step ran (here: the module summary of the report)
+    import importlib
+    import operator
+
+    # a builtin that raises (TypeError: one argument expected): the failing frame is nanhunt's own
+    monkeypatch.setattr(importlib.import_module("nanhunt.replay"), "_module_status", operator.itemgetter(0))
+    # WHEN a good capture is replayed  THEN one line says it is nanhunt's failure, not the batch's
+    assert main(["replay", *_pair("clean")]) == 2
+    err = _err(capsys)
+    assert "inside nanhunt" in err and "does the batch fit" not in err
 
 
 def test_model_returning_loss_with_dict_batch(tmp_path: Path) -> None:

@@ -146,7 +146,8 @@ def test_overflow_fixture_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # GIVEN the bundled capture whose blocks.1.ff.wo overflows float16
     from nanhunt.cli import main
 
-    monkeypatch.chdir(ROOT)  # its model factory (fixtures.models) imports from the repository root
+    monkeypatch.chdir(ROOT)  # its model factory (fixtures.models) imports from the repository root, on PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     out = tmp_path / "out"
     fix = ROOT / "fixtures" / "overflow"
     # WHEN replayed with --bundle

@@ -11,9 +11,10 @@ import os
 from collections.abc import Callable
 
 from .._errors import CommandError
+from .._files import write_file
 from ..records import Report
 
-__all__ = ["renderer_for", "render_for_format", "write", "write_bundle", "FORMATS", "BUNDLE_FILES"]
+__all__ = ["renderer_for", "render_for_format", "write", "write_bundle", "targets", "FORMATS", "BUNDLE_FILES"]
 
 FORMATS = {".json": "json", ".txt": "console", ".md": "md", ".markdown": "md", ".html": "html", ".htm": "html"}
 BUNDLE_FILES = ("report.md", "report.json", "report.html", "report.png")
@@ -49,36 +50,32 @@ def renderer_for(path: str) -> Callable[[Report], str]:
     return render_for_format(fmt)
 
 
-def _write_file(path: str, data: str | bytes) -> None:
-    try:
-        if isinstance(data, bytes):
-            with open(path, "wb") as f:
-                f.write(data)
-        else:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(data)
-    except OSError as e:
-        raise CommandError(f"cannot write {path!r}: {e.strerror}") from e
+def targets(path: str, fmt: str | None = None) -> list[str]:
+    """The files :func:`write` may write for ``path``: beside an HTML page, also its picture."""
+    if (fmt or FORMATS.get(os.path.splitext(path)[1].lower())) != "html":
+        return [path]
+    return [path, os.path.splitext(path)[0] + ".png"]
 
 
 def write(report: Report, path: str, fmt: str | None = None) -> list[str]:
     """Write ``report`` to ``path`` in ``fmt`` (default: the format its suffix names); beside an HTML
     page, also its picture (``page.png`` next to ``page.html``), to attach to a ticket. Returns the
-    paths written."""
+    paths written. Each file is written new and renamed onto its name: a symbolic link at a name is
+    refused, never written through."""
     render = renderer_for(path) if fmt is None else render_for_format(fmt)
-    if (fmt or FORMATS.get(os.path.splitext(path)[1].lower())) != "html":
-        _write_file(path, render(report))
-        return [path]
+    paths = targets(path, fmt)
+    if len(paths) == 1:
+        write_file(path, render(report))
+        return paths
     from .html import render as render_html
     from .picture import png
 
     picture = png(report)
-    _write_file(path, render_html(report, png=picture, draw=False))
+    write_file(path, render_html(report, png=picture, draw=False))
     if picture is None:
         return [path]
-    beside = os.path.splitext(path)[0] + ".png"
-    _write_file(beside, picture)
-    return [path, beside]
+    write_file(paths[1], picture)
+    return paths
 
 
 def write_bundle(report: Report, directory: str) -> list[str]:

@@ -88,7 +88,8 @@ def sentence(report: Report) -> list[Span]:
     if v is not None and v.kind == "precision" and v.culprits:
         out.append(Span("; running "))
         out += _culprits(v.culprits)
-        out.append(Span(" in float32 makes the step finite" + ("" if v.confirmed else " (not confirmed)")))
+        gone = "makes its origin go away" if v.silent else "makes the step finite"
+        out.append(Span(f" in float32 {gone}" + ("" if v.confirmed else " (not confirmed)")))
     elif v is not None and v.kind == "not-precision":
         out.append(Span("; it fails in float32 too: not a precision problem"))
     elif v is not None and v.kind == "scale-induced":
@@ -115,8 +116,12 @@ def verdict_text(report: Report) -> list[Span]:
         out = [Span("Precision problem: running ")]
         out += _culprits(v.culprits)
         state = "confirmed" if v.confirmed else "NOT confirmed"
-        out.append(Span(f" in float32 makes the step finite ({state}; {v.replays} replays, {v.seconds:.1f} s"
+        gone = "makes the silent origin go away" if v.silent else "makes the step finite"
+        out.append(Span(f" in float32 {gone} ({state}; {v.replays} replays, {v.seconds:.1f} s"
                         f"{', interrupted' if v.interrupted else ''})."))
+        if v.silent:
+            out.append(Span(" The step stayed finite, but with wrong values: the non-finite value was absorbed"
+                            + (f" into {'; '.join(v.corrupted)}." if v.corrupted else ".")))
         return out
     if v.kind == "not-precision":
         out = [Span("Not a precision problem: the step fails in float32 too")]

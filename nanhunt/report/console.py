@@ -1,4 +1,9 @@
-"""Console report (rich): the verdict first, then the op's statistics, the path, the module tree."""
+"""Console report (rich): the verdict first, then the op's statistics, the path, the module tree.
+
+Every user string goes through ``visible`` (control characters as visible escapes: a module name
+read from a file must not move the cursor, recolour the terminal or forge a line) and, where rich
+reads markup (table cells), through ``rich.markup.escape`` too.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,33 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from .._errors import visible
 from . import _common as _c
 from ..records import Comparison, Inspection, Occurrence, Report, TensorDiff
 
 __all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
 
+
+def _t(text: str, style: str = "") -> Text:
+    """Text that may hold user strings: never parsed as markup, control characters made visible."""
+    return Text(visible(text), style=style)
+
+
+def _m(text: str) -> str:
+    """A table cell (rich reads it as markup): markup and control characters escaped."""
+    return escape(visible(text))
+
+
 def _text(spans: list[_c.Span], style: str = "") -> Text:
     """Spans as rich Text: user names in a code style, never parsed as markup."""
     t = Text(style=style)
     for sp in spans:
-        t.append(sp.text, style="bold cyan" if sp.code else "")
+        t.append(visible(sp.text), style="bold cyan" if sp.code else "")
     return t
 
 
 def summary_line(report: Report) -> str:
-    return "".join(sp.text for sp in _c.sentence(report))
+    return visible("".join(sp.text for sp in _c.sentence(report)))
 
 
 def _stats_table(occ: Occurrence) -> Table:
@@ -39,7 +56,7 @@ def _stats_table(occ: Occurrence) -> Table:
         t.add_column(col, justify="left" if left else "right", no_wrap=col in ("tensor", "dtype"))
     for row in _c.tensor_rows(occ):
         row = (*row[:2], row[2].replace(" ", ""), *row[3:])  # [2,16,64]: shapes stay on one line
-        t.add_row(*(escape(row[i]) for i in keep))
+        t.add_row(*(_m(row[i]) for i in keep))
     return t
 
 
@@ -56,8 +73,8 @@ def _tree(report: Report) -> Tree | None:
     nodes: dict[str, Tree] = {}
     for name in sorted(report.modules, key=lambda n: (n.count("."), n)):
         status = report.modules[name]
-        label = Text(f"{name or '<root>'} ({report.module_classes.get(name, '')}) ", style=style_of(status))
-        label.append(status, style=style_of(status))
+        label = _t(f"{name or '<root>'} ({report.module_classes.get(name, '')}) ", style=style_of(status))
+        label.append(visible(status), style=style_of(status))
         parent_name = name.rpartition(".")[0] if "." in name else ("" if name else None)
         parent = nodes.get(parent_name) if parent_name is not None else None
         nodes[name] = (parent or root).add(label)
@@ -92,10 +109,10 @@ def render(report: Report) -> RenderableType:
         parts.append(path)
     others = [o for o in report.origins if o is not occ]
     if others:
-        parts.append(Text(f"{len(others)} other origin(s): " + "; ".join(o.describe() for o in others[:5])))
+        parts.append(_t(f"{len(others)} other origin(s): " + "; ".join(o.describe() for o in others[:5])))
     if report.status == "not-reproducible":
         for i, o in enumerate(report.runs):
-            parts.append(Text(f"run {i + 1}: {o.describe() if o else 'finite'}"))
+            parts.append(_t(f"run {i + 1}: {o.describe() if o else 'finite'}"))
     if report.verdict is not None:
         parts.append(_text([_c.Span("verdict: ")] + _c.verdict_text(report), style="bold"))
         v = report.verdict
@@ -103,10 +120,10 @@ def render(report: Report) -> RenderableType:
             parts.append(Text(f"origin module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}"))
         alts = _c.alternatives(report)
         if alts:
-            parts.append(Text("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))
+            parts.append(_t("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))
         if v.fix:
-            parts.append(Text("suggested fix:\n" + v.fix, style="cyan"))
-    parts.append(Text("GradScaler: " + _c.scaler_text(report.config)))
+            parts.append(Text("suggested fix:\n" + visible(v.fix, multiline=True), style="cyan"))
+    parts.append(_t("GradScaler: " + _c.scaler_text(report.config)))
     if report.repro is not None:
         parts.append(_text([_c.Span("repro: ")] + _c.repro_text(report)))
     tree = _tree(report)
@@ -114,11 +131,11 @@ def render(report: Report) -> RenderableType:
         parts.append(tree)
     env = _c.environment_rows(report)
     if env:
-        parts.append(Text("environment: " + ", ".join(f"{k} {v}" for k, v in env), style="dim"))
+        parts.append(_t("environment: " + ", ".join(f"{k} {v}" for k, v in env), style="dim"))
     if report.command:
-        parts.append(Text(f"reproduce: {report.command}", style="dim"))
+        parts.append(_t(f"reproduce: {report.command}", style="dim"))
     for n in report.notes:
-        parts.append(Text(f"note: {n}", style="yellow"))
+        parts.append(_t(f"note: {n}", style="yellow"))
     return Group(*parts)
 
 
@@ -139,7 +156,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         for col in ("tensor", "dtype", "shape", "nan", "inf", "max |x| (finite)", "fp16 headroom"):
             t.add_column(col)
         for s in found.flagged[:limit]:
-            t.add_row(escape(s.name), s.dtype, escape(str(list(s.shape))), str(s.nan), str(s.inf), _c.num(s.absmax),
+            t.add_row(_m(s.name), _m(s.dtype), _m(str(list(s.shape))), str(s.nan), str(s.inf), _c.num(s.absmax),
                       f"{s.fp16_headroom:.3g}x")
         parts.append(t)
         if len(found.flagged) > limit:
@@ -148,7 +165,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         line = "GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())
         if found.scaler_nonfinite:
             line += " (non-finite scale: every loss it scales is non-finite)"
-        parts.append(Text(line, style="bold red" if found.scaler_nonfinite else ""))
+        parts.append(_t(line, style="bold red" if found.scaler_nonfinite else ""))
     return Group(*parts)
 
 
@@ -156,7 +173,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
 
 
 def compare_summary(report: Report) -> str:
-    return _c.compare_summary(report)
+    return visible(_c.compare_summary(report))
 
 
 def _ranking_table(c: Comparison, limit: int) -> Table:
@@ -165,7 +182,7 @@ def _ranking_table(c: Comparison, limit: int) -> Table:
         t.add_column(col, justify="left" if col == "module call" else "right")
     for rank, i in enumerate(c.ranking[:limit], 1):
         d = c.modules[i]
-        t.add_row(str(rank), escape(d.label() + _c.module_class_text(d)), *_c.ranking_cells(d))
+        t.add_row(str(rank), _m(d.label() + _c.module_class_text(d)), *_c.ranking_cells(d))
     return t
 
 
@@ -174,12 +191,12 @@ def _decisions_table(c: Comparison) -> Table:
     for col in _c.decision_columns(c):
         t.add_column(col, justify="left" if col in ("sample", "") else "right")
     for d in c.decisions:
-        t.add_row(*_c.decision_cells(d), style="bold red" if d.flipped else "yellow")
+        t.add_row(*(_m(x) for x in _c.decision_cells(d)), style="bold red" if d.flipped else "yellow")
     return t
 
 
 def _diff_line(what: str, d: TensorDiff) -> Text:
-    return Text(f"{what}: {_c.diff_text(d)}")
+    return _t(f"{what}: {_c.diff_text(d)}")
 
 
 def render_comparison(report: Report, limit: int = 10) -> RenderableType:
@@ -188,14 +205,14 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     c = report.comparison
     assert c is not None, "not a comparison report"
     parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if c.accepted else "red"))]
-    parts.append(Text(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
+    parts.append(_t(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
     for v in c.violations:
-        parts.append(Text("violation: " + v, style="red"))
+        parts.append(_t("violation: " + v, style="red"))
     if not c.reference_finite:
         parts.append(Text(_c.NOTHING_COMPARED, style="red"))
     else:
-        runs = Text(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
-        runs.append(_c.amp_state(c), style="green" if c.amp_finite else "bold red")
+        runs = _t(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
+        runs.append(visible(_c.amp_state(c)), style="green" if c.amp_finite else "bold red")
         runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
     if c.modules:
@@ -209,28 +226,28 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         if d is not None:
             parts.append(_text(_c.carrier_text(d)))
     if c.task == "classify" and c.reference_finite:  # a non-finite reference: nothing was compared
-        parts.append(Text(_c.decisions_head(c), style="bold red" if c.flipped else "bold"))
+        parts.append(_t(_c.decisions_head(c), style="bold red" if c.flipped else "bold"))
         if c.decisions:
             parts.append(_decisions_table(c))
     if c.output is not None:
         parts.append(_diff_line("model output", c.output))
     g = c.regression
     if g is not None:
-        parts.append(Text(_c.extremes_text(c, g)))
+        parts.append(_t(_c.extremes_text(c, g)))
         if g.worst:
-            parts.append(Text(_c.worst_text(g)))
+            parts.append(_t(_c.worst_text(g)))
     if c.loss is not None:
         parts.append(_diff_line("loss", c.loss))
     if c.grads:
         worst = _c.ordered_grads(c)[:5]
-        line = Text(_c.gradients_head(c) + "; largest errors: ")
-        line.append("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst))
+        line = _t(_c.gradients_head(c) + "; largest errors: ")
+        line.append_text(_t("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst)))
         parts.append(line)
     if c.unmatched:
-        parts.append(Text("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))
+        parts.append(_t("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))
     cfg = report.config
     if cfg:
-        parts.append(Text("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), style="dim"))
+        parts.append(_t("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), style="dim"))
     for n in report.notes:
-        parts.append(Text(f"note: {n}", style="yellow"))
+        parts.append(_t(f"note: {n}", style="yellow"))
     return Group(*parts)

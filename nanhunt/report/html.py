@@ -1,6 +1,7 @@
 """One self-contained HTML file: inline CSS, the picture inlined as a PNG data URI, no network.
 
-Every string that came from the user's program goes through ``html.escape``; the page
+Every string that came from the user's program goes through ``html.escape``, its control characters
+written as visible escapes (``\\n``, ``\\x1b``; a ``<pre>`` block keeps its line breaks); the page
 carries a Content-Security-Policy that forbids loading anything, so even a mistake here
 cannot make a browser fetch from outside.
 """
@@ -11,6 +12,7 @@ import base64
 import dataclasses
 import html as _html
 
+from .._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span
@@ -53,7 +55,12 @@ footer { margin-top: 36px; color: var(--dim); font-size: 12px; }
 
 
 def _e(s: object) -> str:
-    return _html.escape(str(s), quote=True)
+    return _html.escape(visible(str(s)), quote=True)
+
+
+def _pre(s: str) -> str:
+    """A code block's text: line breaks kept."""
+    return _html.escape(visible(s, multiline=True), quote=True)
 
 
 def _spans(spans: list[Span]) -> str:
@@ -196,7 +203,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
             parts.append(_kv([(f"whole step, {k}", f'<span class="{"ok" if s == "finite" else "bad"}">{_e(s)}</span>')
                               for k, s in alts]))
         if v is not None and v.fix:
-            parts.append(f"<p>Suggested fix:</p><pre><code>{_e(v.fix)}</code></pre>")
+            parts.append(f"<p>Suggested fix:</p><pre><code>{_pre(v.fix)}</code></pre>")
         parts.append("</section>")
     parts += ["<section><h2>GradScaler</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
     env = c.environment_rows(report)
@@ -204,12 +211,12 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         parts += ["<section><h2>Environment</h2>", _kv([(k, _e(val)) for k, val in env]), "</section>"]
     parts.append("<section><h2>Reproduce</h2>")
     if report.command:
-        parts.append(f"<p>Replay the step:</p><pre><code>{_e(report.command)}</code></pre>")
+        parts.append(f"<p>Replay the step:</p><pre><code>{_pre(report.command)}</code></pre>")
     rp = report.repro
     if rp is not None:
         parts += [f"<p>{_spans(c.repro_text(report))}</p>",
                   "<p>Run the op alone (needs only torch; exit status 1 when the output is non-finite):</p>",
-                  f"<pre><code>{_e(rp.command)}</code></pre>"]
+                  f"<pre><code>{_pre(rp.command)}</code></pre>"]
     elif not report.command:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")
@@ -410,7 +417,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         parts += ["<section><h2>Configuration and environment</h2>", _kv(cfg + env), "</section>"]
     parts.append("<section><h2>Reproduce</h2>")
     if report.command:
-        parts.append(f"<p>Compare again:</p><pre><code>{_e(report.command)}</code></pre>")
+        parts.append(f"<p>Compare again:</p><pre><code>{_pre(report.command)}</code></pre>")
     else:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")

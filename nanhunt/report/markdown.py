@@ -1,9 +1,10 @@
 """Markdown for a bug ticket (GitHub, GitLab): a summary that fits a screen, the rest folded in ``<details>``.
 
-Every user string (module paths, op names, source lines, notes) is escaped: as
-text, Markdown's punctuation is backslash-escaped; as code, the span's backtick
-fence is longer than any backtick run inside it; in a table, pipes are escaped
-too (GFM splits cells before it reads code spans).
+Every user string (module paths, op names, source lines, notes) is escaped: its
+control characters are written as visible escapes (``\\n``, ``\\x1b``); as text,
+Markdown's punctuation is backslash-escaped; as code, the span's backtick fence is
+longer than any backtick run inside it; in a table, pipes are escaped too (GFM
+splits cells before it reads code spans); a code block keeps its line breaks only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import html
 import re
 from collections.abc import Sequence
 
+from .._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span
@@ -28,12 +30,12 @@ _CALLS_SHOWN = 100  # module calls in the folded table of all calls
 
 def escape(s: str) -> str:
     """``s`` as literal inline text: no emphasis, link, HTML, table cell break or heading."""
-    return _SPECIAL.sub(r"\\\1", " ".join(s.splitlines()))
+    return _SPECIAL.sub(r"\\\1", visible(s))
 
 
 def code(s: str, *, table: bool = False) -> str:
     """``s`` as an inline code span, whatever backticks it holds."""
-    s = " ".join(s.splitlines())
+    s = visible(s)
     if not s:
         return ""
     ticks = "`" * (max((len(m) for m in re.findall(r"`+", s)), default=0) + 1)
@@ -44,6 +46,7 @@ def code(s: str, *, table: bool = False) -> str:
 
 def fence(text: str, lang: str = "") -> str:
     """A fenced code block whose fence no line of ``text`` can close."""
+    text = visible(text, multiline=True)
     ticks = "`" * max(3, max((len(m) for m in re.findall(r"`{3,}", text)), default=0) + 1)
     return f"{ticks}{lang}\n{text.rstrip()}\n{ticks}"
 
@@ -61,7 +64,7 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, right_fr
 
 def _details(summary: str, body: str) -> str:
     # A blank line after <summary> and before </details>: GitHub then reads the body as Markdown.
-    return f"<details>\n<summary>{html.escape(summary)}</summary>\n\n{body.strip()}\n\n</details>"
+    return f"<details>\n<summary>{html.escape(visible(summary))}</summary>\n\n{body.strip()}\n\n</details>"
 
 
 def _occurrence_line(o: Occurrence) -> str:

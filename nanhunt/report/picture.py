@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from .._errors import visible
 from ..records import Comparison, Report, TensorDiff
 
 __all__ = ["figure", "comparison_figure", "png", "svg", "FP16_MAX", "BF16_MAX"]
@@ -38,8 +39,8 @@ _FLOOR_PAD = 1.0  # all-zero tensors are drawn one decade below the smallest mag
 
 
 def _tex_safe(s: str) -> str:
-    # matplotlib reads text between two '$' as mathtext; a module name is plain text.
-    return s.replace("$", r"\$")
+    # matplotlib reads text between two '$' as mathtext; a module name is plain text (its control characters too).
+    return visible(s).replace("$", r"\$")
 
 
 def _origin_label(report: Report) -> str:

@@ -1,0 +1,131 @@
+"""Private: every file nanhunt writes goes through a new file, never through what is already at the name.
+
+A report or bundle lands in a directory someone else may write to. Opening ``report.html`` for
+writing would follow a link planted there (``report.html -> ../victim.txt``) and overwrite its
+target, and would block on a FIFO. Instead the data goes into a file created exclusively beside it
+(``O_CREAT | O_EXCL | O_NOFOLLOW``), which ``os.replace`` then renames onto the name: a rename
+replaces a link, never its target, so a link that appears between the check and the write is
+harmless. A link found at the name is refused (see :func:`check_target`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import BinaryIO
+
+from ._errors import CommandError
+
+__all__ = ["check_target", "check_directory", "new_file", "write_file", "remove_stale"]
+
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
+    | getattr(os, "O_BINARY", 0)
+
+
+def check_target(path: str) -> bool:
+    """Raise :class:`CommandError` unless ``path`` can be replaced by a new file: it is absent or a regular
+    file (then True: it will be replaced). A symbolic link there is refused, not followed nor replaced:
+    nanhunt did not make it, and whoever did either means to redirect the write (hostile) or expects the
+    link to survive; either way the user decides."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise CommandError(f"cannot write {path!r}: {e.strerror}") from e
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise CommandError(f"refusing to write {path!r}: it is a symbolic link (to {target!r}) and nanhunt never "
+                           "writes through a link; remove it or give another path")
+    if stat.S_ISDIR(st.st_mode):
+        raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
+    if not stat.S_ISREG(st.st_mode):
+        raise CommandError(f"cannot write {path!r}: it is not a regular file; give another path")
+    return True
+
+
+def check_directory(directory: str, *, what: str = "") -> None:
+    """Raise :class:`CommandError` unless files can be created in ``directory``, or it can be made (its nearest
+    existing ancestor is a writable directory). An existing directory is probed with a file created and removed
+    at once: permission bits do not stop root, a read-only or immutable file system does."""
+    label = f"{what} {directory!r}" if what else repr(directory)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        kind = "a symbolic link to nothing" if os.path.islink(directory) else "a file, not a directory"
+        raise CommandError(f"cannot write into {label}: it is {kind}; give a directory (made if missing)")
+    if os.path.isdir(directory):
+        try:
+            fd, tmp = _create_beside(os.path.join(directory, "probe"))
+        except OSError as e:
+            raise CommandError(f"cannot write into {label}: {e.strerror}; give another directory") from e
+        os.close(fd)
+        os.unlink(tmp)
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CommandError(f"cannot create {label}: {parent!r} is a file, not a directory; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"cannot create {label}: the directory {parent!r} is not writable; give another path")
+
+
+def _create_beside(path: str) -> tuple[int, str]:
+    """A new, empty file in the directory of ``path`` under a hidden random name: (descriptor, name)."""
+    directory, name = os.path.split(path)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, _FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path!r}")
+
+
+@contextmanager
+def new_file(path: str) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content into; on success it replaces ``path``, on any error it is
+    removed and ``path`` is left as it was. OSErrors become one-line :class:`CommandError`\\ s."""
+    check_target(path)
+    try:
+        fd, tmp = _create_beside(path)
+    except OSError as e:
+        raise CommandError(f"cannot write {path!r}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        check_target(path)  # a link planted during the write: refuse; one planted after this is replaced, not followed
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise CommandError(f"cannot write {path!r}: {e.strerror or e}") from e
+        raise
+
+
+def write_file(path: str, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` through a new file (:func:`new_file`)."""
+    with new_file(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def remove_stale(directory: str, names: Sequence[str]) -> list[str]:
+    """Remove the regular files among ``names`` in ``directory`` (left by an earlier run); the names removed."""
+    removed = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
