@@ -10,6 +10,7 @@ plus two per halving, i.e. it grows with log(modules), not with their number.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .precision import LOSS_REGION, float32_weights, has_half_weights, keep_fp32, to_fp32
+from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, float32_weights, has_half_weights, keep_fp32, to_fp32
 from .records import Occurrence, Verdict
 from .replay import StepState, run_step
+from .tracer import Trace
 
 __all__ = ["bisect", "suggested_fix"]
 
@@ -42,6 +44,8 @@ class _Trials:
         self.progress, self.train = progress, train
         self.count = 0
         self.cache: dict[tuple[Any, ...], bool] = {}
+        # a silent origin (the step stays finite): a trial is "finite" when that origin is gone too
+        self.watch: Occurrence | None = None
 
     def finite(self, fp32: frozenset[str], *, dtype: torch.dtype | None = None, unscaled: bool = False,
                label: str = "", called: set[str] | None = None) -> bool:
@@ -53,29 +57,50 @@ class _Trials:
         self.count += 1
         if self.progress is not None:
             self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
-        self.state.reset(self.rng)
-        handles = [] if called is None else _record_calls(self.model, called)
+        handles: list[RemovableHandle] = []
         try:
+            # A Ctrl-C held while the state was put back arrives when reset/restore returns: inside
+            # this try, so the search ends with what it found, as on a Ctrl-C during the step.
+            self.state.reset(self.rng)
+            if called is not None:
+                handles = _record_calls(self.model, called)
             if self.train is not None:
                 self.model.train(self.train)  # as the traced runs (StepState restores the flags)
             inputs, targets = self.inputs, self.targets
             as_fp32 = dtype == torch.float32
             if as_fp32:
                 inputs, targets = to_fp32(inputs), to_fp32(targets)
-            with float32_weights(self.model, enabled=as_fp32), keep_fp32(self.model, fp32):
-                loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn,
-                                dtype=dtype or self.dtype, device_type=self.device_type,
-                                scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
-                                fp32_loss=LOSS_REGION in fp32)
+            watch = self.watch
+            # the origin's module alone is traced (op level): the question is only whether it is still born
+            tracer = None if watch is None else Trace(self.model, level="op", scope=[watch.module] if watch.module
+                                                      else ())
+            master = as_fp32 or UPDATE_REGION in fp32  # float32 master copies: the update in float32
+            with float32_weights(self.model, enabled=master, optimizer=self.optimizer), keep_fp32(self.model, fp32):
+                with tracer if tracer is not None else contextlib.nullcontext():
+                    loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn,
+                                    dtype=dtype or self.dtype, device_type=self.device_type,
+                                    scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
+                                    fp32_loss=LOSS_REGION in fp32)
                 ok = _step_finite(self.model, loss, self.optimizer)
+            if tracer is not None and watch is not None:
+                ok = ok and not any(_same_place(o, watch) for o in tracer.origins)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
         finally:
             for h in handles:
                 h.remove()
-            self.state.restore()
+            try:
+                self.state.restore()
+            except KeyboardInterrupt as e:
+                raise _Interrupted from e
         self.cache[key] = ok
         return ok
+
+
+def _same_place(o: Occurrence, watch: Occurrence) -> bool:
+    """``o`` is the watched silent origin born again: same phase and module (and op, outside modules)."""
+    return (not o.allowed and not o.harmless and o.phase is watch.phase and o.module == watch.module
+            and (watch.module is not None or o.op == watch.op))
 
 
 def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
@@ -98,7 +123,7 @@ def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Op
 
 
 def suggested_fix(culprits: Sequence[str]) -> str | None:
-    mods = [c for c in culprits if c != LOSS_REGION]
+    mods = [c for c in culprits if c not in REGIONS]
     lines = []
     if mods:
         lines.append("import nanhunt")
@@ -107,6 +132,9 @@ def suggested_fix(culprits: Sequence[str]) -> str | None:
         lines.append("# compute the loss in float32, outside autocast:")
         lines.append("with torch.autocast(device_type, enabled=False):")
         lines.append("    loss = loss_fn(output.float(), targets)")
+    if UPDATE_REGION in culprits:
+        lines.append("# update float32 master weights: keep the model's parameters (and so the optimizer's state)")
+        lines.append("# in float32 instead of model.half(), and run the forward under torch.autocast")
     return "\n".join(lines) or None
 
 
@@ -169,6 +197,9 @@ def bisect(
     what was found so far).
     """
     inputs, targets = batch
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module):
+        model = inner  # torch.compile: the eager original, as traced (and named without _orig_mod.)
     state = StepState(model, optimizer, scaler)
     start_rng = dict(rng) if rng is not None else state.rng
     trials = _Trials(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
@@ -176,50 +207,70 @@ def bisect(
     all_origins = tuple(origins) or ((origin,) if origin is not None else ())
     # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
     reaching = next((o for o in all_origins if not o.silent), None)
+    # Only silent origins: the step stays finite, and the question becomes "is the origin gone?"
+    # (harmless ones, feeding only indices, are no question).
+    silent = None if reaching is not None else next((o for o in all_origins if not o.harmless and not o.allowed), None)
+    trials.watch = silent
     t0 = time.perf_counter()
     alternatives: dict[str, bool] = {}
     children = _children(model)
     root = next(n for n, m in model.named_modules() if m is model)
     with_loss = loss_fn is not None
-    n_candidates = len(children) + (1 if with_loss else 0)
+    # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
+    with_update = optimizer is not None and has_half_weights(model)
+    regions = ([LOSS_REGION] if with_loss else []) + ([UPDATE_REGION] if with_update else [])
+    n_candidates = len(children) + len(regions)
 
     def verdict(kind: str, culprits: tuple[str, ...] = (), **kw: Any) -> Verdict:
         return Verdict(kind=kind, culprits=culprits, replays=trials.count, seconds=time.perf_counter() - t0,
                        alternatives=dict(alternatives), fix=suggested_fix(culprits) if kind == "precision" else None,
-                       candidates=n_candidates, **kw)
+                       candidates=n_candidates, silent=silent is not None and kind == "precision", **kw)
+
+    origin_mod = origin.module if origin is not None else None
+    modules = {n for n, _ in model.named_modules()}
+
+    def alone() -> bool | None:
+        """Does the origin's module alone in float32 fix the step? (one replay; None: not in a module)"""
+        if origin_mod is not None and origin_mod in modules:
+            return trials.finite(frozenset({origin_mod}), label=f"{origin_mod or '<root>'} alone")
+        if origin is not None and origin.phase.value == "loss" and with_loss:
+            return trials.finite(frozenset({LOSS_REGION}), label="<loss> alone")
+        if origin is not None and origin.phase.value == "update" and with_update:
+            return trials.finite(frozenset({UPDATE_REGION}), label="<update> alone")
+        return None
 
     found: list[str] = []
     origin_alone: bool | None = None
-    try:
+    with state:  # restored on leaving, also on Ctrl-C (held until the restore is complete)
         try:
             # With half-precision weights (model.half()) the original is no float32 run even without autocast.
             if ((dtype != torch.float32 or has_half_weights(model))
                     and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
-                return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None)
+                origin_alone = alone()
+                return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None,
+                               origin_alone_fixes=origin_alone)
             called: set[str] = set()
             if trials.finite(frozenset(), label="original configuration", called=called):
-                if all_origins and reaching is None:
-                    # Every origin was absorbed (silent) and the step is finite again, as traced:
-                    # a finding, but nothing for float32 to fix.
+                if all_origins and reaching is None and silent is None:
+                    # Every origin fed only indices (harmless) and the step is finite, as traced:
+                    # nothing for float32 to fix.
                     return verdict("clean")
                 return verdict("not-reproducible")
+            origin_alone = alone()
             children = _children(model, called)
-            n_candidates = len(children) + (1 if with_loss else 0)
+            n_candidates = len(children) + len(regions)
             if dtype == torch.float16:
                 alternatives["bfloat16"] = trials.finite(frozenset(), dtype=torch.bfloat16, label="bfloat16 instead")
             if scaler is not None and scaler.is_enabled():
                 alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
                 if alternatives["scale 1"] and reaching is not None and reaching.phase.value == "backward":
-                    return verdict("scale-induced")
-            origin_mod = origin.module if origin is not None else None
-            # What the search tries first: the origin's module, or <loss> for an origin in the loss.
+                    return verdict("scale-induced", origin_alone_fixes=origin_alone)
+            # What the search tries first: the origin's module, <loss> for an origin in the loss, <update>
+            # for one in a half-precision model's update.
             target = (LOSS_REGION if origin is not None and origin_mod is None and origin.phase.value == "loss"
-                      and with_loss else origin_mod)
-            if origin_mod is not None and origin_mod in children:
-                origin_alone = trials.finite(frozenset({origin_mod}), label=f"{origin_mod or '<root>'} alone")
-            elif origin is not None and origin.phase.value == "loss" and with_loss:
-                origin_alone = trials.finite(frozenset({LOSS_REGION}), label="<loss> alone")
-            top = [root] + ([LOSS_REGION] if with_loss else [])
+                      and with_loss else UPDATE_REGION if origin is not None and origin.phase.value == "update"
+                      and with_update else origin_mod)
+            top = [root] + regions
             if not trials.finite(frozenset(top), label="whole model and loss"):
                 return verdict("not-precision", origin_alone_fixes=origin_alone)
             found = _search(trials, top, frozenset(), children, target)
@@ -232,15 +283,13 @@ def bisect(
         except _Interrupted:
             return verdict("precision" if found else "interrupted", tuple(found), origin_alone_fixes=origin_alone,
                            interrupted=True)
-    finally:
-        state.restore()
 
 
 def _on_path(c: str, origin_mod: str | None) -> bool:
     """``c`` is the origin's module or one of its ancestors (``origin_mod`` may be ``<loss>``)."""
     if origin_mod is None:
         return False
-    if LOSS_REGION in (c, origin_mod):
+    if c in REGIONS or origin_mod in REGIONS:
         return c == origin_mod
     return c == "" or origin_mod == c or origin_mod.startswith(c + ".")
 
@@ -289,7 +338,7 @@ def _refine(trials: _Trials, found: list[str], children: Mapping[str, list[str]]
     while changed:
         changed = False
         for m in list(result):
-            kids = children.get(m, []) if m != LOSS_REGION else []
+            kids = children.get(m, []) if m not in REGIONS else []
             if not kids:
                 continue
             rest = frozenset(x for x in result if x != m)
@@ -299,4 +348,4 @@ def _refine(trials: _Trials, found: list[str], children: Mapping[str, list[str]]
             result = [x for x in result if x != m] + sub
             changed = True
             break
-    return sorted(result, key=lambda c: (c == LOSS_REGION, c))
+    return sorted(result, key=lambda c: (c in REGIONS, c))

@@ -15,15 +15,19 @@ SINKS = ("output", "loss", "gradients", "update")
 
 
 def nonfinite_graph(records: Sequence[RecordView]) -> nx.DiGraph:
-    """Producer -> consumer edges between non-finite records only."""
+    """Producer -> consumer edges between non-finite records only. A NaN output with a NaN input is
+    explained by that input (NaN propagates whatever the others hold): an input holding only Inf is
+    then no edge, so an absorbed Inf does not "reach" what another origin's NaN made non-finite."""
     g: nx.DiGraph = nx.DiGraph()
     for r in records:
         if r.finite:
             continue
         g.add_node(r.index)
-        for i in r.inputs:
-            if not records[i].finite:
-                g.add_edge(i, r.index)
+        bad = [i for i in r.inputs if not records[i].finite]
+        if r.has_nan and any(records[i].has_nan for i in bad):
+            bad = [i for i in bad if records[i].has_nan]
+        for i in bad:
+            g.add_edge(i, r.index)
     return g
 
 

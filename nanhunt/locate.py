@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .graph import loss_index, nonfinite_graph, propagation_path, reached_sinks
+from .graph import SINKS, loss_index, nonfinite_graph, propagation_path, reached_sinks
 from .records import Occurrence, Phase, Record, RecordView, Role
 
-__all__ = ["LocateResult", "locate", "origin_kind", "is_allowed"]
+__all__ = ["LocateResult", "locate", "leading_origin", "origin_kind", "is_allowed"]
 
 _ENTERING = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.STATE)
 # Entering tensors that may hold -inf on purpose. A weight, a stale .grad or optimizer state holding
@@ -79,6 +79,7 @@ def locate(
     calls: Sequence[tuple[int, int, str, int]] = (),
     not_masks: AbstractSet[int] = frozenset(),
     sinks_seen: bool = True,
+    index_uses: AbstractSet[int] = frozenset(),
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
@@ -87,6 +88,7 @@ def locate(
     level) holds every module call as (first record, end, module, call index); ``not_masks``, the
     records that cannot be -inf masks (running statistics). ``sinks_seen=False`` (a scoped
     trace, which records neither the loss nor the model's output): ``reached`` stays unknown.
+    ``index_uses`` (op level): records taken in by ops with no floating output (a cast to an index).
     With ``final=False`` (a check while the step runs) no propagation is computed.
     ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
     :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
@@ -148,20 +150,31 @@ def locate(
     g = nonfinite_graph(records) if final else None
     loss = loss_index(records) if final else None
     origins: list[Occurrence] = []
-    first: Occurrence | None = None
-    first_path: tuple[int, ...] = ()
     tainted: set[int] = set()
+    grads_bad = module_level and final and any(not x.finite and x.role is Role.GRAD for x in records)
+    spread = {r.index: {r.index} | nx.descendants(g, r.index) for r, _ in found} if g is not None else {}
+    absorbed = _absorbed(records, set().union(*spread.values())) if spread else {}
     for r, kind in found:
         reached: tuple[str, ...] | None = None  # unknown until the step is over
         path: tuple[int, ...] = (r.index,)
+        harmless = False
+        into: list[int] = []
         if g is not None:
             reached, target = reached_sinks(g, records, r.index, root_outputs, loss)
+            if module_level and "loss" in reached and "gradients" not in reached and grads_bad:
+                # module level records no backward op: every gradient comes from the loss it reached
+                reached = tuple(k for k in SINKS if k in reached or k == "gradients")
             if not sinks_seen:
                 reached = None  # not "silent": the sinks were not recorded
+            # it went only into integer / index / boolean results: no floating value took it in, and
+            # an op with no floating output did (a value nothing used, a buffer it was stored in, is not)
+            into = sorted({k for i in spread[r.index] for k in absorbed.get(i, ())})
+            harmless = reached == () and not into and bool(spread[r.index] & index_uses)
             path = propagation_path(g, r.index, target)
-            tainted.add(r.index)
-            tainted.update(nx.descendants(g, r.index))
+            tainted.update(spread[r.index])
         module, call_index = r.module, r.call_index
+        if r.phase is Phase.INPUT:
+            module = None  # the batch comes from outside the model (call_index: the model call it entered)
         if level == "module" and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
             # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
             consumer = _consumer(records, r.inputs[0])
@@ -183,11 +196,36 @@ def locate(
             reached=reached,
             allowed=allowed,
             path=path,
+            harmless=harmless,
+            absorbed=tuple(into[:8]),
         )
         origins.append(occ)
-        if first is None and not allowed:
-            first, first_path = occ, path
-    return LocateResult(first=first, origins=tuple(origins), path=first_path, tainted=frozenset(tainted))
+    first = leading_origin(origins)
+    return LocateResult(first=first, origins=tuple(origins), path=() if first is None else first.path,
+                        tainted=frozenset(tainted))
+
+
+def leading_origin(origins: Sequence[Occurrence]) -> Occurrence | None:
+    """The culprit among a step's origins (execution order), none of them allowed: the first whose
+    non-finite values reached a sink (output, loss, gradients, update); else, when all were absorbed,
+    the first silent one that fed floating values; a harmless one (feeding only integer / index /
+    boolean results) never leads. While the step runs (``reached`` unknown) the first one."""
+    candidates = [o for o in origins if not o.allowed]
+    if any(o.reached is None for o in candidates):
+        return candidates[0]
+    return next((o for o in candidates if o.reached), None) or next(
+        (o for o in candidates if not o.harmless), None)
+
+
+def _absorbed(records: Sequence[RecordView], nonfinite: set[int]) -> dict[int, list[int]]:
+    """For the records of ``nonfinite``: the finite floating records that took them as an input."""
+    out: dict[int, list[int]] = {}
+    for r in records:
+        if r.finite and r.role is Role.OUTPUT:
+            for i in r.inputs:
+                if i in nonfinite:
+                    out.setdefault(i, []).append(r.index)
+    return out
 
 
 def _consumer(records: Sequence[RecordView], produced: int) -> RecordView | None:

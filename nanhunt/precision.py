@@ -12,9 +12,13 @@ from torch import nn
 from ._tree import map_tensors
 
 __all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "has_half_weights", "to_fp32",
-           "LOSS_REGION"]
+           "LOSS_REGION", "UPDATE_REGION", "REGIONS"]
 
 LOSS_REGION = "<loss>"  # the loss function, as a bisection candidate
+# the optimizer's update on float32 master copies of a half-precision model's parameters, gradients and
+# state (Adam's eps=1e-8 is 0 in float16), as a bisection candidate
+UPDATE_REGION = "<update>"
+REGIONS = (LOSS_REGION, UPDATE_REGION)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -29,24 +33,39 @@ def has_half_weights(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def float32_weights(model: nn.Module, *, enabled: bool = True) -> Iterator[None]:
+def float32_weights(model: nn.Module, *, enabled: bool = True,
+                    optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Inside the block, the model's float16/bfloat16 parameters and buffers hold float32 copies
-    (``.data`` swapped, gradients and updates in float32 too); on exit each gets back its original
-    tensor, untouched, and ``.grad`` is what it was before. For a float32 control of a
-    ``model.half()`` model."""
+    (``.data`` swapped, gradients and updates in float32 too), and so does ``optimizer``'s state of
+    them (float32 master copies: the update runs in float32); on exit each gets back its original
+    tensor, untouched, and ``.grad`` and the optimizer's state are what they were before. For a float32
+    control of a ``model.half()`` model, and the ``<update>`` region of a bisection."""
     swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    states: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if enabled:
         seen: set[int] = set()
-        for t in (*model.parameters(), *model.buffers()):
+        params: list[torch.Tensor] = list(model.parameters())
+        if optimizer is not None:
+            params += [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+        for t in (*params, *model.buffers()):
             if id(t) in seen or t.dtype not in _LOW:
                 continue
             seen.add(id(t))
             swapped.append((t, t.data, t.grad))
             t.grad = None
             t.data = t.data.float()
+            if optimizer is not None and t in optimizer.state:
+                st = optimizer.state[t]
+                states.append((st, dict(st)))
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dtype in _LOW:
+                        st[k] = v.float()
     try:
         yield
     finally:
+        for st, before in reversed(states):
+            st.clear()
+            st.update(before)
         for t, data, grad in reversed(swapped):
             t.grad = None
             t.data = data
@@ -145,7 +164,7 @@ def _modules(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
     table = dict(model.named_modules())
     out = []
     for n in names:
-        if n == LOSS_REGION:
+        if n in REGIONS:
             continue
         if n not in table:
             raise KeyError(f"{n!r} is not a module of the model (see model.named_modules())")

@@ -244,6 +244,8 @@ class Occurrence:
     reached: tuple[str, ...] | None = ()  # None: not measured (stop_at_first stops before)
     allowed: bool = False
     path: tuple[int, ...] = field(default=())
+    harmless: bool = False  # its values fed only integer / index / boolean results (never the culprit)
+    absorbed: tuple[int, ...] = ()  # the first finite records that took its non-finite values in
 
     @property
     def silent(self) -> bool:
@@ -255,7 +257,8 @@ class Occurrence:
             where += f" ({self.module_class}, call {self.call_index})"
         op = f"op {self.op}" if self.op else f"role {self.output.role.value}"
         what = "NaN" if self.kind == "nan" else "Inf"
-        tail = " [silent: absorbed before the loss and gradients]" if self.silent else ""
+        tail = (" [harmless: it fed only integer / index / boolean results]" if self.harmless else
+                " [silent: absorbed before the loss and gradients]" if self.silent else "")
         return f"{what} born in phase {self.phase.value}, {where}, {op}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,6 +275,8 @@ class Occurrence:
             "reached": None if self.reached is None else list(self.reached),
             "allowed": self.allowed,
             "path": list(self.path),
+            "harmless": self.harmless,
+            "absorbed": list(self.absorbed),
         }
 
     @classmethod
@@ -289,6 +294,8 @@ class Occurrence:
             reached=None if d.get("reached", ()) is None else tuple(d.get("reached", ())),
             allowed=bool(d.get("allowed", False)),
             path=tuple(int(i) for i in d.get("path", ())),
+            harmless=bool(d.get("harmless", False)),
+            absorbed=tuple(int(i) for i in d.get("absorbed", ())),
         )
 
 
@@ -486,10 +493,14 @@ class Verdict:
     float32_first: Occurrence | None = None  # where the step fails in float32 (not-precision)
     interrupted: bool = False
     candidates: int = 0  # modules (and the loss) bisection chose among
+    # precision, for a step that stays finite: the culprits make its only (silent) origin go away
+    silent: bool = False
+    corrupted: tuple[str, ...] = ()  # silent: the values that took the origin's non-finite values in
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["culprits"] = list(self.culprits)
+        d["corrupted"] = list(self.corrupted)
         d["float32_first"] = None if self.float32_first is None else self.float32_first.to_dict()
         return d
 
@@ -508,6 +519,8 @@ class Verdict:
             float32_first=None if f is None else Occurrence.from_dict(f),
             interrupted=bool(d.get("interrupted", False)),
             candidates=int(d.get("candidates", 0)),
+            silent=bool(d.get("silent", False)),
+            corrupted=tuple(str(c) for c in d.get("corrupted", ())),
         )
 
 

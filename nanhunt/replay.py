@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ._errors import CommandError
+from ._interrupt import atomic, deferred_interrupts
 from .capture import rng_state, set_rng_state, split_batch
 from .precision import float32_weights, fp32_call, to_fp32
 from .records import Occurrence, Phase, Record, Report, Role, Verdict
@@ -30,6 +33,15 @@ class StepState:
     the RNG (torch's, CUDA's, Python's ``random`` and NumPy's global one) and the
     grad mode. Tensors the optimizer updates outside the model (a loss module's
     weights) are parameters too.
+
+    :meth:`reset` and :meth:`restore` run to their end despite Ctrl-C: a SIGINT that
+    arrives meanwhile is delivered (``KeyboardInterrupt``) once the state is back.
+    As a context manager it also restores on leaving the block, and Ctrl-C is held
+    from a restore's first instruction (called alone, a SIGINT just before it
+    installs its handler leaves the restore not started, never half done)::
+
+        with StepState(model, optimizer, scaler) as state:
+            ...  # run steps; state.reset() between them
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -72,7 +84,27 @@ class StepState:
         self.scaler_dict: dict[str, Any] | None = None
         if scaler is not None:
             self.scaler_dict = {k: _clone(v) for k, v in vars(scaler).items()}
+        self._interrupts: deferred_interrupts | None = None
 
+    def __enter__(self) -> StepState:
+        if self._interrupts is not None:
+            raise RuntimeError("this StepState is already in use as a context manager")
+        interrupts = deferred_interrupts()
+        interrupts.__enter__()  # nothing has changed yet: a Ctrl-C before this point needs no restore
+        self._interrupts = interrupts
+        return self
+
+    @atomic
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        interrupts, self._interrupts = self._interrupts, None
+        try:
+            self.restore()
+        finally:
+            if interrupts is not None:
+                interrupts.__exit__(None, None, None)  # puts the SIGINT handler back; a held Ctrl-C raises here
+
+    @atomic
     def reset(self, rng: Mapping[str, Any] | None = None) -> None:
         """Back to the snapshot, with no ``.grad`` (a replayed step starts from zero gradients)."""
         self.restore()
@@ -81,6 +113,7 @@ class StepState:
         if rng is not None:
             set_rng_state(rng)
 
+    @atomic
     def restore(self) -> None:
         for d, saved_hooks in self.hooks:
             if d.keys() != saved_hooks.keys():
@@ -280,14 +313,19 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _same(a: Occurrence | None, b: Occurrence | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return _occurrence_key(a) == _occurrence_key(b)
+def _same(a: Trace, b: Trace) -> bool:
+    """Both runs name the same culprit, as the user sees it: phase, module, call, op, kind, and which
+    of that call's ops of that name it was (record indices differ when a wrapper's first call records
+    more: DDP's)."""
+    if a.first is None or b.first is None:
+        return a.first is b.first
+    return _occurrence_key(a.first, a.records) == _occurrence_key(b.first, b.records)
 
 
-def _occurrence_key(o: Occurrence) -> tuple[Phase, str | None, int, str | None, str, int]:
-    return (o.phase, o.module, o.call_index, o.op, o.kind, o.output.index)
+def _occurrence_key(o: Occurrence, records: Sequence[Record]) -> tuple[object, ...]:
+    nth = sum(1 for r in records[:o.output.index]
+              if (r.phase, r.module, r.call_index, r.op) == (o.phase, o.output.module, o.output.call_index, o.op))
+    return (o.phase, o.module, o.call_index, o.op, o.kind, nth)
 
 
 def _bisect(model: nn.Module, batch: tuple[Any, Any], status: str, first: Occurrence | None, *,
@@ -330,13 +368,27 @@ def _sinks_finite(records: Sequence[Record]) -> bool:
 
 def _module_status(records: Sequence[Record], tainted: frozenset[int], classes: Mapping[str, str]) -> dict[str, str]:
     """Per module: ``"inf in forward"``/``"nan in backward"``... for the first value that went
-    non-finite there because of an origin (contained intentional -inf masks don't count)."""
+    non-finite there because of an origin (contained intentional -inf masks don't count); a module
+    whose subtree went non-finite first says where (``"inf in forward, inside blocks.1.ff.wo"``): a
+    parent, the root above all, is never "finite" over a non-finite child."""
     status = {name: "finite" for name in classes}
+    first: dict[str, int] = {}  # module -> its first tainted record
     for i in sorted(tainted):
         r = records[i]
-        if r.module is None or status.get(r.module, "finite") != "finite":
-            continue
-        status[r.module] = f"{'nan' if r.has_nan else 'inf'} in {r.phase.value}"
+        if r.module is not None and r.module not in first:
+            first[r.module] = i
+    for name, i in first.items():
+        status[name] = f"{'nan' if records[i].has_nan else 'inf'} in {records[i].phase.value}"
+    inside: dict[str, tuple[int, str]] = {}  # ancestor -> (record, the descendant it is in), earliest
+    for name, i in first.items():
+        parts = name.split(".") if name else []
+        for k in range(len(parts)):
+            anc = ".".join(parts[:k])
+            if i < first.get(anc, len(records)) and (anc not in inside or i < inside[anc][0]):
+                inside[anc] = (i, name)  # earlier than anything of its own
+    for anc, (i, name) in inside.items():
+        if anc in status:
+            status[anc] = f"{'nan' if records[i].has_nan else 'inf'} in {records[i].phase.value}, inside {name}"
     return status
 
 
@@ -397,7 +449,7 @@ def replay(
         config["scaler_growth_tracker"] = int(scaler.state_dict().get("_growth_tracker", 0)) if scaler.is_enabled() else None
     traces: list[Trace] = []
     loss_value: float | None = None
-    try:
+    with state:
         zoom: frozenset[int] = frozenset()
         for _ in range(2):
             state.reset(start_rng)
@@ -413,12 +465,10 @@ def replay(
             first = t.first
             if first is not None:
                 zoom = frozenset((first.output.index, *first.output.inputs))
-    finally:
-        state.restore()
 
     a, b = traces
     runs = (a.first, b.first)
-    reproducible = _same(*runs)
+    reproducible = _same(a, b)
     final = b if reproducible else a
     records = final.records
     grads = [r for r in records if r.role is Role.GRAD]
@@ -437,6 +487,11 @@ def replay(
         verdict = _bisect(model, (inputs, targets), status, first, loss_fn=loss_fn, dtype=dtype,
                           device_type=device_type, scaler=scaler, optimizer=optimizer, rng=start_rng,
                           progress=progress, level=level, allow=allow, train=train, origins=tuple(final.origins))
+    if verdict is not None and verdict.silent and first is not None:
+        # which values the silent origin corrupted: those that took its non-finite values in, finite again
+        said = (f"{records[i].phase.value} {records[i].module or '<root>'} {records[i].op or records[i].role.value} "
+                f"(|x| max {records[i].absmax:.3g})" for i in first.absorbed)
+        verdict = dataclasses.replace(verdict, corrupted=tuple(dict.fromkeys(said)))
     timeline = tuple(
         (r.index, r.phase.value, r.absmax if r.finite else math.nan, "finite" if r.finite else ("nan" if r.has_nan else "inf"))
         for r in records

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _dispatch
-from ._errors import NonFiniteError, TraceStateError
+from ._errors import NanhuntError, NonFiniteError, TraceStateError
 from .locate import LocateResult, locate
 from .records import FullStats, Occurrence, Phase, RangeStats, Record, Role
 from .stats import PendingStats, full_stats
@@ -297,6 +297,7 @@ class Trace:
         self._result: LocateResult | None = None
         self._made: dict[int, Record] = {}
         self._stopped: Occurrence | None = None
+        self._failure: str | None = None  # why __exit__ could not finish
         self._reset()
 
     # ----------------------------------------------------------------- state
@@ -312,7 +313,8 @@ class Trace:
         self._direct: dict[str, tuple[int, ...]] = {}  # module -> records of its own weights
         self._stack: list[tuple[str, int]] = []
         self._recompute_depth = 0  # module calls entered inside backward (torch.utils.checkpoint)
-        self._mstack: list[tuple[int, tuple[int, ...]]] = []  # module level: (start, input records)
+        # module level, per module call running: (start, input records, its children's output records so far)
+        self._mstack: list[tuple[int, tuple[int, ...], list[int]]] = []
         self._calls: dict[str, int] = {}
         self._seqmap: dict[int, tuple[str | None, int, tuple[str, int, str] | None]] = {}
         self._last_seq = -1
@@ -343,6 +345,7 @@ class Trace:
         self._nograd_calls: dict[tuple[int, str], list[int]] = {}  # (last node's sequence nr, module) -> calls
         self._not_masks: set[int] = set()  # records that cannot be -inf masks (running statistics)
         self._consumed: set[int] = set()  # module level: records some module call took as an argument
+        self._index_uses: set[int] = set()  # op level: records an op with no floating output took in (a cast to long)
         # Module level: module outputs by memory layout, for the aliases of them a module receives
         # (a user's full backward hook hands the next module a new tensor over the same memory).
         self._layouts: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int, int]] = {}
@@ -361,11 +364,37 @@ class Trace:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._teardown()
+        """Remove everything, then read the statistics back and locate. A failure of nanhunt's own
+        here never hides the block's exception: that one propagates unchanged, with a note (a
+        warning before Python 3.11). Without one, a failed finish raises a :class:`NanhuntError`
+        (an interrupt, KeyboardInterrupt or SystemExit, propagates as itself)."""
+        failure: BaseException | None = None
         try:
-            self._finish()
-        finally:
+            self._teardown()
+        except BaseException as e:
+            failure = e
+        if failure is None:
+            try:
+                self._finish()
+            except BaseException as e:
+                failure = e
+        if failure is None:
             self._state = "done"
+            return
+        self._state = "failed"
+        self._result = None
+        self._failure = f"{type(failure).__name__}: {failure}"
+        message = f"nanhunt: the trace could not finish ({self._failure}); it has no results"
+        if exc is not None:
+            add_note = getattr(exc, "add_note", None)
+            if add_note is not None:
+                add_note(message)
+            else:  # pragma: no cover - Python 3.10
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return  # the block's own exception propagates
+        if not isinstance(failure, Exception):
+            raise failure  # an interrupt during the finish: the user's, not nanhunt's
+        raise NanhuntError(message) from failure
 
     def _start(self) -> None:
         model = None if self._model_ref is None else self._model_ref()
@@ -396,15 +425,17 @@ class Trace:
     def _teardown(self) -> None:
         """Remove everything installed. Safe to call twice; every step runs even if one fails."""
         errors: list[BaseException] = []
+        # Nothing is recorded from here on, even if some step below fails.
+        self._busy = True
         mode, self._mode = self._mode, None
-        if mode is not None and self._entered:
-            try:
+        entered, self._entered = self._entered, False
+        try:
+            if mode is not None and entered:
                 mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-            except BaseException as e:  # pragma: no cover - defensive
-                errors.append(e)
-        elif mode is not None:
-            _dispatch.pop_mode(mode)  # a scoped forward interrupted before its exit hook
-        self._entered = False
+            elif mode is not None:
+                _dispatch.pop_mode(mode)  # a scoped forward interrupted before its exit hook
+        except BaseException as e:  # pragma: no cover - defensive
+            errors.append(e)
         handles, self._handles = self._handles, []
         for h in handles:
             try:
@@ -413,12 +444,14 @@ class Trace:
                 errors.append(e)
         eager, self._eager = self._eager, None
         if eager is not None:
-            eager.__exit__(None, None, None)
+            try:
+                eager.__exit__(None, None, None)
+            except BaseException as e:  # pragma: no cover - defensive
+                errors.append(e)
         self._stack.clear()
         self._mstack.clear()
         # Whatever may still call in (a mode some thread's stack kept, a hook autograd copied)
         # from now on just runs: nothing is recorded after the block.
-        self._busy = True
         if errors:
             raise errors[0]
 
@@ -436,6 +469,7 @@ class Trace:
             spans=self._spans,
             allow=self.allow,
             materialize=self._record,
+            index_uses=frozenset(self._index_uses),
             calls=self._calls_made,
             not_masks=self._not_masks,
             sinks_seen=not self.scope,
@@ -449,6 +483,8 @@ class Trace:
     def _done(self) -> LocateResult:
         if self._state == "running":
             raise TraceStateError("the trace is still running: read its results after the `with nanhunt.trace(...)` block")
+        if self._failure is not None:
+            raise TraceStateError(f"the trace could not finish ({self._failure}); it has no results")
         if self._result is None:
             raise TraceStateError("the trace has not run: use it as `with nanhunt.trace(model) as t:`")
         return self._result
@@ -679,6 +715,7 @@ class Trace:
             # No argument written: only the outputs are new values.
             if isinstance(out, torch.Tensor):
                 if out.dtype not in _FLOATISH:
+                    self._index_uses.update(ins)
                     return out
                 outs: list[torch.Tensor] = [out]
             elif isinstance(out, (tuple, list)):
@@ -687,6 +724,7 @@ class Trace:
                     if isinstance(o, torch.Tensor) and o.dtype in _FLOATISH and not any(o is p for p in outs):
                         outs.append(o)
                 if not outs:
+                    self._index_uses.update(ins)
                     return out
             else:
                 return out
@@ -971,7 +1009,7 @@ class Trace:
                 self._stack.append((name, call))
                 self._recompute_depth += 1
                 if self.level == "module":
-                    self._mstack.append((len(self._raw), ()))
+                    self._mstack.append((len(self._raw), (), []))
                 return
             upd = self._updating
             if upd and not upd[-1].closure and len(self._stack) == upd[-1].depth:
@@ -1012,8 +1050,10 @@ class Trace:
                         self._known[t] = (same[1], same[2])
                         continue
                 if self.level == "module" and parent is not None:
-                    # Not seen at a module boundary: made by the parent's own code between child calls.
-                    raw = _Raw(Phase.FORWARD, parent[0], parent[1], None, Role.OUTPUT, t, (), None)
+                    # Not seen at a module boundary: made by the parent's own code between child calls,
+                    # from what that call had: its arguments and its children's outputs so far.
+                    made = (*frame[1], *frame[2]) if (frame := self._mstack[-1] if self._mstack else None) else ()
+                    raw = _Raw(Phase.FORWARD, parent[0], parent[1], None, Role.OUTPUT, t, made, None)
                 else:  # from outside the step (or, with scope=, from outside the scope)
                     raw = _Raw(Phase.FORWARD if self.scope else Phase.INPUT, name, call, None, Role.INPUT, t, (), None)
                 idx = self._new(raw, t)
@@ -1024,7 +1064,7 @@ class Trace:
             if self.level == "module":
                 self._consumed.update(ins)
                 ins.extend(self._direct.get(name, ()))
-                self._mstack.append((len(self._raw), tuple(ins)))
+                self._mstack.append((len(self._raw), tuple(ins), []))
         finally:
             self._busy = False
 
@@ -1064,9 +1104,10 @@ class Trace:
             self._recompute_depth -= 1
         self._busy = True
         try:
-            start, ins = self._mstack.pop() if self.level == "module" and self._mstack else (0, ())
+            start, ins, children = self._mstack.pop() if self.level == "module" and self._mstack else (0, (), [])
             if in_backward:
                 return
+            made = (*ins, *children)  # module level: its output came from its arguments and its children's
             if self.level == "module":
                 self._calls_made.append((start, len(self._raw), name, call))
             is_root = name == self._root_name
@@ -1078,13 +1119,15 @@ class Trace:
                     if ent is not None and ent[1] == _version(t) and ent[0] >= start:
                         idx = int(ent[0])  # a child's output returned as is
                     else:
-                        idx = self._new(_Raw(Phase.FORWARD, name, call, None, Role.OUTPUT, t, ins, None), t)
+                        idx = self._new(_Raw(Phase.FORWARD, name, call, None, Role.OUTPUT, t, made, None), t)
                         self._known[t] = (idx, _version(t))
                         self._spans[idx] = start
                         self._layouts[_layout(t)] = (weakref.ref(t), idx, _version(t))
                     if t.requires_grad and torch.is_grad_enabled():
                         self._handles.append(
                             t.register_hook(self._grad_output_hook(name, call, is_root, idx)))  # type: ignore[no-untyped-call]
+                    if self._mstack:
+                        self._mstack[-1][2].append(idx)
                 else:
                     idx = self._lookup(t, Phase.FORWARD, name, call)
                 if is_root:

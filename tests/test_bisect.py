@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
+from nanhunt.report._common import verdict_text
 
 
 class Cell(nn.Module):
@@ -200,3 +201,88 @@ def test_ctrl_c_during_bisection_gives_partial_verdict_and_restores() -> None:
     assert all(torch.equal(before[k], t) for k, t in m.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all("forward" not in mod.__dict__ for mod in m.modules())
+
+
+class VarNorm(nn.Module):
+    """A hand-written normalisation: under float16 the variance h^2 overflows; h / sqrt(inf) = 0."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        v = h.pow(2).mean(-1, keepdim=True)  # FAULT: 1e6 > 65504 in float16
+        return h / torch.sqrt(v + 1e-5)  # the activations become 0: finite, and wrong
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(4, 8), VarNorm(), nn.Linear(8, 4)
+        with torch.no_grad():
+            self.fc.weight.fill_(250.0)
+            self.fc.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(x)))
+
+
+def test_a_silent_origin_corrupting_values_is_a_precision_verdict() -> None:
+    # GIVEN a step whose only origin (the variance overflow) is absorbed: loss and gradients stay finite
+    torch.manual_seed(0)
+    rep = _report(NormNet(), torch.ones(2, 4), dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
+    # THEN the origin is named, silent, and bisection answers "is the origin gone?": norm in float32
+    assert rep.first is not None and (rep.first.phase.value, rep.first.module, rep.first.op) == (
+        "forward", "norm", "aten::pow")
+    assert rep.first.silent
+    v = rep.verdict
+    assert v is not None and v.kind == "precision" and v.silent and v.confirmed
+    assert v.culprits == ("norm",) and v.origin_alone_fixes is True
+    assert v.fix is not None and "norm" in v.fix
+    # AND it says which values the absorbed Inf corrupted: the division that made the activations 0
+    assert v.corrupted and v.corrupted[0].startswith("forward norm aten::div")
+    assert "go away" in "".join(s.text for s in verdict_text(rep))
+
+
+def test_origin_alone_is_answered_on_not_precision() -> None:
+    # GIVEN a division by zero that float32 does not fix, in module "1"
+    class Div(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / (x - x)
+
+    rep = _report(nn.Sequential(nn.Linear(8, 8), Div()), torch.ones(2, 8))
+    assert rep.verdict is not None and rep.verdict.kind == "not-precision"
+    # THEN origin_alone_fixes is answered: running "1" alone in float32 does not help
+    assert rep.verdict.origin_alone_fixes is False
+
+
+def test_a_compiled_models_origin_and_culprits_carry_the_users_names() -> None:
+    # GIVEN a torch.compile'd chain whose layer 2 overflows float16
+    torch.manual_seed(0)
+    model = torch.compile(Chain(4, hot=(2,)), backend="eager")
+    rep = _report(model, torch.ones(2, 8))
+    # THEN origin, culprits and origin_alone_fixes speak of the same module, named as the user wrote it
+    assert rep.first is not None and rep.first.module == "layers.2.fc"
+    v = rep.verdict
+    assert v is not None and v.kind == "precision" and v.culprits == ("layers.2.fc",)
+    assert v.origin_alone_fixes is True
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_half_models_adam_update_is_fixed_by_float32_master_weights(foreach: bool) -> None:
+    # GIVEN a model.half() model trained with Adam: fc1 is dead (relu of -100), its gradients are 0, and in
+    # float16 eps=1e-8 is 0, so the update divides 0 by 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).half()
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(2, 4).half(), torch.zeros(2, 2).half()
+    rep = nanhunt.replay(model, (x, y), loss_fn=F.mse_loss, dtype=torch.float16, optimizer=opt, bisect=True)
+    # THEN the NaN is born in the update, and the float32 control (update included) is finite: a precision
+    # problem whose fix is float32 master weights (<update>), not "fails in float32 too"
+    assert rep.first is not None and (rep.first.phase.value, rep.first.module) == ("update", None)
+    v = rep.verdict
+    assert v is not None and v.kind == "precision" and v.culprits == ("<update>",) and v.confirmed
+    assert v.origin_alone_fixes is True
+    assert v.fix is not None and "master weights" in v.fix
+    # AND the model and its (empty) optimizer state are as they were
+    assert all(torch.equal(a, b) and a.dtype == torch.float16 for a, b in zip(before, model.parameters()))
+    assert not opt.state

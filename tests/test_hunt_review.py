@@ -520,7 +520,7 @@ def test_module_level_freed_and_reused_output_memory_is_not_that_output() -> Non
     else:
         pytest.skip("the allocator did not reuse the released memory here")
     # THEN the NaN entered the stage's second call from outside: phase input, not born in `a`
-    assert where(t.first) == (Phase.INPUT, "", None, 1, "nan")
+    assert where(t.first) == (Phase.INPUT, None, None, 1, "nan")
 
 
 # ====================================================================== (8) reentrant checkpoint call index

@@ -158,3 +158,18 @@ def test_save_capture_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                          optimizer=step.optimizer, rng=step.rng)
     assert rep.first is not None
     assert (rep.first.phase.value, rep.first.module) == ("forward", "blocks.0.ff.wi")
+
+
+def test_module_tree_status_summarises_the_subtree() -> None:
+    # GIVEN an MLP whose activation (a child) overflows: neither the root nor fc1 makes a non-finite value itself
+    from .models import exp_overflow_mlp
+
+    model = nn.Sequential(exp_overflow_mlp())
+    x = torch.ones(2, 4)
+    # WHEN it is replayed
+    rep = nanhunt.replay(model, (x, torch.zeros(2, 3)), loss_fn=F.mse_loss, dtype=torch.float32)
+    # THEN the child says where it went bad, and every ancestor says it went bad inside that child
+    assert rep.modules["0.act"] == "inf in forward"
+    assert rep.modules["0"] == "inf in forward, inside 0.act"
+    assert rep.modules[""] == "inf in forward, inside 0.act"
+    assert rep.modules["0.fc1"] == "nan in backward"  # its own gradient, after the forward overflow

@@ -214,7 +214,7 @@ def test_nan_in_batch() -> None:
     # WHEN a clean model runs on it
     t = run_step(M.clean_mlp(), x)
     # THEN phase input, no op, at the root module the batch entered
-    occ = assert_where(t.first, phase=Phase.INPUT, module="", op=None, kind="nan")
+    occ = assert_where(t.first, phase=Phase.INPUT, module=None, op=None, kind="nan")
     assert occ.output.role is Role.INPUT
     assert occ.output.shape == (2, 4)
     assert "loss" in occ.reached
@@ -228,7 +228,7 @@ def test_nan_in_batch_passed_as_keyword() -> None:
     with nanhunt.trace(m) as t:
         m(x=x).sum().backward()
     # THEN it is still phase input at the root
-    occ = assert_where(t.first, phase=Phase.INPUT, module="", op=None, kind="nan")
+    occ = assert_where(t.first, phase=Phase.INPUT, module=None, op=None, kind="nan")
     assert occ.output.role is Role.INPUT
 
 
@@ -626,7 +626,7 @@ def test_module_level_nan_in_batch_and_weight() -> None:
     x = M.batch(2, 4)
     x[0, 0] = math.nan
     t = run_step(M.clean_mlp(), x, level="module")
-    assert_where(t.first, phase=Phase.INPUT, module="", op=None, kind="nan")
+    assert_where(t.first, phase=Phase.INPUT, module=None, op=None, kind="nan")
     m = M.clean_mlp()
     with torch.no_grad():
         m.fc1.bias[0] = math.inf
