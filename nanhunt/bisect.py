@@ -74,13 +74,12 @@ class _Trials:
             # the origin's module alone is traced (op level): the question is only whether it is still born
             tracer = None if watch is None else Trace(self.model, level="op", scope=[watch.module] if watch.module
                                                       else ())
-            master = as_fp32 or UPDATE_REGION in fp32  # float32 master copies: the update in float32
-            with float32_weights(self.model, enabled=master, optimizer=self.optimizer), keep_fp32(self.model, fp32):
+            with float32_weights(self.model, enabled=as_fp32, optimizer=self.optimizer), keep_fp32(self.model, fp32):
                 with tracer if tracer is not None else contextlib.nullcontext():
                     loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn,
                                     dtype=dtype or self.dtype, device_type=self.device_type,
                                     scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
-                                    fp32_loss=LOSS_REGION in fp32)
+                                    fp32_loss=LOSS_REGION in fp32, fp32_update=UPDATE_REGION in fp32)
                 ok = _step_finite(self.model, loss, self.optimizer)
             if tracer is not None and watch is not None:
                 ok = ok and not any(_same_place(o, watch) for o in tracer.origins)

@@ -36,6 +36,7 @@ from ._tree import map_tensors
 
 __all__ = [
     "save_capture",
+    "unwrap_model",
     "load_file",
     "resolve",
     "callable_path",
@@ -263,6 +264,22 @@ def _loaded_from(module: Any) -> str | None:
 
 
 # ------------------------------------------------------------------- saving
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module to save: without DDP/FSDP-style ``.module`` and torch.compile's ``_orig_mod``."""
+    for _ in range(4):
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel",
+                                                                    "FullyShardedDataParallel"):
+            model = inner
+            continue
+        break
+    return model
+
+
 def save_capture(
     checkpoint_path: str | os.PathLike[str],
     batch_path: str | os.PathLike[str],
@@ -293,6 +310,7 @@ def save_capture(
     taken earlier); ``model`` and ``optimizer`` still name the classes. Both files
     load with ``torch.load(..., weights_only=True)``.
     """
+    model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
     factory = model_factory or callable_path(model)
     if factory is None:
         raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dispatch import tensor_version as _version
 from ._errors import GuardError
-from .capture import callable_path, rng_state, save_capture
+from .capture import callable_path, rng_state, save_capture, unwrap_model
 
 __all__ = ["Guard", "GuardEvent", "GuardWarning"]
 
@@ -265,7 +265,7 @@ class Guard:
         self.dump_all_ranks = dump_all_ranks
         self.dtype = dtype
 
-        self._module = _unwrap(model)
+        self._module = unwrap_model(model)
         # Fail now rather than at the first bad step, when nothing could be saved.
         self.model_factory = model_factory or callable_path(self._module)
         if self.model_factory is None:
@@ -791,22 +791,6 @@ class _StepContext:
 
 
 # ------------------------------------------------------------------ helpers
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module to save: without DDP/FSDP-style ``.module`` and torch.compile's ``_orig_mod``."""
-    for _ in range(4):
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        inner = getattr(model, "module", None)
-        if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel",
-                                                                    "FullyShardedDataParallel"):
-            model = inner
-            continue
-        break
-    return model
-
-
 @contextmanager
 def _both_or_neither(checkpoint: str, batch: str) -> Iterator[tuple[str, str]]:
     """Temporary names for a capture's two files, renamed onto theirs once both are written. On any failure

@@ -11,7 +11,8 @@ from torch import nn
 
 from ._tree import map_tensors
 
-__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "has_half_weights", "to_fp32",
+__all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "float32_master", "has_half_weights",
+           "to_fp32",
            "LOSS_REGION", "UPDATE_REGION", "REGIONS"]
 
 LOSS_REGION = "<loss>"  # the loss function, as a bisection candidate
@@ -70,6 +71,41 @@ def float32_weights(model: nn.Module, *, enabled: bool = True,
             t.grad = None
             t.data = data
             t.grad = grad
+
+
+@contextlib.contextmanager
+def float32_master(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside the block, the optimizer updates float32 master copies of its float16/bfloat16 parameters
+    (their gradients and state cast to float32); on exit each parameter takes its updated master's value
+    in its own dtype, as mixed-precision training with master weights does, and gets back its gradient.
+    The optimizer's state stays float32 (a bisection trial restores it)."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    seen: set[int] = set()
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor) or id(p) in seen or p.dtype not in _LOW:
+                continue
+            seen.add(id(p))
+            swapped.append((p, p.data, p.grad))
+            grad = p.grad
+            p.grad = None
+            p.data = p.data.float()
+            p.grad = None if grad is None else grad.float()
+            st = optimizer.state.get(p)
+            if st:
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and v.dtype in _LOW:
+                        st[k] = v.float()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, half, grad in reversed(swapped):
+                master = p.data
+                p.grad = None
+                p.data = half
+                half.copy_(master)
+                p.grad = grad
 
 
 def _fp32_weights_in(module: nn.Module) -> tuple[Callable[[], None], torch.dtype | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -17,8 +18,9 @@ from torch import nn
 from ._errors import CommandError
 from ._interrupt import atomic, deferred_interrupts
 from .capture import rng_state, set_rng_state, split_batch
-from .precision import float32_weights, fp32_call, to_fp32
+from .precision import float32_master, float32_weights, fp32_call, to_fp32
 from .records import Occurrence, Phase, Record, Report, Role, Verdict
+from .graph import loss_index
 from .tracer import Trace
 
 __all__ = ["replay", "StepState", "run_step", "environment"]
@@ -263,9 +265,11 @@ def run_step(
     scaler: torch.amp.GradScaler | None,
     optimizer: torch.optim.Optimizer | None,
     fp32_loss: bool = False,
+    fp32_update: bool = False,
 ) -> torch.Tensor:
     """One step as training runs it: forward and loss under autocast, scaled backward, update.
-    ``fp32_loss`` computes the loss with autocast off on float32 inputs (a bisection trial)."""
+    ``fp32_loss`` computes the loss with autocast off on float32 inputs, ``fp32_update`` runs the update
+    on float32 master copies of half-precision parameters (bisection trials)."""
     if fp32_loss and loss_fn is not None:
         loss_fn = fp32_call(loss_fn, device_type)
     with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
@@ -273,11 +277,12 @@ def run_step(
     if loss.requires_grad:
         _backward(scaler.scale(loss) if scaler is not None else loss)
         if optimizer is not None:
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            with float32_master(optimizer) if fp32_update else contextlib.nullcontext():
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
     return loss
 
 
@@ -363,7 +368,11 @@ def _state_notes(config: Mapping[str, Any], compiled: bool) -> tuple[str, ...]:
 
 
 def _sinks_finite(records: Sequence[Record]) -> bool:
-    return all(r.finite for r in records if r.phase in (Phase.LOSS, Phase.BACKWARD, Phase.UPDATE) or r.role is Role.GRAD)
+    """The loss value, the gradients and the update are finite. Intermediate values of the loss and of
+    backward are no sinks: a checkpoint's recomputed -inf attention mask sits there on purpose."""
+    loss = loss_index(records)
+    return (loss is None or records[loss].finite) and all(
+        r.finite for r in records if r.phase is Phase.UPDATE or r.role is Role.GRAD)
 
 
 def _module_status(records: Sequence[Record], tainted: frozenset[int], classes: Mapping[str, str]) -> dict[str, str]:
@@ -478,7 +487,7 @@ def replay(
     first = final.first
     if not reproducible:
         status = "not-reproducible"
-    elif first is None and not final.tainted and _sinks_finite(records):
+    elif first is None and all(o.harmless for o in final.origins) and _sinks_finite(records):
         status = "clean"
     else:
         status = "nonfinite"
