@@ -1,16 +1,27 @@
-"""nanhunt: find where a NaN or Inf is born in a PyTorch training step, and prove why."""
+"""nanhunt: find where a NaN or Inf is born in a PyTorch training step, and prove why.
+
+The names below are imported when first used (PEP 562): ``nanhunt --help`` and the renderers never
+import torch, and ``import nanhunt`` costs what the name you use needs.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from ._errors import GuardError, NanhuntError, NonFiniteError
-from .records import FullStats, Occurrence, Phase, Record, Role
-from .capture import save_capture
-from .precision import keep_fp32, keep_fp32_permanently
-from .records import Report, Verdict
-from .replay import replay
-from .compare import compare
-from .guard import Guard, GuardEvent
-from .tracer import Trace, trace
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from .capture import save_capture
+    from .compare import compare
+    from .guard import Guard, GuardEvent
+    from .hunt import replay
+    from .precision import keep_fp32, keep_fp32_permanently
+    from .records import FullStats, Occurrence, Phase, Record, Report, Role, Verdict
+    from .tracer import Trace, trace
 
 __all__ = [
     "trace",
@@ -32,6 +43,39 @@ __all__ = [
     "FullStats",
     "NanhuntError",
     "NonFiniteError",
+    "__version__",
 ]
 
-__version__ = "0.1.0"
+_WHERE = {
+    "trace": "tracer", "Trace": "tracer", "replay": "hunt", "compare": "compare", "save_capture": "capture",
+    "Guard": "guard", "GuardEvent": "guard", "keep_fp32": "precision", "keep_fp32_permanently": "precision",
+    "Report": "records", "Verdict": "records", "Occurrence": "records", "Record": "records", "Phase": "records",
+    "Role": "records", "FullStats": "records",
+}
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``nanhunt.replay`` (or ``nanhunt.compare``) must not replace the function of
+    that name: the import system sets the submodule as the package's attribute, eagerly imported names
+    used to win by coming later. The submodule stays in ``sys.modules`` (``from nanhunt.replay import ...``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'nanhunt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, float32_weights, has_half_weights, keep_fp32, to_fp32
+from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from .records import Occurrence, Verdict
-from .replay import StepState, run_step
+from .step import Step
 from .tracer import Trace
 
 __all__ = ["bisect", "suggested_fix"]
@@ -32,16 +32,10 @@ class _Interrupted(Exception):
 
 
 class _Trials:
-    """Runs one finite/non-finite trial per call and counts them."""
+    """Runs one finite/non-finite trial of the step per call and counts them."""
 
-    def __init__(self, model: nn.Module, inputs: Any, targets: Any, *, loss_fn: Callable[..., Any] | None,
-                 dtype: torch.dtype, device_type: str, scaler: torch.amp.GradScaler | None,
-                 optimizer: torch.optim.Optimizer | None, state: StepState, rng: Mapping[str, Any],
-                 progress: Callable[[int, str], None] | None, train: bool | None = None) -> None:
-        self.model, self.inputs, self.targets = model, inputs, targets
-        self.loss_fn, self.dtype, self.device_type = loss_fn, dtype, device_type
-        self.scaler, self.optimizer, self.state, self.rng = scaler, optimizer, state, rng
-        self.progress, self.train = progress, train
+    def __init__(self, step: Step, progress: Callable[[int, str], None] | None) -> None:
+        self.step, self.progress = step, progress
         self.count = 0
         self.cache: dict[tuple[Any, ...], bool] = {}
         # a silent origin (the step stays finite): a trial is "finite" when that origin is gone too
@@ -57,41 +51,28 @@ class _Trials:
         self.count += 1
         if self.progress is not None:
             self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
+        step, watch = self.step, self.watch
         handles: list[RemovableHandle] = []
-        try:
-            # A Ctrl-C held while the state was put back arrives when reset/restore returns: inside
-            # this try, so the search ends with what it found, as on a Ctrl-C during the step.
-            self.state.reset(self.rng)
+        result: list[bool] = []
+
+        def hooks() -> None:
             if called is not None:
-                handles = _record_calls(self.model, called)
-            if self.train is not None:
-                self.model.train(self.train)  # as the traced runs (StepState restores the flags)
-            inputs, targets = self.inputs, self.targets
-            as_fp32 = dtype == torch.float32
-            if as_fp32:
-                inputs, targets = to_fp32(inputs), to_fp32(targets)
-            watch = self.watch
-            # the origin's module alone is traced (op level): the question is only whether it is still born
-            tracer = None if watch is None else Trace(self.model, level="op", scope=[watch.module] if watch.module
-                                                      else ())
-            with float32_weights(self.model, enabled=as_fp32, optimizer=self.optimizer), keep_fp32(self.model, fp32):
-                with tracer if tracer is not None else contextlib.nullcontext():
-                    loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn,
-                                    dtype=dtype or self.dtype, device_type=self.device_type,
-                                    scaler=None if unscaled else self.scaler, optimizer=self.optimizer,
-                                    fp32_loss=LOSS_REGION in fp32, fp32_update=UPDATE_REGION in fp32)
-                ok = _step_finite(self.model, loss, self.optimizer)
-            if tracer is not None and watch is not None:
-                ok = ok and not any(_same_place(o, watch) for o in tracer.origins)
+                handles.extend(_record_calls(step.model, called))
+
+        # the origin's module alone is traced (op level): the question is only whether it is still born
+        tracer = None if watch is None else Trace(step.model, level="op", scope=[watch.module] if watch.module else ())
+        try:
+            # A Ctrl-C held while the state was put back arrives when the reset returns: inside this try,
+            # so the search ends with what it found, as on a Ctrl-C during the step.
+            step.run(fp32=fp32, dtype=dtype, unscaled=unscaled, within=tracer, before=hooks,
+                     after=lambda loss: result.append(_step_finite(step.model, loss, step.optimizer)))
         except KeyboardInterrupt as e:
             raise _Interrupted from e
         finally:
             for h in handles:
                 h.remove()
-            try:
-                self.state.restore()
-            except KeyboardInterrupt as e:
-                raise _Interrupted from e
+        ok = result[0] and not (tracer is not None and watch is not None
+                                and any(_same_place(o, watch) for o in tracer.origins))
         self.cache[key] = ok
         return ok
 
@@ -173,36 +154,22 @@ def _children(model: nn.Module, called: Collection[str] | None = None) -> dict[s
 
 
 def bisect(
-    model: nn.Module,
-    batch: tuple[Any, Any],
+    step: Step,
     *,
     origin: Occurrence | None,
-    loss_fn: Callable[..., Any] | None = None,
-    dtype: torch.dtype = torch.float16,
-    device_type: str = "cpu",
-    scaler: torch.amp.GradScaler | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    rng: Mapping[str, Any] | None = None,
+    origins: Sequence[Occurrence] = (),
     progress: Callable[[int, str], None] | None = None,
     locate_fp32: Callable[[], Occurrence | None] | None = None,
-    train: bool | None = None,
-    origins: Sequence[Occurrence] = (),
 ) -> Verdict:
-    """Find a minimal set of modules (and ``<loss>``) whose float32 execution makes the step finite.
+    """Find a minimal set of modules (and the regions ``<loss>``, ``<update>``) whose float32 execution makes
+    ``step`` finite.
 
-    ``origin`` is the first origin, ``origins`` all of them (default: ``origin`` alone); ``train``
-    sets the training mode of every trial, as the traced runs did. Restores the model, optimizer,
-    scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted`` and holds
-    what was found so far).
+    ``origin`` is the leading origin, ``origins`` all of them (default: ``origin`` alone). Restores the
+    model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted``
+    and holds what was found so far).
     """
-    inputs, targets = batch
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module):
-        model = inner  # torch.compile: the eager original, as traced (and named without _orig_mod.)
-    state = StepState(model, optimizer, scaler)
-    start_rng = dict(rng) if rng is not None else state.rng
-    trials = _Trials(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
-                     optimizer=optimizer, state=state, rng=start_rng, progress=progress, train=train)
+    model, dtype = step.model, step.dtype
+    trials = _Trials(step, progress)
     all_origins = tuple(origins) or ((origin,) if origin is not None else ())
     # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
     reaching = next((o for o in all_origins if not o.silent), None)
@@ -214,9 +181,10 @@ def bisect(
     alternatives: dict[str, bool] = {}
     children = _children(model)
     root = next(n for n, m in model.named_modules() if m is model)
-    with_loss = loss_fn is not None
+    with_loss = step.loss_fn is not None
+    scaler = step.scaler
     # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
-    with_update = optimizer is not None and has_half_weights(model)
+    with_update = step.optimizer is not None and has_half_weights(model)
     regions = ([LOSS_REGION] if with_loss else []) + ([UPDATE_REGION] if with_update else [])
     n_candidates = len(children) + len(regions)
 
@@ -240,7 +208,7 @@ def bisect(
 
     found: list[str] = []
     origin_alone: bool | None = None
-    with state:  # restored on leaving, also on Ctrl-C (held until the restore is complete)
+    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
         try:
             # With half-precision weights (model.half()) the original is no float32 run even without autocast.
             if ((dtype != torch.float32 or has_half_weights(model))

@@ -33,6 +33,7 @@ from torch import nn
 from ._errors import CommandError
 from ._safeload import load_file
 from ._tree import map_tensors
+from .step import Step, rng_state, set_rng_state, split_batch
 
 __all__ = [
     "save_capture",
@@ -40,7 +41,6 @@ __all__ = [
     "load_file",
     "resolve",
     "callable_path",
-    "LoadedStep",
     "load_step",
     "map_state_dict",
     "split_batch",
@@ -50,33 +50,6 @@ __all__ = [
 
 CAPTURE_FORMAT = 1
 _PREFIXES = ("module", "_orig_mod")  # DDP, torch.compile
-
-
-# --------------------------------------------------------------------- RNG
-def rng_state(*, python_numpy: bool = False) -> dict[str, Any]:
-    """torch's (and CUDA's) generator state; with ``python_numpy``, also Python's ``random`` and NumPy's
-    global generator (in-memory snapshots only: capture files hold torch's, and load with weights_only)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if python_numpy:
-        state["python"] = random.getstate()
-        state["numpy"] = np.random.get_state()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Set the generators ``state`` holds; the others (keys it lacks, as in older files) stay as they are."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = list(state["cuda"])
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-    if "python" in state:
-        random.setstate(state["python"])
-    if "numpy" in state:
-        np.random.set_state(state["numpy"])
 
 
 # ------------------------------------------------------------ callable paths
@@ -449,40 +422,6 @@ def _few(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + more
 
 
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` from the batch shapes users have."""
-    if isinstance(batch, Mapping):
-        if "nanhunt_batch" in batch:
-            return batch.get("inputs"), batch.get("targets")
-        if "inputs" in batch:
-            return batch["inputs"], batch.get("targets")
-        return dict(batch), None  # keyword arguments of the model (HF style)
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 2:
-            return batch[0], batch[1]
-        if len(batch) == 1:
-            return batch[0], None
-        raise CommandError(f"the batch is a sequence of {len(batch)} items; expected (inputs, targets)")
-    if isinstance(batch, torch.Tensor):
-        return batch, None
-    raise CommandError(f"the batch is a {type(batch).__name__}; expected a tensor, (inputs, targets) or a dict")
-
-
-@dataclass
-class LoadedStep:
-    model: nn.Module
-    inputs: Any
-    targets: Any
-    loss_fn: Callable[..., Any] | None
-    optimizer: torch.optim.Optimizer | None
-    scaler: torch.amp.GradScaler | None
-    device_type: str
-    dtype: torch.dtype
-    training: bool
-    rng: dict[str, Any] | None
-    notes: list[str] = field(default_factory=list)
-
-
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -504,7 +443,7 @@ def load_step(
     no_scaler: bool = False,
     train: bool | None = None,
     trust_pickle: bool = False,
-) -> LoadedStep:
+) -> Step:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
     notes: list[str] = []
     dev = _parse_device(device) if device else None
@@ -620,7 +559,8 @@ def load_step(
                 raise CommandError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
                                    "pass --no-scaler to replay without it") from e
     dt = parse_dtype(dtype or str(autocast.get("dtype", "float16")))
-    return LoadedStep(model, inputs, targets, loss_fn, optimizer, scaler, dev.type, dt, model.training, rng, notes)
+    return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
+                optimizer=optimizer, rng=rng, notes=tuple(notes))
 
 
 def _parse_device(device: str) -> torch.device:

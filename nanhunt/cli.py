@@ -52,7 +52,8 @@ class ReplayCommand:
         p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
         p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="autocast dtype (default: the capture's, else float16)")
         p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default cpu)")
-        p.add_argument("--level", choices=("op", "module"), default="op")
+        p.add_argument("--level", choices=("op", "module"), default="op",
+                       help="op (default): name the aten op and its source line; module: only the module, cheaper")
         p.add_argument("--no-scaler", action="store_true", help="ignore the GradScaler state: unscaled backward")
         mode = p.add_mutually_exclusive_group()
         mode.add_argument("--train", dest="train", action="store_const", const=True, help="replay in train mode")
@@ -66,7 +67,7 @@ class ReplayCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from .capture import load_step
-        from .replay import replay
+        from .hunt import hunt
         from .report import renderer_for, write, write_bundle
         from .report.console import render
 
@@ -85,19 +86,8 @@ class ReplayCommand:
             print(visible(f"warning: {n}"), file=sys.stderr)
         try:
             with _Progress() as progress:
-                report = replay(
-                    step.model, (step.inputs, step.targets), loss_fn=step.loss_fn, dtype=step.dtype,
-                    device_type=step.device_type, scaler=step.scaler, optimizer=step.optimizer, level=args.level,
-                    rng=step.rng, allow=args.allow, command=_command_line(), notes=step.notes,
-                    bisect=not args.no_bisect, progress=progress.update,
-                )
-            if args.bundle:
-                from .repro import make_repro
-
-                rp = make_repro(step.model, (step.inputs, step.targets), report.first, args.bundle,
-                                loss_fn=step.loss_fn, dtype=step.dtype, device_type=step.device_type,
-                                scaler=step.scaler, optimizer=step.optimizer, rng=step.rng)
-                report = dataclasses.replace(report, repro=rp)
+                report = hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
+                              progress=progress.update, bundle=args.bundle, command=_command_line())
         except NanhuntError:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -152,7 +142,7 @@ class InspectCommand:
     help = "non-finite and near-overflow parameters, optimizer moments and GradScaler state of a checkpoint"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint")
+        p.add_argument("checkpoint", help="checkpoint.pt: a nanhunt capture, a state_dict, {'model': ...} or Lightning's")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the file!)")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -374,13 +364,40 @@ def _error(e: BaseException) -> None:
     print("nanhunt: error: " + visible(str(e)), file=sys.stderr)
 
 
+_ARGV: list[str] = []  # the arguments main() was given (not sys.argv: main(["replay", ...]) from Python)
+
+
 def _command_line() -> str:
-    return "nanhunt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return "nanhunt " + " ".join(shlex.quote(a) for a in _ARGV)
+
+
+def _version() -> str:
+    """nanhunt's, torch's and CUDA's versions (this imports torch: only --version pays for it)."""
+    from ._version import __version__
+
+    try:
+        import torch
+
+        cuda = torch.version.cuda or "none"
+        torch_v = str(torch.__version__)
+    except ImportError:
+        torch_v, cuda = "not installed", "none"
+    return f"nanhunt {__version__} (torch {torch_v}, CUDA {cuda}, Python {sys.version.split()[0]})"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print nanhunt's, torch's and CUDA's versions")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(_version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanhunt", description="Find where a NaN or Inf is born in a PyTorch step.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
@@ -392,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)

@@ -44,9 +44,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import CommandError
 from ._tree import map_tensors
-from .capture import split_batch
 from .records import Comparison, Decision, Regression, Report, TensorDiff
-from .replay import StepState, _backward, _call_model, _loss_of, environment
+from ._env import environment
+from .step import Step, _backward, _call_model, _loss_of
 
 __all__ = ["compare", "default_tolerances", "top_two", "TIE_RULE", "TASKS"]
 
@@ -495,7 +495,7 @@ def compare(
     *,
     loss_fn: Callable[..., Any] | None = None,
     dtype: torch.dtype | str = torch.float16,
-    device_type: str = "cpu",
+    device_type: str | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     task: str = "none",
@@ -548,10 +548,11 @@ def compare(
     limit = float(torch.finfo(dt).max)
     scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
-    inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
+    # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
+    step = Step.of(model, batch, loss_fn=loss_fn, dtype=dt, device_type=device_type, scaler=scaler, train=train,
+                   rng=rng)
+    model, inputs, targets, device_type = step.model, step.inputs, step.targets, step.device_type
     batch_floats, _ = _floats(inputs)
-    state = StepState(model, None, scaler)
-    start_rng = dict(rng) if rng is not None else state.rng
     config: dict[str, Any] = {
         "dtype": dtype_name,
         "device_type": device_type,
@@ -578,9 +579,7 @@ def compare(
                  fail_on_tolerance=fail_on_tolerance, tie_rule=TIE_RULE if task == "classify" else "")
 
     def run(amp: bool) -> _Run:
-        state.reset(start_rng)
-        if train is not None:
-            model.train(train)
+        step.reset()
         ins, tgts = (inputs, targets) if amp else ref_batch
         return _run(model, ins, tgts, loss_fn, dtype=dt, device_type=device_type, amp=amp,
                     scale=scale if amp else 1.0)
@@ -590,7 +589,7 @@ def compare(
                       environment=environment(device_type), command=command, notes=base_notes + tuple(extra),
                       comparison=comparison)
 
-    with state:  # restored on leaving, also on Ctrl-C (held until the restore is complete)
+    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
         ref = run(amp=False)
         ref_loss = float(ref.loss.double().sum())
         ref_bad = _first_nonfinite(ref, batch_floats)

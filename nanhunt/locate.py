@@ -25,10 +25,11 @@ _ENTERING = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.STATE)
 # -inf is a corruption from an earlier step, never a mask.
 _MASKS = (Role.INPUT, Role.BUFFER)
 _MODULE_GRADS = (Role.GRAD_OUTPUT, Role.GRAD)
-# Ops whose extra outputs are log-probability tables kept for their backward: an unreachable state is
-# log(0) = -inf by design (CTC's alpha table holds -inf in every valid step). Only -inf there, absorbed
-# before any sink, is harmless.
-_LOG_SPACE_TABLES = frozenset({"aten::_ctc_loss", "aten::_cudnn_ctc_loss", "aten::_use_cudnn_ctc_loss"})
+# Ops whose extra output is a workspace kept for their own backward, never a value of the step: CTC's
+# log-space alpha table holds log(0) = -inf for unreachable states, and its columns past a shorter target
+# are never written (uninitialised memory: any value, NaN included, differing between runs). What such
+# an output holds is harmless unless it reaches a sink (the loss output itself does).
+_WORKSPACES = frozenset({"aten::_ctc_loss", "aten::_cudnn_ctc_loss"})
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,7 @@ def locate(
             # it went only into integer / index / boolean results: no floating value took it in, and
             # an op with no floating output did (a value nothing used, a buffer it was stored in, is not)
             into = sorted({k for i in spread[r.index] for k in absorbed.get(i, ())})
-            harmless = reached == () and (not into and bool(spread[r.index] & index_uses) or (
-                r.op in _LOG_SPACE_TABLES and not r.has_nan and r.max < math.inf))
+            harmless = reached == () and (not into and bool(spread[r.index] & index_uses) or r.op in _WORKSPACES)
             path = propagation_path(g, r.index, target)
             tainted.update(spread[r.index])
         module, call_index = r.module, r.call_index

@@ -15,9 +15,12 @@ that prints the same kind of non-finite value marks the repro verified.
 
 Example::
 
-    report = nanhunt.replay(model, (x, y), loss_fn=loss_fn, dtype=torch.float16)
-    rp = make_repro(model, (x, y), report.first, "bundle/", loss_fn=loss_fn, dtype=torch.float16)
+    step = Step.of(model, (x, y), loss_fn=loss_fn, dtype=torch.float16)
+    report = hunt(step)
+    rp = make_repro(step, report.first, "bundle/")
     report = dataclasses.replace(report, repro=rp)   # rp.verified: a fresh process reproduced it
+
+(``hunt(step, bundle="bundle/")`` does the same in one call.)
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ._errors import CommandError
 from ._files import new_file, write_file
 from .capture import split_batch
 from .records import Occurrence, Phase, Repro
-from .replay import StepState, run_step
+from .step import Step
 
 __all__ = ["OriginCall", "capture_origin_call", "write_repro", "verify_repro", "make_repro", "DEFAULT_CAP",
            "SCRIPT", "INPUTS"]
@@ -196,47 +199,27 @@ class _Catch(_dispatch.Mode):
             self.stack.pop()
 
 
-def capture_origin_call(
-    model: nn.Module,
-    batch: Any,
-    occurrence: Occurrence,
-    *,
-    loss_fn: Callable[..., Any] | None = None,
-    dtype: torch.dtype = torch.float16,
-    device_type: str = "cpu",
-    scaler: torch.amp.GradScaler | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    rng: Mapping[str, Any] | None = None,
-    train: bool | None = None,
-) -> OriginCall | None:
-    """Replay the step (as :func:`nanhunt.replay` did) and return the origin op's call, its arguments
-    cloned before it ran; ``None`` when the occurrence names no op or no call matched.
-
-    The model, optimizer, scaler and RNG are restored afterwards, also on an exception."""
+def capture_origin_call(step: Step, occurrence: Occurrence) -> OriginCall | None:
+    """Run the step again and return the origin op's call, its arguments cloned before it ran; ``None``
+    when the occurrence names no op or no call matched. The step's state is restored afterwards."""
     if occurrence.op is None:
         return None
-    inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
-    orig = getattr(model, "_orig_mod", None)
-    if isinstance(orig, nn.Module):
-        model = orig  # torch.compile: the tracer replayed the eager original, so do we
-    state = StepState(model, optimizer, scaler)
-    catch = _Catch(occurrence, device_type, dtype)
+    model = step.model
+    catch = _Catch(occurrence, step.device_type, step.dtype)
     handles: list[Any] = []
-    try:
-        state.reset(rng if rng is not None else state.rng)
-        if train is not None:
-            model.train(train)
+
+    def hooks() -> None:
         for name, mod in model.named_modules():
             handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: catch.pre(n)))
             handles.append(mod.register_forward_hook(lambda m, a, o, n=name: catch.post(n), always_call=True))
-        with _dispatch.eager_only(), catch:
-            run_step(model, inputs, targets, loss_fn=loss_fn, dtype=dtype, device_type=device_type, scaler=scaler,
-                     optimizer=optimizer)
+
+    try:
+        with step.isolated(), _dispatch.eager_only():
+            step.run(within=catch, before=hooks)
     finally:
         for h in handles:
             h.remove()
         handles.clear()
-        state.restore()
     return catch.found
 
 
@@ -535,18 +518,10 @@ def verify_repro(directory: str, repro: Repro, kind: str, *, timeout: float = 30
 
 
 def make_repro(
-    model: nn.Module,
-    batch: tuple[Any, Any],
+    step: Step,
     occurrence: Occurrence | None,
     directory: str,
     *,
-    loss_fn: Callable[..., Any] | None = None,
-    dtype: torch.dtype = torch.float16,
-    device_type: str = "cpu",
-    scaler: torch.amp.GradScaler | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    rng: Mapping[str, Any] | None = None,
-    train: bool | None = None,
     cap_bytes: int = DEFAULT_CAP,
     verify: bool = True,
 ) -> Repro | None:
@@ -554,14 +529,13 @@ def make_repro(
 
     ``None`` when there is no op to reproduce (a clean step, or a value that entered the step
     non-finite: batch, weights, optimizer state). Otherwise a :class:`Repro`; put it in the report
-    with ``dataclasses.replace(report, repro=...)``. Arguments are those given to :func:`nanhunt.replay`.
+    with ``dataclasses.replace(report, repro=...)``.
     """
     if occurrence is None or occurrence.op is None:
         return None
-    call = capture_origin_call(model, batch, occurrence, loss_fn=loss_fn, dtype=dtype, device_type=device_type,
-                               scaler=scaler, optimizer=optimizer, rng=rng, train=train)
+    call = capture_origin_call(step, occurrence)
     if call is None:
-        return Repro(op=occurrence.op, device_type=device_type,
+        return Repro(op=occurrence.op, device_type=step.device_type,
                      result="no call of the op matched the origin when the step ran again")
     rp = write_repro(call, occurrence, directory, cap_bytes=cap_bytes)
     return verify_repro(directory, rp, occurrence.kind) if verify else rp

@@ -255,7 +255,7 @@ def test_a_failure_inside_nanhunt_is_not_blamed_on_the_batch(monkeypatch: pytest
     import operator
 
     # a builtin that raises (TypeError: one argument expected): the failing frame is nanhunt's own
-    monkeypatch.setattr(importlib.import_module("nanhunt.replay"), "_module_status", operator.itemgetter(0))
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "module_status", operator.itemgetter(0))
     # WHEN a good capture is replayed  THEN one line says it is nanhunt's failure, not the batch's
     assert main(["replay", *_pair("clean")]) == 2
     err = _err(capsys)
@@ -302,3 +302,45 @@ def test_debug_shows_traceback(tmp_path: Path) -> None:
 def test_usage_error_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay"]) == 2
     assert main([]) == 2
+
+
+def test_help_and_usage_errors_do_not_import_torch() -> None:
+    # GIVEN a fresh process  WHEN it prints help or a usage error  THEN torch (seconds to import) stayed out
+    code = ("import sys\nfrom nanhunt.cli import main\n"
+            "codes = [main(['--help']), main(['replay', '--help']), main(['replay']), main(['nope'])]\n"
+            "print(codes, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 2, 2] False", out.stdout + out.stderr
+
+
+def test_every_option_has_help() -> None:
+    import argparse
+
+    from nanhunt.cli import build_parser
+
+    def bare(p: argparse.ArgumentParser, where: str) -> list[str]:
+        out = []
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    out += bare(sub, name)
+            elif not a.help and a.dest != "help":
+                out.append(f"{where} {a.dest}")
+        return out
+
+    assert bare(build_parser(), "nanhunt") == []
+
+
+def test_version_names_nanhunt_torch_and_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nanhunt 0.1.0 (torch ") and "CUDA " in out
+
+
+def test_the_reproduce_command_is_the_one_main_was_given(tmp_path: Path) -> None:
+    # GIVEN main() called from Python (sys.argv is pytest's)  WHEN it replays with --report
+    out = tmp_path / "r.json"
+    main(["replay", *_pair("nan_weight"), "--no-bisect", "--report", str(out)])
+    # THEN the report's command is that replay, not pytest's arguments
+    rep = Report.from_json(out.read_text())
+    assert rep.command is not None and rep.command.startswith("nanhunt replay ") and "--no-bisect" in rep.command

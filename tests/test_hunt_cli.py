@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
 from nanhunt.bisect import bisect
+from nanhunt.step import Step
 from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,7 +350,7 @@ def test_exception_from_forward_leaves_everything(api: str, stop: int, error: ty
             rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, optimizer=opt, scaler=scaler, bisect=True)
             assert rep.verdict is not None and rep.verdict.interrupted
         else:
-            v = bisect(m, (x, y), origin=None, loss_fn=F.mse_loss, optimizer=opt, scaler=scaler)
+            v = bisect(Step.of(m, (x, y), loss_fn=F.mse_loss, optimizer=opt, scaler=scaler), origin=None)
             assert v.interrupted
     except error:
         assert stop <= 2 or error is not KeyboardInterrupt

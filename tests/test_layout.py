@@ -34,9 +34,19 @@ def _nanhunt(imports: set[str]) -> set[str]:
 
 
 def test_records_imports_nothing_from_nanhunt_nor_torch() -> None:
+    # but its private JSON serializer, which imports nothing from nanhunt nor torch either
     imps = _imports(PKG / "records.py")
-    assert not _nanhunt(imps)
+    assert _nanhunt(imps) <= {"nanhunt._serial"}
     assert not any(i.startswith("torch") for i in imps)
+    serial = _imports(PKG / "_serial.py")
+    assert not _nanhunt(serial)
+    assert not any(i.startswith("torch") for i in serial)
+
+
+def test_skip_policy_is_plain_python() -> None:
+    imps = _imports(PKG / "_skip_policy.py")
+    assert not _nanhunt(imps)
+    assert not any(i.startswith(("torch", "numpy")) for i in imps)
 
 
 def test_renderers_import_only_records_and_no_torch() -> None:
@@ -67,3 +77,51 @@ def test_private_torch_imports_live_in_dispatch() -> None:
             continue
         for i in _imports(f):
             assert not i.startswith("torch.utils._") and not i.startswith("torch._"), (f, i)
+
+
+def _module_name(f: Path) -> str:
+    parts = f.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles() -> None:
+    # every import counts, also one inside a function: a cycle there is a cycle of meaning
+    modules = {_module_name(f): f for f in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, f in modules.items():
+        deps = set()
+        for i in _nanhunt(_imports(f)):
+            while i not in modules and "." in i:
+                i = i.rsplit(".", 1)[0]  # `from . import _dispatch`: the module itself, or its package
+            if i in modules and i != name and i != "nanhunt":
+                deps.add(i)
+        graph[name] = deps
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(graph[n]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [n, d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, cycles
+
+
+def test_private_torch_attributes_live_in_dispatch() -> None:
+    # torch._C, torch.utils._python_dispatch, ... are torch's internals: one module wraps them
+    import re
+
+    private = re.compile(r"\btorch\.(?:[a-z_]+\.)*_[a-zA-Z]\w*")
+    for f in PKG.rglob("*.py"):
+        if f.name == "_dispatch.py":
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            assert not private.search(code), f"{f.name}:{n}: {line.strip()}"

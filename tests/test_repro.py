@@ -17,6 +17,7 @@ from torch import nn
 import nanhunt
 from nanhunt.records import Occurrence, Phase, Record, Repro, Role
 from nanhunt.repro import INPUTS, SCRIPT, capture_origin_call, make_repro, verify_repro, write_repro
+from nanhunt.step import Step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,11 @@ def _step(model: nn.Module, dtype: torch.dtype, loss_fn: Any = _mse, d_out: int 
     return dict(model=model, batch=(x, y), loss_fn=loss_fn, dtype=dtype, device_type="cpu", optimizer=opt)
 
 
+def _as_step(kw: dict[str, Any], **more: Any) -> Step:
+    return Step.of(kw["model"], kw["batch"], loss_fn=kw["loss_fn"], dtype=kw["dtype"], device_type=kw["device_type"],
+                   optimizer=kw["optimizer"], **more)
+
+
 def _first(kw: dict[str, Any]) -> Occurrence:
     report = nanhunt.replay(kw["model"], kw["batch"], loss_fn=kw["loss_fn"], dtype=kw["dtype"],
                             device_type=kw["device_type"], optimizer=kw["optimizer"])
@@ -129,7 +135,7 @@ def test_repro_reproduces_in_a_fresh_process(case: str, tmp_path: Path) -> None:
         assert occ.module == expected[3]
     # WHEN the repro is made (exp-overflow with a cap that forces the smallest slice)
     cap = 16 if case == "exp-overflow" else 1 << 20
-    rp = make_repro(occurrence=occ, directory=str(tmp_path), cap_bytes=cap, **kw)
+    rp = make_repro(_as_step(kw), occ, str(tmp_path), cap_bytes=cap)
     # THEN a fresh Python process ran repro.py and got the same kind of value
     assert rp is not None
     assert rp.verified, rp.result
@@ -180,14 +186,14 @@ def test_loss_phase_and_inplace_ops_are_caught(tmp_path: Path) -> None:
     kw["model"].fc.weight.data.fill_(0.01)
     occ = _first(kw)
     assert (occ.op, occ.phase, occ.module) == ("aten::log", Phase.LOSS, None)
-    call = capture_origin_call(occurrence=occ, **kw)
+    call = capture_origin_call(_as_step(kw), occ)
     assert call is not None and call.phase is Phase.LOSS
     assert bool(call.run()[0].isinf().any())
     # an in-place op: the written argument is the output, saved as it was *before* the op
     kw = _step(InplaceExp(), torch.float16, d_out=4)
     occ = _first(kw)
     assert occ.op == "aten::exp_" and occ.module == ""
-    call = capture_origin_call(occurrence=occ, **kw)
+    call = capture_origin_call(_as_step(kw), occ)
     assert call is not None and call.autocast_dtype == torch.float16
     assert bool(call.args[0].isfinite().all())
     assert bool(call.run()[0].isinf().any())
@@ -202,7 +208,7 @@ def test_capture_leaves_the_step_as_it_was() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     occ = _first(dict(kw))
-    call = capture_origin_call(occurrence=occ, scaler=scaler, **kw)
+    call = capture_origin_call(_as_step(kw, scaler=scaler), occ)
     assert call is not None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters()) and not opt.state
@@ -215,8 +221,8 @@ def test_no_op_means_no_repro(tmp_path: Path) -> None:
                  shape=(2,), min=float("nan"), max=float("nan"))
     occ = Occurrence(phase=Phase.WEIGHTS, module="fc", module_class="Linear", call_index=0, op=None, kind="nan",
                      source=None, output=rec)
-    assert make_repro(nn.Linear(2, 2), (torch.ones(1, 2), None), occ, str(tmp_path)) is None
-    assert make_repro(nn.Linear(2, 2), (torch.ones(1, 2), None), None, str(tmp_path)) is None
+    assert make_repro(Step.of(nn.Linear(2, 2), (torch.ones(1, 2), None)), occ, str(tmp_path)) is None
+    assert make_repro(Step.of(nn.Linear(2, 2), (torch.ones(1, 2), None)), None, str(tmp_path)) is None
     assert not any(tmp_path.iterdir())
 
 
@@ -246,7 +252,7 @@ def test_script_with_finite_inputs_exits_zero(tmp_path: Path) -> None:
     # GIVEN a real repro whose saved inputs are replaced by small values
     kw = _step(ExpNet(), torch.float32)
     occ = _first(kw)
-    call = capture_origin_call(occurrence=occ, **kw)
+    call = capture_origin_call(_as_step(kw), occ)
     assert call is not None
     write_repro(call, occ, str(tmp_path))
     torch.save([torch.zeros(3, 16)], tmp_path / INPUTS)

@@ -57,8 +57,8 @@ def no_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("the step was replayed before the output path was checked")
 
-    # nanhunt.replay names the function (nanhunt/__init__.py): patch the module's attribute, which the CLI imports
-    monkeypatch.setattr(importlib.import_module("nanhunt.replay"), "replay", boom)
+    # the CLI imports the pipeline (nanhunt.hunt.hunt) when it runs: patch the module attribute
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "hunt", boom)
 
 
 def _one_error_line(code: int, err: str, *words: str) -> str:

@@ -31,7 +31,7 @@ from torch import nn
 import nanhunt
 from nanhunt.bisect import bisect
 from nanhunt.guard import _StepContext
-from nanhunt.replay import StepState
+from nanhunt.step import Step, StepState
 
 NANHUNT = os.path.dirname(os.path.abspath(nanhunt.__file__)) + os.sep
 RESTORES = {StepState.restore.__code__, StepState.reset.__code__, StepState.__exit__.__code__}
@@ -281,8 +281,8 @@ def test_bisect_holds_sigint_at_every_line_of_its_restores() -> None:
     def run(inject: _Inject) -> None:
         nonlocal last
         try:
-            verdict = _traced(inject, lambda: bisect(model, _batch(5), origin=None, loss_fn=F.mse_loss,
-                                                     dtype=torch.bfloat16, scaler=scaler, optimizer=opt))
+            verdict = _traced(inject, lambda: bisect(Step.of(model, _batch(5), loss_fn=F.mse_loss, dtype=torch.bfloat16,
+                                                             scaler=scaler, optimizer=opt), origin=None))
         except KeyboardInterrupt:
             # THEN a Ctrl-C in the final restore goes on to the caller once the restore is done ...
             assert inject.fired and inject.events[-1][0] == last

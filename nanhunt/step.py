@@ -1,0 +1,444 @@
+"""The replayable step: one object for what a step needs (model, batch, loss, dtype, device, scaler,
+optimizer, RNG, train flag), its snapshot (:class:`StepState`) and its runs.
+
+Every stage that replays the step (trace, bisection, comparison, repro) takes a :class:`Step` and runs it
+with :meth:`Step.run` inside :meth:`Step.isolated`, which snapshots everything the step can change once and
+restores it in ``finally`` (Ctrl-C held until the restore is complete).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import random
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._errors import CommandError
+from ._interrupt import atomic, deferred_interrupts
+from .precision import LOSS_REGION, UPDATE_REGION, float32_master, float32_weights, fp32_call, keep_fp32, to_fp32
+
+__all__ = ["Step", "StepState", "run_step", "split_batch", "rng_state", "set_rng_state"]
+
+
+def rng_state(*, python_numpy: bool = False) -> dict[str, Any]:
+    """torch's (and CUDA's) generator state; with ``python_numpy``, also Python's ``random`` and NumPy's
+    global generator (in-memory snapshots only: capture files hold torch's, and load with weights_only)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if python_numpy:
+        state["python"] = random.getstate()
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the generators ``state`` holds; the others (keys it lacks, as in older files) stay as they are."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = list(state["cuda"])
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` from the batch shapes users have."""
+    if isinstance(batch, Mapping):
+        if "nanhunt_batch" in batch:
+            return batch.get("inputs"), batch.get("targets")
+        if "inputs" in batch:
+            return batch["inputs"], batch.get("targets")
+        return dict(batch), None  # keyword arguments of the model (HF style)
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) == 1:
+            return batch[0], None
+        raise CommandError(f"the batch is a sequence of {len(batch)} items; expected (inputs, targets)")
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    raise CommandError(f"the batch is a {type(batch).__name__}; expected a tensor, (inputs, targets) or a dict")
+
+
+
+@dataclasses.dataclass
+class Step:
+    """One training step to replay: forward and loss under autocast (``dtype``; float32 turns it off),
+    ``scaler.scale(loss).backward()``, and the update when there is an optimizer.
+
+    ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments;
+    ``loss_fn(output, targets)`` gives the loss (``loss_fn(output)`` without targets), or with no
+    ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``). ``rng`` is the
+    generator state the step starts from (default: the state when it is isolated); ``train`` sets the
+    model's mode for every run (default: as it is). A ``torch.compile``'d model is replayed through its
+    eager original (``compiled`` says so).
+
+    Example::
+
+        step = Step.of(model, (x, y), loss_fn=F.cross_entropy, dtype=torch.float16, scaler=scaler)
+        with step.isolated():
+            loss = step.run()
+    """
+
+    model: nn.Module
+    inputs: Any
+    targets: Any = None
+    loss_fn: Callable[..., Any] | None = None
+    dtype: torch.dtype = torch.float16
+    device_type: str = "cpu"
+    scaler: torch.amp.GradScaler | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    rng: Mapping[str, Any] | None = None
+    train: bool | None = None
+    compiled: bool = False
+    notes: tuple[str, ...] = ()
+    _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
+    _start_rng: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, model: nn.Module, batch: Any, *, device_type: str | None = None, **kw: Any) -> Step:
+        """A step of ``model`` on ``batch`` (``(inputs, targets)``, a tensor or a dict of keyword
+        arguments); ``device_type`` defaults to the device of the model's parameters."""
+        inputs, targets = batch if isinstance(batch, tuple) and len(batch) == 2 else split_batch(batch)
+        compiled = False
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):  # torch.compile: compiled graphs hide their ops
+            model, compiled = inner, True
+        if device_type is None:
+            device_type = next((p.device.type for p in model.parameters()), "cpu")
+        return cls(model, inputs, targets, device_type=device_type, compiled=compiled, **kw)
+
+    @property
+    def start_rng(self) -> Mapping[str, Any]:
+        """The generator state every run starts from (only while isolated)."""
+        if self._start_rng is None:
+            raise RuntimeError("Step.run() and start_rng need Step.isolated()")
+        return self._start_rng
+
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator[StepState]:
+        """Snapshot everything the step can change; restore it on leaving, also on an exception or Ctrl-C.
+        Nested, it reuses the snapshot already taken (one copy of the weights and optimizer state)."""
+        if self._state is not None:
+            yield self._state
+            return
+        state = StepState(self.model, self.optimizer, self.scaler)
+        with state:
+            self._state, self._start_rng = state, dict(self.rng) if self.rng is not None else state.rng
+            try:
+                yield state
+            finally:
+                self._state = self._start_rng = None
+
+    def reset(self) -> None:
+        """Back to the step's start: the snapshot, no ``.grad``, the start RNG, the train flag."""
+        state = self._state
+        if state is None:
+            raise RuntimeError("Step.run() and Step.reset() need Step.isolated()")
+        state.reset(self.start_rng)
+        if self.train is not None:
+            self.model.train(self.train)  # StepState restores the flags
+
+    def run(self, *, fp32: Collection[str] = (), dtype: torch.dtype | None = None, unscaled: bool = False,
+            within: AbstractContextManager[Any] | None = None, before: Callable[[], None] | None = None,
+            after: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Run the step once from its start (state reset, no ``.grad``, the start RNG, the train flag).
+
+        ``fp32``: modules (and the regions ``<loss>``, ``<update>``) run in float32; ``dtype`` another
+        autocast dtype, ``torch.float32`` being the float32 control (a half-precision model's weights,
+        batch and optimizer state in float32 too); ``unscaled``: without the GradScaler; ``within``: a
+        context entered around the step itself (a :class:`~nanhunt.Trace`); ``before``: called after the
+        reset (hooks to register for this run only); ``after(loss)``: called while the float32 weights of
+        the control are still in place (to check what the update made)."""
+        self.reset()
+        if before is not None:
+            before()
+        inputs, targets = self.inputs, self.targets
+        control = dtype == torch.float32  # asked for: the float32 control
+        if control:
+            inputs, targets = to_fp32(inputs), to_fp32(targets)
+        with float32_weights(self.model, enabled=control, optimizer=self.optimizer), keep_fp32(self.model, fp32):
+            with within if within is not None else contextlib.nullcontext():
+                loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn, dtype=dtype or self.dtype,
+                                device_type=self.device_type, scaler=None if unscaled else self.scaler,
+                                optimizer=self.optimizer, fp32_loss=LOSS_REGION in fp32,
+                                fp32_update=UPDATE_REGION in fp32)
+            if after is not None:
+                after(loss)
+            return loss
+
+
+class StepState:
+    """A snapshot of everything one training step can change, restorable in place.
+
+    Covers parameter and buffer values *and* the objects registered on each module
+    (a step may rebind a buffer), ``.grad`` references, ``requires_grad``,
+    ``training`` flags, optimizer state and hyper-parameters, GradScaler state,
+    the RNG (torch's, CUDA's, Python's ``random`` and NumPy's global one) and the
+    grad mode. Tensors the optimizer updates outside the model (a loss module's
+    weights) are parameters too.
+
+    :meth:`reset` and :meth:`restore` run to their end despite Ctrl-C: a SIGINT that
+    arrives meanwhile is delivered (``KeyboardInterrupt``) once the state is back.
+    As a context manager it also restores on leaving the block, and Ctrl-C is held
+    from a restore's first instruction (called alone, a SIGINT just before it
+    installs its handler leaves the restore not started, never half done)::
+
+        with StepState(model, optimizer, scaler) as state:
+            ...  # run steps; state.reset() between them
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.grad_enabled = torch.is_grad_enabled()
+        self.rng = rng_state(python_numpy=True)
+        self.modules = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in model.modules()]
+        # Hooks and plain attributes a forward may add or change (a counter, a cache, a hook it registers).
+        self.hooks = [(d, dict(d)) for m in model.modules() for d in _hook_dicts(m)]
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}) for m in model.modules()]
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for _, params, buffers, _ in self.modules:
+            for t in (*params.values(), *buffers.values()):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    self.values.append((t, t.detach().clone()))
+        self.params: list[torch.Tensor] = [p for p in model.parameters()]
+        if optimizer is not None:
+            known = {id(p) for p in self.params}
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if isinstance(p, torch.Tensor) and id(p) not in known:
+                        known.add(id(p))
+                        self.params.append(p)
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            self.values.append((p, p.detach().clone()))
+        self.param_hooks = [(p, _param_hooks(p)) for p in self.params]
+        self.grads = [p.grad for p in self.params]
+        self.requires_grad = [p.requires_grad for p in self.params]
+        self.opt_state: dict[Any, dict[str, Any]] | None = None
+        self.opt_groups: list[dict[str, Any]] | None = None
+        if optimizer is not None:
+            self.opt_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+            self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.scaler_dict: dict[str, Any] | None = None
+        if scaler is not None:
+            self.scaler_dict = {k: _clone(v) for k, v in vars(scaler).items()}
+        self._interrupts: deferred_interrupts | None = None
+
+    def __enter__(self) -> StepState:
+        if self._interrupts is not None:
+            raise RuntimeError("this StepState is already in use as a context manager")
+        interrupts = deferred_interrupts()
+        interrupts.__enter__()  # nothing has changed yet: a Ctrl-C before this point needs no restore
+        self._interrupts = interrupts
+        return self
+
+    @atomic
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        interrupts, self._interrupts = self._interrupts, None
+        try:
+            self.restore()
+        finally:
+            if interrupts is not None:
+                interrupts.__exit__(None, None, None)  # puts the SIGINT handler back; a held Ctrl-C raises here
+
+    @atomic
+    def reset(self, rng: Mapping[str, Any] | None = None) -> None:
+        """Back to the snapshot, with no ``.grad`` (a replayed step starts from zero gradients)."""
+        self.restore()
+        for p in self.params:
+            p.grad = None
+        if rng is not None:
+            set_rng_state(rng)
+
+    @atomic
+    def restore(self) -> None:
+        for d, saved_hooks in self.hooks:
+            if d.keys() != saved_hooks.keys():
+                d.clear()
+                d.update(saved_hooks)
+        for param, registries in self.param_hooks:
+            for name, (obj, content) in registries.items():
+                if obj is None:
+                    if getattr(param, name) is not None:
+                        setattr(param, name, None)
+                else:
+                    obj.clear()
+                    obj.update(content)
+                    if getattr(param, name) is not obj:
+                        setattr(param, name, obj)
+        for m, attrs in self.attrs:
+            current = vars(m)
+            for k in [k for k in current if k not in attrs and k not in _MODULE_INTERNALS]:
+                del current[k]
+            for k, v in attrs.items():
+                if current.get(k, _MISSING) is not v:
+                    current[k] = v
+        for m, params, buffers, training in self.modules:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            m.training = training
+        with torch.no_grad():
+            for t, saved in self.values:
+                t.data.copy_(saved)
+        for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
+            param.grad = grad
+            param.requires_grad_(rg)
+        opt = self.optimizer
+        if opt is not None and self.opt_state is not None and self.opt_groups is not None:
+            for p in list(opt.state.keys()):
+                if p not in self.opt_state:
+                    del opt.state[p]
+            for p, saved_state in self.opt_state.items():
+                cur = opt.state.get(p)
+                if cur is None:
+                    opt.state[p] = {k: _clone(v) for k, v in saved_state.items()}
+                    continue
+                for k in list(cur):
+                    if k not in saved_state:
+                        del cur[k]
+                for k, v in saved_state.items():
+                    old = cur.get(k)
+                    if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                        old.data.copy_(v)
+                    else:
+                        cur[k] = _clone(v)
+            for g, saved_group in zip(opt.param_groups, self.opt_groups):
+                for k in list(g):
+                    if k != "params" and k not in saved_group:
+                        del g[k]
+                g.update(copy.deepcopy(saved_group))
+        if self.scaler is not None and self.scaler_dict is not None:
+            for k, v in self.scaler_dict.items():
+                cur = getattr(self.scaler, k, None)
+                if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                    cur.data.copy_(v)
+                else:
+                    setattr(self.scaler, k, _clone(v))
+        set_rng_state(self.rng)
+        torch.set_grad_enabled(self.grad_enabled)
+
+
+_MISSING = object()
+# A module's own bookkeeping, restored separately (parameters, buffers, training) or never
+# changed by a forward (the submodules).
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def _hook_dicts(m: nn.Module) -> list[dict[Any, Any]]:
+    """A module's hook registries (kept as objects: RemovableHandles point at them)."""
+    return [d for d in (getattr(m, name, None) for name in _HOOK_ATTRS) if isinstance(d, dict)]
+
+
+def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]]:
+    """A parameter's hook registries: ``None`` until a hook is registered, then a dict."""
+    out: dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]] = {}
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        d = getattr(p, name, None)
+        out[name] = (d, dict(d)) if isinstance(d, dict) else (None, {})
+    return out
+
+
+def _clone(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        args, kwargs = (inputs,), {}
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        shape = "keyword arguments " + ", ".join(kwargs) if kwargs else f"{len(args)} positional argument(s)"
+        raise CommandError(f"the batch gives {shape}, which {type(model).__name__}.forward does not take ({e})") from e
+    except ValueError:  # no signature available
+        pass
+    return model(*args, **kwargs)
+
+
+def _loss_of(output: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output) if targets is None else loss_fn(output, targets)  # type: ignore[no-any-return]
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        if isinstance(output, Mapping) and "loss" in output:
+            loss = output["loss"]
+        elif getattr(output, "loss", None) is not None:
+            loss = output.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = type(output).__name__ if not isinstance(output, torch.Tensor) else f"tensor of shape {tuple(output.shape)}"
+        raise CommandError(f"the model returned a {what}, not a loss; give a loss function (--loss package.module:fn)")
+    return loss
+
+
+def _backward(t: torch.Tensor) -> None:
+    # Tensor.backward is unannotated in torch. Cast it rather than call torch.autograd.backward(t):
+    # a __torch_function__ override (tensor subclass or mode) still sees Tensor.backward, as before.
+    cast("Callable[[], None]", t.backward)()
+
+
+def run_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    *,
+    loss_fn: Callable[..., Any] | None,
+    dtype: torch.dtype,
+    device_type: str,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer | None,
+    fp32_loss: bool = False,
+    fp32_update: bool = False,
+) -> torch.Tensor:
+    """One step as training runs it: forward and loss under autocast, scaled backward, update.
+    ``fp32_loss`` computes the loss with autocast off on float32 inputs, ``fp32_update`` runs the update
+    on float32 master copies of half-precision parameters (bisection trials)."""
+    if fp32_loss and loss_fn is not None:
+        loss_fn = fp32_call(loss_fn, device_type)
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = _loss_of(_call_model(model, inputs), targets, loss_fn)
+    if loss.requires_grad:
+        _backward(scaler.scale(loss) if scaler is not None else loss)
+        if optimizer is not None:
+            with float32_master(optimizer) if fp32_update else contextlib.nullcontext():
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+    return loss
+
+
