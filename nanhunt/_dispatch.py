@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -27,7 +29,15 @@ __all__ = [
     "mode_on_stack",
     "in_recomputation",
     "tensor_version",
+    "node_sequence_nr",
     "no_autocast",
+    "compiled_original",
+    "keeps_running_stats",
+    "own_parameters",
+    "own_buffers",
+    "amp_check_and_unscale",
+    "foreach_norm",
+    "foreach_copy",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -140,6 +150,32 @@ def tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
+def node_sequence_nr(node: Any) -> int:
+    """An autograd node's sequence number: the value :data:`peek_sequence_nr` had when it was made."""
+    return node._sequence_nr()  # type: ignore[no-any-return]
+
+
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The eager module a ``torch.compile``d one wraps; ``None`` for a module that is not compiled."""
+    orig = getattr(model, "_orig_mod", None)
+    return orig if isinstance(orig, nn.Module) else None
+
+
+def keeps_running_stats(module: nn.Module) -> bool:
+    """A normalisation layer whose buffers are running statistics (batch norm, instance norm)."""
+    return isinstance(module, _NormBase)
+
+
+def own_parameters(module: nn.Module) -> Iterable[Any]:
+    """The module's own parameter slots (not its children's; shared ones and ``None`` included)."""
+    return module._parameters.values()
+
+
+def own_buffers(module: nn.Module) -> Iterable[Any]:
+    """The module's own buffer slots (not its children's; shared ones and ``None`` included)."""
+    return module._buffers.values()
+
+
 def push_mode(mode: TorchDispatchMode) -> None:
     """Put ``mode`` on this thread's dispatch-mode stack (what ``with mode:`` does, without its
     Python bookkeeping: callable from an autograd hook, whose thread state autograd restores)."""
@@ -213,3 +249,17 @@ class TraceMode(Mode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         return self._on_op(func, args, kwargs or {})
+
+
+# torch's fused multi-tensor kernels (GradScaler's and the optimizers'): underscored, so wrapped here
+def amp_check_and_unscale(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Set ``found_inf`` to 1 if any of ``tensors`` holds NaN/Inf; multiply them by ``inv_scale`` in place."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype) -> list[torch.Tensor]:
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)

@@ -6,8 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .guard import GuardEvent
-    from .records import Occurrence
+    from .records import GuardEvent, Occurrence
 
 __all__ = ["NanhuntError", "NonFiniteError", "GuardError", "TraceStateError", "CommandError", "visible"]
 
@@ -50,17 +49,17 @@ class NonFiniteError(NanhuntError, FloatingPointError):
         self.occurrence = occurrence
 
 
-class GuardError(NonFiniteError):
+class GuardError(NanhuntError, FloatingPointError):
     """Raised by :class:`nanhunt.Guard` (``on_fail="raise"``) at the first bad step of a training loop.
 
-    ``event`` (a :class:`nanhunt.guard.GuardEvent`) says what went wrong, at which step and rank, and where the
-    capture is. The guard does not trace ops, so ``occurrence`` is None: replay the capture to find the origin.
+    ``event`` (a :class:`nanhunt.GuardEvent`) says what went wrong, at which step and rank, and where the
+    capture is. The guard traces no op, so it names no origin (it is no :class:`NonFiniteError`): replay
+    the capture to find it.
     """
 
     def __init__(self, event: GuardEvent) -> None:
-        NanhuntError.__init__(self, event.describe())
+        super().__init__(event.describe())
         self.event = event
-        self.occurrence = None  # type: ignore[assignment]
 
 
 class CommandError(NanhuntError):

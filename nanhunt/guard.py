@@ -1,116 +1,45 @@
-"""Training-loop guard: notice the first bad step and leave a capture that ``nanhunt replay`` reproduces."""
+"""Training-loop guard: notice the first bad step and leave a capture that ``nanhunt replay`` reproduces.
+
+:class:`Guard` runs the step's life (entry, checks, exit, counters) and composes three parts: the detection
+flags and their one read across ranks (``_guard_flags.Detector``), the skip policy (``_skip_policy.SkipPolicy``,
+plain Python) and the capture writer (``_guard_capture.CaptureWriter``). :class:`GuardEvent` lives in ``records``.
+"""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import warnings
-from collections import deque
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.hooks import RemovableHandle
 
-from ._dispatch import tensor_version as _version
 from ._errors import GuardError
-from .capture import callable_path, rng_state, save_capture, unwrap_model
+from ._guard_capture import CaptureWriter, StepEntry
+from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, seen
+from ._skip_policy import SkipPolicy
+from .capture import rng_state
+from .records import GuardEvent
 
 __all__ = ["Guard", "GuardEvent", "GuardWarning"]
 
 OnFail = Literal["raise", "dump", "warn"]
-
-# The four flags of one check, in this order, as bits of a rank's answer. On the device each flag is a
-# float scalar that is 0 when fine and non-zero (1 or NaN) otherwise, so one all_reduce(SUM) of a
-# (world, 4) matrix tells every rank what every rank saw.
-_LOSS, _GRADS, _PARAMS, _SKIP = 1, 2, 4, 8
-_N_FLAGS = 4
+_T = TypeVar("_T")
 
 
 class GuardWarning(UserWarning):
     """Issued by :class:`Guard` with ``on_fail="warn"``."""
 
 
-@dataclass(frozen=True)
-class GuardEvent:
-    """One detection of :class:`Guard`: what went wrong, at which step, and where the capture is.
-
-    ``step`` is the guard's 0-based iteration index. ``ranks`` are the ranks whose
-    check saw it at that step (the first to see it); ``rank`` is this process's
-    rank (both empty/None outside ``torch.distributed``). ``captured_step`` is the
-    step whose starting state the capture holds: the failing step itself, or an
-    earlier last-good snapshot. ``pre_update`` is True when the capture's weights
-    are those the failing step started from.
-    """
-
-    step: int
-    kind: str  # "loss", "grads", "params" or "skips"
-    detail: str
-    rank: int | None = None
-    ranks: tuple[int, ...] = ()
-    checkpoint: str | None = None
-    batch: str | None = None
-    captured_step: int | None = None
-    pre_update: bool = False
-    capture_error: str | None = None
-    iterations: int = 0
-    updates: int = 0
-    skipped: int = 0
-    scale: float | None = None
-
-    def describe(self) -> str:
-        where = f"step {self.step}"
-        if self.rank is not None:
-            seen = ", ".join(map(str, self.ranks)) or "none"
-            where += f" (rank {self.rank}; seen first by rank(s) {seen})"
-        text = f"nanhunt.Guard: {self.detail} at {where}"
-        if self.checkpoint and self.batch:
-            what = "the pre-update state"
-            if self.captured_step is not None and self.captured_step != self.step:
-                what = f"the last good snapshot (start of step {self.captured_step}"
-                what += ", before the update that wrote them)" if self.pre_update else f"; re-run to step {self.step})"
-            elif not self.pre_update:
-                what = "the state with the weights already non-finite (pass snapshot_every=1 for the state before)"
-            text += f"; capture of {what}: nanhunt replay {self.checkpoint} {self.batch}"
-        elif self.capture_error:
-            text += f"; no capture: {self.capture_error}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ranks"] = list(self.ranks)
-        return d
-
-
 @dataclass
-class _Snapshot:
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None
-    scaler: dict[str, Any] | None
-    batch: Any
-    rng: dict[str, Any]
+class _Step(StepEntry):
+    """The step in progress: what a capture needs (``StepEntry``) and what its checks found so far."""
 
-
-@dataclass
-class _Step:
-    index: int
-    batch: Any
-    rng: dict[str, Any]
-    # GradScaler state the step began with: tensor copies taken at entry, or the numbers check_grads read
-    scale_before: torch.Tensor | float | None = None
-    tracker_before: torch.Tensor | int | None = None
-    scaler_unset: bool = False  # the scale did not exist yet at entry (created lazily by scaler.scale)
-    buffers: dict[int, torch.Tensor] | None = None  # entry copies of the buffers a step changes (Guard._buffers' index)
     loss: torch.Tensor | None = None
-    autocast: torch.dtype | None = None
-    forward_seen: bool = False
     checked: bool = False
     grads_ok: bool = True
     local_skip: bool | None = None
@@ -118,6 +47,29 @@ class _Step:
     update_ran: bool = False
     scale: float | None = None
     tripped: bool = False
+
+
+class _Part(Generic[_T]):
+    """A Guard attribute kept by one of its parts, read and written through (``guard.dump_dir``)."""
+
+    def __init__(self, part: str, name: str | None = None) -> None:
+        self.part, self.name = part, name or ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _Part[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> _Part[_T] | _T:
+        if obj is None:
+            return self
+        value: _T = getattr(getattr(obj, self.part), self.name)
+        return value
+
+    def __set__(self, obj: object, value: _T) -> None:
+        setattr(getattr(obj, self.part), self.name, value)
 
 
 class Guard:
@@ -242,66 +194,18 @@ class Guard:
     ) -> None:
         if on_fail not in ("raise", "dump", "warn"):
             raise ValueError(f"on_fail must be 'raise', 'dump' or 'warn', not {on_fail!r}")
-        if max_consecutive_skips is not None and max_consecutive_skips < 1:
-            raise ValueError("max_consecutive_skips must be >= 1 or None")
-        if skip_window is not None:
-            n, rate = skip_window
-            if n < 1 or not 0.0 <= rate < 1.0:
-                raise ValueError("skip_window is (window >= 1, max_rate in [0, 1))")
-        if snapshot_every is not None and snapshot_every < 1:
-            raise ValueError("snapshot_every must be >= 1 or None")
+        self._policy = SkipPolicy(max_consecutive_skips, skip_window)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
-        self.dump_dir = os.fspath(dump_dir)
-        self.loss_fn = loss_fn
-        self.model_kwargs = dict(model_kwargs or {})
         self.on_fail: OnFail = on_fail
-        self.max_consecutive_skips = max_consecutive_skips
-        self.skip_window = skip_window
-        self.snapshot_every = snapshot_every
         self.check_params = check_params
-        self.max_captures = max_captures
-        self.dump_all_ranks = dump_all_ranks
-        self.dtype = dtype
-
-        self._module = unwrap_model(model)
-        # Fail now rather than at the first bad step, when nothing could be saved.
-        self.model_factory = model_factory or callable_path(self._module)
-        if self.model_factory is None:
-            raise ValueError("cannot name the model's class for the capture: "
-                             "pass model_factory='package.module:callable'")
-        if loss_fn is not None and callable_path(loss_fn) is None:
-            raise ValueError("loss_fn must be importable by name (a module-level function or an nn.Module loss)")
-        # What an update can change: the optimizer's parameters (frozen weights are never written).
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._params_by_device = _by_device(self._params)
-        self._device = self._params[0].device if self._params else torch.device("cpu")
-        self.device_type = device_type or self._device.type
-        # What a forward can change: the buffers the capture saves (persistent ones), copied at every step's entry.
-        saved = self._module.state_dict(keep_vars=True)
-        self._buffers: list[tuple[str, torch.Tensor]] = [
-            (name, b) for name, b in self._module.named_buffers() if saved.get(name) is b]
-        # Only buffers that change are copied at entry after the first step (a causal-mask buffer that
-        # never changes costs nothing): normalisation statistics (their kernels write them without
-        # bumping the version counter) and any buffer whose version moved since the last entry.
-        self._buffer_versions = [_version(b) for _, b in self._buffers]
-        self._buffer_moves = [isinstance(self._module.get_submodule(name.rpartition(".")[0]), _NormBase)
-                              for name, _ in self._buffers]
-        self._buffer_copies: dict[int, torch.Tensor] = {}
-
-        self._pg = process_group
-        self._rank: int | None = None
-        self._world = 1
-        self._comm_device = torch.device("cpu")
-        self._zero = torch.zeros((), device=self._device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            import torch.distributed as dist
-
-            self._rank = dist.get_rank(process_group)
-            self._world = dist.get_world_size(process_group)
-            if self._device.type == "cuda" and "nccl" in str(dist.get_backend(process_group)):
-                self._comm_device = self._device
+        self._detect = Detector(optimizer, process_group)
+        self._capture = CaptureWriter(
+            model, optimizer, scaler, dump_dir=dump_dir, loss_fn=loss_fn, model_factory=model_factory,
+            model_kwargs=model_kwargs, device_type=device_type or self._detect.device.type, dtype=dtype,
+            snapshot_every=snapshot_every, max_captures=max_captures, dump_all_ranks=dump_all_ranks,
+            rank=self._detect.rank)
 
         self.iterations = 0
         self.updates = 0
@@ -309,12 +213,6 @@ class Guard:
         self.stepped = False
         self.scale_history: list[tuple[int, float]] = []
         self.events: list[GuardEvent] = []
-        self.captures = 0
-        self._consecutive = 0
-        self._window: deque[bool] = deque(maxlen=skip_window[0] if skip_window else 1)
-        self._snapshot: _Snapshot | None = None
-        # First step at whose start the weights were seen non-finite: no snapshot is taken from then on.
-        self._poisoned_at: int | None = None
         self._cur: _Step | None = None
         self._closed = False
         self._hooks: list[RemovableHandle] = [
@@ -322,6 +220,20 @@ class Guard:
             optimizer.register_step_post_hook(self._post_update),
             model.register_forward_pre_hook(self._on_forward),
         ]
+
+    # The configuration, kept by the part that uses it.
+    max_consecutive_skips = _Part[int | None]("_policy")
+    skip_window = _Part[tuple[int, float] | None]("_policy")
+    dump_dir = _Part[str]("_capture")
+    loss_fn = _Part[Any]("_capture")
+    model_factory = _Part[str]("_capture")
+    model_kwargs = _Part[dict[str, Any]]("_capture")
+    device_type = _Part[str]("_capture")
+    dtype = _Part[torch.dtype | None]("_capture")
+    snapshot_every = _Part[int | None]("_capture")
+    max_captures = _Part[int]("_capture")
+    dump_all_ranks = _Part[bool]("_capture")
+    captures = _Part[int]("_capture")  # captures written so far
 
     # ------------------------------------------------------------------ API
     def step(self, batch: Any) -> _StepContext:
@@ -352,39 +264,31 @@ class Guard:
             return cur.grads_ok
         cur.checked = True
         scaling = self._scaling()
-        if scaling:
-            assert self.scaler is not None
-            found = self.scaler._found_inf_per_device(self.optimizer)
-            if not found:
-                self.scaler.unscale_(self.optimizer)
-                found = self.scaler._found_inf_per_device(self.optimizer)
-            infs = list(found.values())
-            grads_flag = infs[0] if len(infs) == 1 else torch.stack([t.to(self._device) for t in infs]).sum()
-        else:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            grads_flag = _nonfinite(grads, self._device)
+        grads_flag = self._detect.grads_flag(self.optimizer, self.scaler if scaling else None)
         extra: list[torch.Tensor] = []
         if scaling and self.scaler is not None and self.scaler._scale is not None \
                 and self.scaler._growth_tracker is not None:
             extra = [self.scaler._scale, self.scaler._growth_tracker]  # still the state the step began with
-        per_rank, values = self._read([self._loss_flag(cur), grads_flag, None, None], extra)
+        per_rank, values = self._detect.read([self._detect.loss_flag(cur.loss), grads_flag, None, None], extra)
         if values:
             self._note_scale(cur, values[0])
             cur.scale_before, cur.tracker_before = values[0], int(values[1])
-        any_bits = _or(per_rank)
-        cur.grads_ok = not any_bits & (_LOSS | _GRADS)
+        any_bits = any_set(per_rank)
+        cur.grads_ok = not any_bits & (LOSS | GRADS)
+        reason = None
         if scaling:
-            cur.local_skip = bool(per_rank[self._rank or 0] & _GRADS)
-        reason = self._policy(bool(any_bits & _GRADS), cur) if scaling else None
+            cur.local_skip = bool(self._detect.own(per_rank) & GRADS)
+            cur.policy_done = True
+            reason = self._policy.record(bool(any_bits & GRADS))
         kind: str | None = None
         detail = ""
         ranks: tuple[int, ...] = ()
-        if any_bits & _LOSS:
-            kind, detail, ranks = "loss", "non-finite loss", _seen(per_rank, _LOSS)
-        elif any_bits & _GRADS and not scaling:
-            kind, detail, ranks = "grads", "non-finite gradients", _seen(per_rank, _GRADS)
+        if any_bits & LOSS:
+            kind, detail, ranks = "loss", "non-finite loss", seen(per_rank, LOSS)
+        elif any_bits & GRADS and not scaling:
+            kind, detail, ranks = "grads", "non-finite gradients", seen(per_rank, GRADS)
         elif reason is not None:
-            kind, detail, ranks = "skips", reason, _seen(per_rank, _GRADS)
+            kind, detail, ranks = "skips", reason, seen(per_rank, GRADS)
         if kind is not None:
             # Still before scaler.step/optimizer.step: the live state is the pre-update state.
             self._trip(cur, kind, detail, ranks, per_rank, live=True, stacklevel=3)
@@ -393,14 +297,14 @@ class Guard:
     @property
     def skip_rate(self) -> float:
         """Fraction of skipped steps among the last ``skip_window[0]`` steps."""
-        return sum(self._window) / len(self._window) if self._window else 0.0
+        return self._policy.rate
 
     def close(self) -> None:
         """Remove the guard's hooks from the model and optimizer; safe to call twice."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._snapshot = None
+        self._capture.snapshot = None
         self._closed = True
 
     def __enter__(self) -> Guard:
@@ -448,34 +352,9 @@ class Guard:
             if self.scaler._scale is not None and self.scaler._growth_tracker is not None:
                 cur.scale_before = self.scaler._scale.detach().clone()
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
-        if self._buffers:
-            cur.buffers = self._copy_buffers()
-        if self.snapshot_every and cur.index % self.snapshot_every == 0 and self._poisoned_at is None:
-            self._refresh_snapshot(cur)
+        self._capture.begin(cur, first=self.iterations == 0)
         self._cur = cur
         return self
-
-    def _copy_buffers(self) -> dict[int, torch.Tensor]:
-        """Copies of the buffers as this step begins: every one at the first step, then those that
-        changed since (a buffer no step has changed is saved live: it still holds its entry value)."""
-        first = self.iterations == 0
-        want: list[int] = []
-        for k, (_, b) in enumerate(self._buffers):
-            v = _version(b)
-            if v != self._buffer_versions[k]:
-                self._buffer_versions[k], self._buffer_moves[k] = v, True
-            if first or self._buffer_moves[k]:
-                want.append(k)
-        old = self._buffer_copies
-        copies = {k: old[k] for k in want if k in old and old[k].shape == self._buffers[k][1].shape}
-        with torch.no_grad():
-            if copies:  # one op, into the copies the last step used
-                torch._foreach_copy_(list(copies.values()), [self._buffers[k][1] for k in copies])
-            for k in want:
-                if k not in copies:
-                    copies[k] = self._buffers[k][1].detach().clone()
-        self._buffer_copies = copies
-        return copies
 
     def _exit(self, failed: bool, exc: BaseException | None = None) -> None:
         cur = self._cur
@@ -483,7 +362,7 @@ class Guard:
         try:
             if not failed:
                 self._check_exit(cur)
-            elif isinstance(exc, Exception) and self._world == 1:
+            elif isinstance(exc, Exception) and self._detect.world == 1:
                 self._check_aborted(cur, exc)
         except BaseException as e:
             failed = failed or not isinstance(e, Exception)  # a Ctrl-C in the checks: the step was aborted
@@ -519,32 +398,31 @@ class Guard:
         flags: list[torch.Tensor | None] = [None, None, None, skip_flag]
         if self.check_params and cur.update_ran:  # a skipped update wrote nothing (the read still happens:
             # every rank must join the same collectives whatever its own step did)
-            flags[2] = _nonfinite(self._params, self._device, self._params_by_device)
+            flags[2] = self._detect.params_flag()
         if need_loss:
-            flags[0] = self._loss_flag(cur)
-        per_rank, values = self._read(flags, extra)
+            flags[0] = self._detect.loss_flag(cur.loss)
+        per_rank, values = self._detect.read(flags, extra)
         if values:
             self._note_scale(cur, values[0])
-        any_bits = _or(per_rank)
+        any_bits = any_set(per_rank)
         if need_skip:
-            cur.local_skip = bool(per_rank[self._rank or 0] & _SKIP)
-        if any_bits & _PARAMS:
-            self._poison(cur.index + 1)
+            cur.local_skip = bool(self._detect.own(per_rank) & SKIP)
+        if any_bits & PARAMS:
+            self._capture.poison(cur.index + 1)
         kind: str | None = None
         detail = ""
         ranks: tuple[int, ...] = ()
         if cur.tripped:
             pass  # already reported by check_grads in this step (on_fail="dump"/"warn")
-        elif any_bits & _LOSS:
-            kind, detail, ranks = "loss", "non-finite loss", _seen(per_rank, _LOSS)
-        elif any_bits & _PARAMS:
-            kind, detail, ranks = "params", "non-finite parameters after the update", _seen(per_rank, _PARAMS)
-        # Only a step whose optimizer step was due counts towards the skip policy: it ran, or GradScaler
-        # skipped it (on any rank). A micro-batch that only accumulated gradients is neither.
-        if scaling and not cur.policy_done and (cur.update_ran or any_bits & _SKIP):
-            reason = self._policy(bool(any_bits & _SKIP), cur)
+        elif any_bits & LOSS:
+            kind, detail, ranks = "loss", "non-finite loss", seen(per_rank, LOSS)
+        elif any_bits & PARAMS:
+            kind, detail, ranks = "params", "non-finite parameters after the update", seen(per_rank, PARAMS)
+        if scaling and not cur.policy_done:  # the policy leaves out a micro-batch that only accumulated
+            cur.policy_done = True
+            reason = self._policy.record(bool(any_bits & SKIP), due=cur.update_ran)
             if reason and kind is None and not cur.tripped:
-                kind, detail, ranks = "skips", reason, _seen(per_rank, _SKIP)
+                kind, detail, ranks = "skips", reason, seen(per_rank, SKIP)
         if kind is not None:
             # After update(): the weights are pre-update unless the optimizer really stepped (else the
             # snapshot); the scaler state is put back to what it was when the step began.
@@ -560,11 +438,11 @@ class Guard:
         if cur.tripped or cur.checked or cur.loss is None:
             return
         try:
-            per_rank, _ = self._read([self._loss_flag(cur), None, None, None], [])
-            if not per_rank[0] & _LOSS:
+            per_rank, _ = self._detect.read([self._detect.loss_flag(cur.loss), None, None, None], [])
+            if not per_rank[0] & LOSS:
                 return
             touched = cur.update_ran and not cur.local_skip
-            event = self._trip(cur, "loss", "non-finite loss (then the step raised)", _seen(per_rank, _LOSS),
+            event = self._trip(cur, "loss", "non-finite loss (then the step raised)", seen(per_rank, LOSS),
                                per_rank, live=not touched, scaler_before=True, propagate=False, stacklevel=5)
         except Exception:
             return  # the step's exception is what matters; a device in error may fail any read here
@@ -580,63 +458,12 @@ class Guard:
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
-    def _loss_flag(self, cur: _Step) -> torch.Tensor | None:
-        if cur.loss is None:
-            return None
-        # 0 * x is 0 for finite x and NaN for NaN/Inf: one op, no overflow on large finite losses.
-        zeroed = cur.loss * 0
-        return zeroed if zeroed.dim() == 0 else zeroed.sum(dtype=torch.float32)
-
-    def _read(self, flags: list[torch.Tensor | None], extra: list[torch.Tensor]) -> tuple[list[int], list[float]]:
-        """Every rank's flag bits and this rank's extra scalars, in one host read (and one all_reduce)."""
-        parts = [self._zero if f is None else f for f in flags] + extra
-        dev, f32 = self._device, torch.float32
-        # Convert only what needs it: each tensor op costs microseconds, attribute checks don't.
-        vec = torch.stack([t if t.dtype is f32 and t.device == dev and t.dim() == 0 else t.reshape(()).to(dev, f32)
-                           for t in parts])
-        world = self._world
-        if world > 1:
-            import torch.distributed as dist
-
-            mat = torch.zeros((world, _N_FLAGS), device=self._comm_device)
-            mat[self._rank or 0] = vec[:_N_FLAGS].to(self._comm_device)
-            dist.all_reduce(mat, group=self._pg)
-            values = torch.cat([mat.reshape(-1), vec[_N_FLAGS:].to(self._comm_device)]).tolist()
-        else:
-            values = vec.tolist()
-        n = world * _N_FLAGS
-        # NaN != 0 is True: a NaN flag (a NaN that reached the reduction) counts as set.
-        per_rank = [sum(1 << i for i in range(_N_FLAGS) if values[r * _N_FLAGS + i] != 0) for r in range(world)]
-        return per_rank, [float(v) for v in values[n:]]
-
     def _note_scale(self, cur: _Step, scale: float) -> None:
         cur.scale = scale
         if not self.scale_history or self.scale_history[-1][1] != scale:
             self.scale_history.append((cur.index, scale))
 
-    def _policy(self, skip: bool, cur: _Step) -> str | None:
-        """Record whether this step was skipped (on any rank); the reason to stop, if any."""
-        cur.policy_done = True
-        self._window.append(skip)
-        if not skip:
-            self._consecutive = 0
-            return None
-        self._consecutive += 1
-        reason = None
-        if self.max_consecutive_skips is not None and self._consecutive >= self.max_consecutive_skips:
-            reason = (f"GradScaler skipped {self._consecutive} steps in a row "
-                      f"(max_consecutive_skips={self.max_consecutive_skips})")
-        elif self.skip_window is not None:
-            n, rate = self.skip_window
-            k = sum(self._window)
-            if k > rate * n:
-                reason = f"GradScaler skipped {k} of the last {len(self._window)} steps (more than {rate:.0%} of {n})"
-        if reason is not None:
-            self._consecutive = 0
-            self._window.clear()
-        return reason
-
-    # ------------------------------------------------------------- capture
+    # ------------------------------------------------------------ detection
     def _trip(self, cur: _Step, kind: str, detail: str, ranks: tuple[int, ...], per_rank: list[int], *,
               live: bool, scaler_before: bool = False, propagate: bool = True, stacklevel: int = 3) -> GuardEvent:
         """Report a detection: capture (this rank's, if it saw it), event, then raise/warn/continue.
@@ -651,123 +478,30 @@ class Guard:
             # culprit, not this step. All the model's weights: another optimizer, or an update check_params
             # did not watch, may have written them. Failure path only; every rank is here at the same time,
             # so the all_reduce in the read is safe.
-            p_rank, _ = self._read([None, None, _nonfinite(self._weights(), self._device), None], [])
-            if _or(p_rank) & _PARAMS:
-                self._poison(cur.index)
+            p_rank, _ = self._detect.read([None, None, self._detect.weights_flag(self._capture.module), None], [])
+            if any_set(p_rank) & PARAMS:
+                self._capture.poison(cur.index)
                 kind, detail, ranks, per_rank = ("params", f"{detail}; the weights were already non-finite when the "
                                                  f"step began (written by an earlier update)",
-                                                 _seen(p_rank, _PARAMS), p_rank)
-                live, bad_update = False, (self._poisoned_at or cur.index) - 1
-        rank = self._rank
-        mine = self._world == 1 or bool(per_rank[rank or 0]) or self.dump_all_ranks
-        ck = bt = err = None
-        captured: int | None = None
-        pre_update = False
-        if mine and self.captures < self.max_captures:
-            snap = None if live else self._snapshot
-            try:
-                ck, bt = self._paths(cur.index)
-                with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
-                    if snap is not None:
-                        self._save_snapshot(snap, cur, ck_tmp, bt_tmp)
-                    else:
-                        self._save_live(cur, ck_tmp, bt_tmp, scaler_before=scaler_before, began=began)
-                captured, pre_update = (snap.step, snap.step == bad_update) if snap is not None else (cur.index, live)
-                self.captures += 1
-            except Exception as e:  # the detection matters more than the file: report, don't mask
-                err, ck, bt = f"{type(e).__name__}: {e}", None, None
-        elif mine:
-            err = f"max_captures={self.max_captures} already written"
-        else:
-            err = "another rank saw it; its capture holds the step"
+                                                 seen(p_rank, PARAMS), p_rank)
+                live, bad_update = False, (self._capture.poisoned_at or cur.index) - 1
+        rank = self._detect.rank
+        written = self._capture.capture(cur, seen_here=self._detect.world == 1 or bool(self._detect.own(per_rank)),
+                                        live=live, began=began, bad_update=bad_update, scaler_before=scaler_before)
         event = GuardEvent(
             step=cur.index, kind=kind, detail=detail, rank=rank, ranks=ranks if rank is not None else (),
-            checkpoint=ck, batch=bt, captured_step=captured, pre_update=pre_update, capture_error=err,
+            checkpoint=written.checkpoint, batch=written.batch, captured_step=written.captured_step,
+            pre_update=written.pre_update, capture_error=written.error,
             iterations=self.iterations, updates=self.updates, skipped=self.skipped, scale=cur.scale,
         )
         self.events.append(event)
-        if ck is not None:
-            self._write_event(event)
+        if written.checkpoint is not None:
+            self._capture.write_event(event, self.scale_history)
         if self.on_fail == "raise" and propagate:
             raise GuardError(event)
         if self.on_fail == "warn":
             warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
         return event
-
-    def _weights(self) -> list[torch.Tensor]:
-        """The model's parameters, and any other parameter the optimizer updates."""
-        weights = list(self._module.parameters())
-        ids = {id(p) for p in weights}
-        return weights + [p for p in self._params if id(p) not in ids]
-
-    def _poison(self, step: int) -> None:
-        if self._poisoned_at is None:
-            self._poisoned_at = step
-
-    def _paths(self, step: int) -> tuple[str, str]:
-        os.makedirs(self.dump_dir, exist_ok=True)
-        stem = os.path.join(self.dump_dir, f"step{step:06d}" + (f"-rank{self._rank}" if self._rank is not None else ""))
-        return stem + "-checkpoint.pt", stem + "-batch.pt"
-
-    def _write_event(self, event: GuardEvent) -> None:
-        assert event.checkpoint is not None
-        path = event.checkpoint[: -len("checkpoint.pt")] + "event.json"
-        data = {**event.to_dict(), "describe": event.describe(), "scale_history": self.scale_history[-50:]}
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-
-    def _capture_dtype(self, cur: _Step) -> torch.dtype:
-        if self.dtype is not None:
-            return self.dtype
-        if cur.autocast is not None:
-            return cur.autocast
-        if cur.forward_seen:
-            return torch.float32  # the forward ran without autocast; float32 replays it so
-        return torch.float16 if self._scaling() else torch.float32
-
-    def _save_kwargs(self, cur: _Step) -> dict[str, Any]:
-        return {
-            "loss_fn": self.loss_fn, "model_factory": self.model_factory, "model_kwargs": self.model_kwargs,
-            "device_type": self.device_type, "dtype": self._capture_dtype(cur),
-        }
-
-    def _save_live(self, cur: _Step, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:
-        scaler = self.scaler if self._scaling() else None
-        state = None
-        if scaler is not None and scaler_before:
-            state = _scaler_state(scaler, cur.scale_before, cur.tracker_before)
-        model_state = None
-        if began and cur.buffers is not None:
-            # The weights are those the step began with; its forward has already written the buffers
-            # (BatchNorm running statistics): save the copies taken at entry.
-            model_state = self._module.state_dict(keep_vars=True)
-            for k, copy in cur.buffers.items():
-                name, live = self._buffers[k]
-                if model_state.get(name) is live and copy.shape == live.shape:
-                    model_state[name] = copy
-        save_capture(ck, bt, model=self._module, model_state=model_state, batch=cur.batch, optimizer=self.optimizer,
-                     scaler=scaler, scaler_state=state, rng=cur.rng, **self._save_kwargs(cur))
-
-    def _refresh_snapshot(self, cur: _Step) -> None:
-        """Copy the state this step begins with to the CPU; keep it only if its weights are finite."""
-        scaler = None
-        if self._scaling():
-            assert self.scaler is not None
-            scaler = _scaler_state(self.scaler, cur.scale_before, cur.tracker_before)
-        model = {k: v.detach().to("cpu", copy=True) for k, v in self._module.state_dict().items()}
-        weights = [model[name] for name, _ in self._module.named_parameters() if name in model]
-        # A local read: snapshots are a per-rank matter, no rank waits on another's.
-        if weights and float(_nonfinite(weights, torch.device("cpu"))) != 0:
-            self._poison(cur.index)  # and keep the last good copy
-            return
-        self._snapshot = _Snapshot(step=cur.index, model=model, optimizer=_cpu_copy(self.optimizer.state_dict()),
-                                   scaler=scaler, batch=cur.batch, rng=cur.rng)
-
-    def _save_snapshot(self, snap: _Snapshot, cur: _Step, ck: str, bt: str) -> None:
-        """Write a capture of the snapshot; the live objects only name the classes."""
-        save_capture(ck, bt, model=self._module, model_state=snap.model, batch=snap.batch, optimizer=self.optimizer,
-                     optimizer_state=snap.optimizer, scaler_state=snap.scaler, rng=snap.rng,
-                     **self._save_kwargs(cur))
 
 
 class _StepContext:
@@ -788,99 +522,3 @@ class _StepContext:
             # Ended here too: a Ctrl-C inside _exit before its own try/finally, or inside that finally,
             # must not leave a step open (every later guard.step() would raise "steps do not nest").
             self._guard._cur = None
-
-
-# ------------------------------------------------------------------ helpers
-@contextmanager
-def _both_or_neither(checkpoint: str, batch: str) -> Iterator[tuple[str, str]]:
-    """Temporary names for a capture's two files, renamed onto theirs once both are written. On any failure
-    (a batch torch.save cannot pickle, a full disk, Ctrl-C) neither file is left, so an event that says
-    "no capture" never sits beside an orphan checkpoint, and an older capture under these names stays whole."""
-    tmp = (checkpoint + ".partial", batch + ".partial")
-    renamed = False
-    try:
-        for t in tmp:
-            with suppress(FileNotFoundError):
-                os.remove(t)  # left by a process killed mid-write (or a link: removed, never written through)
-        yield tmp
-        renamed = True  # set first: a Ctrl-C between the two renames must take the batch file away again
-        os.replace(tmp[1], batch)
-        os.replace(tmp[0], checkpoint)
-    except BaseException:
-        for t in (*tmp, batch) if renamed else tmp:
-            with suppress(OSError):
-                os.remove(t)
-        raise
-
-
-def _nonfinite(tensors: list[torch.Tensor], device: torch.device,
-               groups: dict[torch.device, list[torch.Tensor]] | None = None) -> torch.Tensor:
-    """A float scalar on ``device``: 0 when every tensor is finite, non-zero otherwise; a fused check
-    per device, no host read. On CUDA the max-norm (read-only, one multi-tensor kernel; unlike the
-    2-norm it cannot overflow on large finite values, and it propagates NaN). On the CPU,
-    ``_foreach_norm`` runs one op per tensor, so use GradScaler's fused check with an inverse scale
-    of 1, which leaves every value as it was."""
-    flags: list[torch.Tensor] = []
-    with torch.no_grad():  # no per-tensor detach(): at this size the Python per tensor is the cost
-        for dev, ts in (groups if groups is not None else _by_device(tensors)).items():
-            if dev.type == "cpu":
-                found = torch.zeros((), device=dev)
-                torch._amp_foreach_non_finite_check_and_unscale_(ts, found, _one(dev))
-            else:
-                found = torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)).amax() * 0
-            flags.append(found if dev == device else found.to(device))
-    if not flags:
-        return torch.zeros((), device=device)
-    return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
-
-
-def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    first = tensors[0].device if tensors else None
-    if all(t.device == first and not t.is_sparse for t in tensors):
-        return {first: tensors} if first is not None else {}
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t.coalesce()._values() if t.is_sparse else t)
-    return out
-
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), device=device)
-    return one
-
-
-def _or(per_rank: list[int]) -> int:
-    out = 0
-    for b in per_rank:
-        out |= b
-    return out
-
-
-def _seen(per_rank: list[int], mask: int) -> tuple[int, ...]:
-    return tuple(r for r, b in enumerate(per_rank) if b & mask)
-
-
-def _cpu_copy(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cpu_copy(v) for v in obj)
-    return obj
-
-
-def _scaler_state(scaler: torch.amp.GradScaler, scale: torch.Tensor | float | None,
-                  tracker: torch.Tensor | int | None) -> dict[str, Any]:
-    """GradScaler.state_dict() as it was when ``scale``/``tracker`` were copied (None: not yet initialised)."""
-    sd = scaler.state_dict()
-    sd["scale"] = float(scale) if scale is not None else scaler._init_scale
-    sd["_growth_tracker"] = int(tracker) if tracker is not None else scaler._init_growth_tracker
-    return sd

@@ -1,18 +1,22 @@
-"""Plain result data: phases, per-tensor records, occurrences.
+"""Plain result data: phases, per-tensor records, occurrences, reports, comparisons, guard events.
 
-Nothing here imports torch or another nanhunt module, so reports can be read,
-written and rendered without a model in sight.
+Nothing here imports torch or another nanhunt module (but the private ``_serial``, which writes and reads
+them as JSON), so reports can be read, written and rendered without a model in sight.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from . import _serial
+from ._serial import JSONData, absent
+
 __all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
-           "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView"]
+           "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent"]
 
 # Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
 # ``Report.from_dict`` reads every older version: a missing key takes its default.
@@ -53,36 +57,25 @@ class Role(str, enum.Enum):
         return self.value
 
 
+# JSON (``to_dict`` / ``from_dict``, see ``_serial``): one key per field, in field order. ``field(metadata=absent(x))``
+# is what a file without that key (an older layout) reads as; a field with neither a default nor ``absent`` is
+# required in every file.
+
+
 @dataclass(frozen=True)
-class FullStats:
+class FullStats(JSONData):
     """The expensive statistics, computed only for the tensors that matter."""
 
-    nan: int
-    posinf: int
-    neginf: int
-    zeros: int
-    numel: int
-    min_nonzero_abs: float | None  # smallest non-zero finite magnitude; None when there is none
-    over_fp16: int  # finite values with |x| > 65504
-    over_bf16: int  # finite values with |x| > bfloat16 max
-    subnormal: int  # non-zero values below the smallest normal of the tensor's dtype
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FullStats:
-        return cls(
-            nan=int(d.get("nan", 0)),
-            posinf=int(d.get("posinf", 0)),
-            neginf=int(d.get("neginf", 0)),
-            zeros=int(d.get("zeros", 0)),
-            numel=int(d.get("numel", 0)),
-            min_nonzero_abs=_opt_float(d.get("min_nonzero_abs")),
-            over_fp16=int(d.get("over_fp16", 0)),
-            over_bf16=int(d.get("over_bf16", 0)),
-            subnormal=int(d.get("subnormal", 0)),
-        )
+    nan: int = field(metadata=absent(0))
+    posinf: int = field(metadata=absent(0))
+    neginf: int = field(metadata=absent(0))
+    zeros: int = field(metadata=absent(0))
+    numel: int = field(metadata=absent(0))
+    # smallest non-zero finite magnitude; None when there is none
+    min_nonzero_abs: float | None = field(metadata=absent(None))
+    over_fp16: int = field(metadata=absent(0))  # finite values with |x| > 65504
+    over_bf16: int = field(metadata=absent(0))  # finite values with |x| > bfloat16 max
+    subnormal: int = field(metadata=absent(0))  # non-zero values below the smallest normal of the tensor's dtype
 
 
 class RangeStats:
@@ -144,7 +137,7 @@ class RecordView(Protocol):
 
 
 @dataclass(frozen=True)
-class Record(RangeStats):
+class Record(RangeStats, JSONData):
     """Statistics of one floating tensor seen at one point of the step.
 
     ``min``/``max`` come from one on-device ``aminmax``: both are NaN when the
@@ -154,14 +147,14 @@ class Record(RangeStats):
 
     index: int
     phase: Phase
-    module: str | None
-    call_index: int
-    op: str | None
-    role: Role
-    dtype: str
-    shape: tuple[int, ...]
-    min: float
-    max: float
+    module: str | None = field(metadata=absent(None))
+    call_index: int = field(metadata=absent(0))
+    op: str | None = field(metadata=absent(None))
+    role: Role = field(metadata=absent(Role.OUTPUT))
+    dtype: str = field(metadata=absent(""))
+    shape: tuple[int, ...] = field(metadata=absent(()))
+    min: float = field(metadata=absent(math.nan))
+    max: float = field(metadata=absent(math.nan))
     inputs: tuple[int, ...] = ()
     source: str | None = None
     nonfinite_scalar: str | None = None  # "nan" / "inf" when a Python scalar argument was non-finite
@@ -187,43 +180,9 @@ class Record(RangeStats):
         parts.append(str(self.role.value))
         return " ".join(parts)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["phase"] = self.phase.value
-        d["role"] = self.role.value
-        d["shape"] = list(self.shape)
-        d["inputs"] = list(self.inputs)
-        d["min"] = _json_float(self.min)
-        d["max"] = _json_float(self.max)
-        d["full"] = None if self.full is None else self.full.to_dict()
-        d["input_shapes"] = None if self.input_shapes is None else [list(x) for x in self.input_shapes]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Record:
-        full = d.get("full")
-        return cls(
-            index=int(d["index"]),
-            phase=Phase(d["phase"]),
-            module=d.get("module"),
-            call_index=int(d.get("call_index", 0)),
-            op=d.get("op"),
-            role=Role(d.get("role", "output")),
-            dtype=str(d.get("dtype", "")),
-            shape=tuple(int(s) for s in d.get("shape", ())),
-            min=_from_json_float(d.get("min")),
-            max=_from_json_float(d.get("max")),
-            inputs=tuple(int(i) for i in d.get("inputs", ())),
-            source=d.get("source"),
-            nonfinite_scalar=d.get("nonfinite_scalar"),
-            full=None if full is None else FullStats.from_dict(full),
-            input_shapes=None if d.get("input_shapes") is None else tuple(
-                tuple(int(n) for n in x) for x in d["input_shapes"]),
-        )
-
 
 @dataclass(frozen=True)
-class Occurrence:
+class Occurrence(JSONData):
     """Where the first non-finite value of a step was born.
 
     ``kind`` is ``"nan"`` or ``"inf"``. ``output`` is the record of the value
@@ -233,12 +192,12 @@ class Occurrence:
     """
 
     phase: Phase
-    module: str | None
-    module_class: str | None
-    call_index: int
-    op: str | None
-    kind: str
-    source: str | None
+    module: str | None = field(metadata=absent(None))
+    module_class: str | None = field(metadata=absent(None))
+    call_index: int = field(metadata=absent(0))
+    op: str | None = field(metadata=absent(None))
+    kind: str = field(metadata=absent("nan"))
+    source: str | None = field(metadata=absent(None))
     output: Record
     inputs: tuple[Record, ...] = ()
     reached: tuple[str, ...] | None = ()  # None: not measured (stop_at_first stops before)
@@ -261,76 +220,9 @@ class Occurrence:
                 " [silent: absorbed before the loss and gradients]" if self.silent else "")
         return f"{what} born in phase {self.phase.value}, {where}, {op}{tail}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase.value,
-            "module": self.module,
-            "module_class": self.module_class,
-            "call_index": self.call_index,
-            "op": self.op,
-            "kind": self.kind,
-            "source": self.source,
-            "output": self.output.to_dict(),
-            "inputs": [r.to_dict() for r in self.inputs],
-            "reached": None if self.reached is None else list(self.reached),
-            "allowed": self.allowed,
-            "path": list(self.path),
-            "harmless": self.harmless,
-            "absorbed": list(self.absorbed),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Occurrence:
-        return cls(
-            phase=Phase(d["phase"]),
-            module=d.get("module"),
-            module_class=d.get("module_class"),
-            call_index=int(d.get("call_index", 0)),
-            op=d.get("op"),
-            kind=str(d.get("kind", "nan")),
-            source=d.get("source"),
-            output=Record.from_dict(d["output"]),
-            inputs=tuple(Record.from_dict(r) for r in d.get("inputs", ())),
-            reached=None if d.get("reached", ()) is None else tuple(d.get("reached", ())),
-            allowed=bool(d.get("allowed", False)),
-            path=tuple(int(i) for i in d.get("path", ())),
-            harmless=bool(d.get("harmless", False)),
-            absorbed=tuple(int(i) for i in d.get("absorbed", ())),
-        )
-
-
-def _json_float(x: float) -> float | str:
-    # JSON has no NaN/Inf: keep them as strings so the files stay strict JSON.
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
-
-
-def _json_floats(obj: Any) -> Any:
-    """``obj`` (dicts, lists, scalars) with every non-finite float kept as a string, as above."""
-    if isinstance(obj, float):
-        return _json_float(obj)
-    if isinstance(obj, dict):
-        return {k: _json_floats(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_floats(v) for v in obj]
-    return obj
-
-
-def _from_json_float(x: Any) -> float:
-    if x is None:
-        return math.nan
-    return float(x)
-
-
-def _opt_float(x: Any) -> float | None:
-    return None if x is None else float(x)
-
 
 @dataclass(frozen=True)
-class Report:
+class Report(JSONData):
     """Everything one replay found, as plain data; renderers only format it.
 
     ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
@@ -351,8 +243,8 @@ class Report:
     record the fields of :class:`Record`.
     """
 
-    status: str
-    first: Occurrence | None
+    status: str = field(metadata=absent("clean"))
+    first: Occurrence | None = field(metadata=absent(None))
     origins: tuple[Occurrence, ...] = ()
     path: tuple[Record, ...] = ()
     runs: tuple[Occurrence | None, ...] = ()
@@ -374,53 +266,19 @@ class Report:
     comparison: Comparison | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "status": self.status,
-            "first": None if self.first is None else self.first.to_dict(),
-            "origins": [o.to_dict() for o in self.origins],
-            "path": [r.to_dict() for r in self.path],
-            "runs": [None if o is None else o.to_dict() for o in self.runs],
-            "loss": None if self.loss is None else _json_float(self.loss),
-            "config": _json_floats(self.config),
-            "modules": dict(self.modules),
-            "module_classes": dict(self.module_classes),
-            "environment": dict(self.environment),
-            "command": self.command,
-            "notes": list(self.notes),
-            "n_records": self.n_records,
-            "verdict": None if self.verdict is None else self.verdict.to_dict(),
-            "timeline": [[i, ph, _json_float(m), k] for i, ph, m, k in self.timeline],
-            "repro": None if self.repro is None else self.repro.to_dict(),
-        } | ({} if self.comparison is None else {"comparison": self.comparison.to_dict()})
+        d = _serial.to_dict(self)
+        if self.comparison is None:
+            del d["comparison"]
+        return {"schema_version": d.pop("schema_version"), **d}  # first, as every version wrote it
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Report:
-        def occ(x: Any) -> Occurrence | None:
-            return None if x is None else Occurrence.from_dict(x)
-
-        loss = d.get("loss")
-        return cls(
-            status=str(d.get("status", "clean")),
-            first=occ(d.get("first")),
-            origins=tuple(o for o in (occ(x) for x in d.get("origins", ())) if o is not None),
-            path=tuple(Record.from_dict(r) for r in d.get("path", ())),
-            runs=tuple(occ(x) for x in d.get("runs", ())),
-            loss=None if loss is None else float(loss),
-            config=dict(d.get("config", {})),
-            modules=dict(d.get("modules", {})),
-            module_classes=dict(d.get("module_classes", {})),
-            environment=dict(d.get("environment", {})),
-            command=d.get("command"),
-            notes=tuple(d.get("notes", ())),
-            n_records=int(d.get("n_records", 0)),
-            verdict=None if d.get("verdict") is None else Verdict.from_dict(d["verdict"]),
-            timeline=tuple((int(i), str(ph), _from_json_float(m), str(k)) for i, ph, m, k in d.get("timeline", ())),
-            repro=None if d.get("repro") is None else Repro.from_dict(d["repro"]),
-            comparison=None if d.get("comparison") is None else Comparison.from_dict(d["comparison"]),
-            # Read in any older layout, held in the current one: written back, it is a current file.
-            schema_version=SCHEMA_VERSION,
-        )
+    def from_dict(cls, d: Mapping[str, Any]) -> Report:
+        # Read in any older layout, held in the current one (schema_version is the default): written back, it
+        # is a current file. A null among the origins is dropped.
+        current = {k: v for k, v in d.items() if k != "schema_version"}
+        if "origins" in current:
+            current["origins"] = [o for o in current["origins"] if o is not None]
+        return _serial.from_dict(cls, current)
 
     def to_json(self) -> str:
         import json
@@ -472,7 +330,7 @@ class Inspection:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(JSONData):
     """What the float32 bisection proved.
 
     ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
@@ -482,7 +340,7 @@ class Verdict:
     ``precision`` verdict).
     """
 
-    kind: str
+    kind: str = field(metadata=absent("clean"))
     culprits: tuple[str, ...] = ()
     origin_alone_fixes: bool | None = None
     confirmed: bool = False
@@ -497,35 +355,9 @@ class Verdict:
     silent: bool = False
     corrupted: tuple[str, ...] = ()  # silent: the values that took the origin's non-finite values in
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["culprits"] = list(self.culprits)
-        d["corrupted"] = list(self.corrupted)
-        d["float32_first"] = None if self.float32_first is None else self.float32_first.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Verdict:
-        f = d.get("float32_first")
-        return cls(
-            kind=str(d.get("kind", "clean")),
-            culprits=tuple(d.get("culprits", ())),
-            origin_alone_fixes=d.get("origin_alone_fixes"),
-            confirmed=bool(d.get("confirmed", False)),
-            replays=int(d.get("replays", 0)),
-            seconds=float(d.get("seconds", 0.0)),
-            alternatives={str(k): bool(v) for k, v in d.get("alternatives", {}).items()},
-            fix=d.get("fix"),
-            float32_first=None if f is None else Occurrence.from_dict(f),
-            interrupted=bool(d.get("interrupted", False)),
-            candidates=int(d.get("candidates", 0)),
-            silent=bool(d.get("silent", False)),
-            corrupted=tuple(str(c) for c in d.get("corrupted", ())),
-        )
-
 
 @dataclass(frozen=True)
-class Repro:
+class Repro(JSONData):
     """The origin op alone: its saved inputs and a standalone ``repro.py`` (needs only torch).
 
     ``call`` is the op call as the script writes it; ``inputs`` the ``(dtype,
@@ -535,7 +367,7 @@ class Repro:
     output was non-finite of the same kind; ``result`` is what that run printed.
     """
 
-    op: str
+    op: str = field(metadata=absent(""))
     overload: str = "default"
     device_type: str = "cpu"
     autocast_dtype: str | None = None  # None: the op ran with autocast off
@@ -549,52 +381,9 @@ class Repro:
     result: str = ""
     command: str = "python repro.py"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "op": self.op,
-            "overload": self.overload,
-            "device_type": self.device_type,
-            "autocast_dtype": self.autocast_dtype,
-            "inputs": [[dt, list(shape)] for dt, shape in self.inputs],
-            "call": self.call,
-            "nbytes": self.nbytes,
-            "sliced": self.sliced,
-            "original_shapes": [list(s) for s in self.original_shapes],
-            "files": list(self.files),
-            "verified": self.verified,
-            "result": self.result,
-            "command": self.command,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Repro:
-        return cls(
-            op=str(d.get("op", "")),
-            overload=str(d.get("overload", "default")),
-            device_type=str(d.get("device_type", "cpu")),
-            autocast_dtype=d.get("autocast_dtype"),
-            inputs=tuple((str(dt), tuple(int(x) for x in shape)) for dt, shape in d.get("inputs", ())),
-            call=str(d.get("call", "")),
-            nbytes=int(d.get("nbytes", 0)),
-            sliced=bool(d.get("sliced", False)),
-            original_shapes=tuple(tuple(int(x) for x in s) for s in d.get("original_shapes", ())),
-            files=tuple(str(f) for f in d.get("files", ())),
-            verified=bool(d.get("verified", False)),
-            result=str(d.get("result", "")),
-            command=str(d.get("command", "python repro.py")),
-        )
-
-
-def _opt_json_float(x: float | None) -> float | str | None:
-    return None if x is None else _json_float(x)
-
-
-def _opt_from_json_float(x: Any) -> float | None:
-    return None if x is None else float(x)
-
 
 @dataclass(frozen=True)
-class TensorDiff:
+class TensorDiff(JSONData):
     """One value of the step in the autocast run against the same value in the float32 reference.
 
     ``kind`` is ``"module"`` (the outputs of one module call, matched by ``name`` and
@@ -612,8 +401,8 @@ class TensorDiff:
     what its own sub-module calls already introduced (see :mod:`nanhunt.compare`).
     """
 
-    name: str
-    kind: str
+    name: str = field(metadata=absent(""))
+    kind: str = field(metadata=absent("module"))
     call_index: int = 0
     module_class: str | None = None
     dtype: str = ""  # the dtype of the value in the autocast run (the first tensor's, for several outputs)
@@ -639,111 +428,38 @@ class TensorDiff:
             return f"{self.name}.grad"
         return f"<{self.kind}>"
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        for k in ("max_abs", "max_rel", "scaled", "out_of_tol", "ref_absmax"):
-            d[k] = _json_float(getattr(self, k))
-        for k in ("headroom", "input_scaled", "introduced"):
-            d[k] = _opt_json_float(getattr(self, k))
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TensorDiff:
-        return cls(
-            name=str(d.get("name", "")),
-            kind=str(d.get("kind", "module")),
-            call_index=int(d.get("call_index", 0)),
-            module_class=d.get("module_class"),
-            dtype=str(d.get("dtype", "")),
-            shape=tuple(int(s) for s in d.get("shape", ())),
-            numel=int(d.get("numel", 0)),
-            max_abs=float(d.get("max_abs", 0.0)),
-            max_rel=float(d.get("max_rel", 0.0)),
-            scaled=float(d.get("scaled", 0.0)),
-            out_of_tol=float(d.get("out_of_tol", 0.0)),
-            headroom=_opt_from_json_float(d.get("headroom")),
-            underflow=int(d.get("underflow", 0)),
-            ref_nonfinite=int(d.get("ref_nonfinite", 0)),
-            amp_nonfinite=int(d.get("amp_nonfinite", 0)),
-            ref_absmax=float(d.get("ref_absmax", 0.0)),
-            input_scaled=_opt_from_json_float(d.get("input_scaled")),
-            introduced=_opt_from_json_float(d.get("introduced")),
-            depth=int(d.get("depth", 0)),
-        )
-
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(JSONData):
     """The top-1 class of one sample in both runs. ``-1``: no decision (the scores hold a NaN).
 
     Margins are top-1 minus top-2 score in each run (inf with one class)."""
 
     index: int
-    ref_class: int
-    amp_class: int
-    ref_runner_up: int
-    ref_margin: float
-    amp_margin: float
-    ref_score: float
-    amp_score: float
-    flipped: bool
-    near_boundary: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("ref_margin", "amp_margin", "ref_score", "amp_score"):
-            d[k] = _json_float(getattr(self, k))
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Decision:
-        return cls(
-            index=int(d["index"]),
-            ref_class=int(d.get("ref_class", -1)),
-            amp_class=int(d.get("amp_class", -1)),
-            ref_runner_up=int(d.get("ref_runner_up", -1)),
-            ref_margin=_from_json_float(d.get("ref_margin")),
-            amp_margin=_from_json_float(d.get("amp_margin")),
-            ref_score=_from_json_float(d.get("ref_score")),
-            amp_score=_from_json_float(d.get("amp_score")),
-            flipped=bool(d.get("flipped", False)),
-            near_boundary=bool(d.get("near_boundary", False)),
-        )
+    ref_class: int = field(metadata=absent(-1))
+    amp_class: int = field(metadata=absent(-1))
+    ref_runner_up: int = field(metadata=absent(-1))
+    ref_margin: float = field(metadata=absent(math.nan))
+    amp_margin: float = field(metadata=absent(math.nan))
+    ref_score: float = field(metadata=absent(math.nan))
+    amp_score: float = field(metadata=absent(math.nan))
+    flipped: bool = field(metadata=absent(False))
+    near_boundary: bool = field(metadata=absent(False))
 
 
 @dataclass(frozen=True)
-class Regression:
+class Regression(JSONData):
     """``--task regress``: the output's error per sample and its extreme values in both runs."""
 
-    ref_min: float
-    ref_max: float
-    amp_min: float
-    amp_max: float
+    ref_min: float = field(metadata=absent(math.nan))
+    ref_max: float = field(metadata=absent(math.nan))
+    amp_min: float = field(metadata=absent(math.nan))
+    amp_max: float = field(metadata=absent(math.nan))
     worst: tuple[tuple[int, float], ...] = ()  # (sample, max |amp - ref| in it), largest first
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ref_min": _json_float(self.ref_min),
-            "ref_max": _json_float(self.ref_max),
-            "amp_min": _json_float(self.amp_min),
-            "amp_max": _json_float(self.amp_max),
-            "worst": [[i, _json_float(e)] for i, e in self.worst],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Regression:
-        return cls(
-            ref_min=_from_json_float(d.get("ref_min")),
-            ref_max=_from_json_float(d.get("ref_max")),
-            amp_min=_from_json_float(d.get("amp_min")),
-            amp_max=_from_json_float(d.get("amp_max")),
-            worst=tuple((int(i), _from_json_float(e)) for i, e in d.get("worst", ())),
-        )
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(JSONData):
     """What ``nanhunt compare`` found: the acceptance rule, fixed before the run, and the result.
 
     The rule: the float32 reference is finite, the autocast run is finite, at most
@@ -761,10 +477,10 @@ class Comparison:
     comparison lists stay empty.
     """
 
-    dtype: str
-    device_type: str
-    rtol: float
-    atol: float
+    dtype: str = field(metadata=absent("float16"))
+    device_type: str = field(metadata=absent("cpu"))
+    rtol: float = field(metadata=absent(0.0))
+    atol: float = field(metadata=absent(0.0))
     task: str = "none"
     max_flips: int = 0
     fail_on_tolerance: bool = False
@@ -805,69 +521,55 @@ class Comparison:
         return ", ".join(parts) + tail
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "device_type": self.device_type,
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "task": self.task,
-            "max_flips": self.max_flips,
-            "fail_on_tolerance": self.fail_on_tolerance,
-            "tie_rule": self.tie_rule,
-            "rule": self.rule_text(),
-            "accepted": self.accepted,
-            "violations": list(self.violations),
-            "reference_finite": self.reference_finite,
-            "reference_first_nonfinite": self.reference_first_nonfinite,
-            "amp_finite": self.amp_finite,
-            "amp_first_nonfinite": self.amp_first_nonfinite,
-            "ref_loss": _opt_json_float(self.ref_loss),
-            "amp_loss": _opt_json_float(self.amp_loss),
-            "modules": [m.to_dict() for m in self.modules],
-            "ranking": list(self.ranking),
-            "output": None if self.output is None else self.output.to_dict(),
-            "loss": None if self.loss is None else self.loss.to_dict(),
-            "grads": [g.to_dict() for g in self.grads],
-            "n_samples": self.n_samples,
-            "flipped": list(self.flipped),
-            "near_boundary": list(self.near_boundary),
-            "decisions": [x.to_dict() for x in self.decisions],
-            "regression": None if self.regression is None else self.regression.to_dict(),
-            "unmatched": list(self.unmatched),
-        }
+        items = list(_serial.to_dict(self).items())
+        at = [k for k, _ in items].index("tie_rule") + 1
+        return dict(items[:at] + [("rule", self.rule_text())] + items[at:])  # written for readers; never read
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Comparison:
-        def diff(x: Any) -> TensorDiff | None:
-            return None if x is None else TensorDiff.from_dict(x)
 
-        amp_finite = d.get("amp_finite")
-        return cls(
-            dtype=str(d.get("dtype", "float16")),
-            device_type=str(d.get("device_type", "cpu")),
-            rtol=float(d.get("rtol", 0.0)),
-            atol=float(d.get("atol", 0.0)),
-            task=str(d.get("task", "none")),
-            max_flips=int(d.get("max_flips", 0)),
-            fail_on_tolerance=bool(d.get("fail_on_tolerance", False)),
-            tie_rule=str(d.get("tie_rule", "")),
-            accepted=bool(d.get("accepted", True)),
-            violations=tuple(str(v) for v in d.get("violations", ())),
-            reference_finite=bool(d.get("reference_finite", True)),
-            reference_first_nonfinite=d.get("reference_first_nonfinite"),
-            amp_finite=None if amp_finite is None else bool(amp_finite),
-            amp_first_nonfinite=d.get("amp_first_nonfinite"),
-            ref_loss=_opt_from_json_float(d.get("ref_loss")),
-            amp_loss=_opt_from_json_float(d.get("amp_loss")),
-            modules=tuple(TensorDiff.from_dict(m) for m in d.get("modules", ())),
-            ranking=tuple(int(i) for i in d.get("ranking", ())),
-            output=diff(d.get("output")),
-            loss=diff(d.get("loss")),
-            grads=tuple(TensorDiff.from_dict(g) for g in d.get("grads", ())),
-            n_samples=int(d.get("n_samples", 0)),
-            flipped=tuple(int(i) for i in d.get("flipped", ())),
-            near_boundary=tuple(int(i) for i in d.get("near_boundary", ())),
-            decisions=tuple(Decision.from_dict(x) for x in d.get("decisions", ())),
-            regression=None if d.get("regression") is None else Regression.from_dict(d["regression"]),
-            unmatched=tuple(str(u) for u in d.get("unmatched", ())),
-        )
+@dataclass(frozen=True)
+class GuardEvent(JSONData):
+    """One detection of :class:`nanhunt.Guard`: what went wrong, at which step, and where the capture is.
+
+    ``step`` is the guard's 0-based iteration index. ``ranks`` are the ranks whose
+    check saw it at that step (the first to see it); ``rank`` is this process's
+    rank (both empty/None outside ``torch.distributed``). ``captured_step`` is the
+    step whose starting state the capture holds: the failing step itself, or an
+    earlier last-good snapshot. ``pre_update`` is True when the capture's weights
+    are those the failing step started from.
+    """
+
+    step: int
+    kind: str  # "loss", "grads", "params" or "skips"
+    detail: str
+    rank: int | None = None
+    ranks: tuple[int, ...] = ()
+    checkpoint: str | None = None
+    batch: str | None = None
+    captured_step: int | None = None
+    pre_update: bool = False
+    capture_error: str | None = None
+    iterations: int = 0
+    updates: int = 0
+    skipped: int = 0
+    scale: float | None = None
+
+    def describe(self) -> str:
+        where = f"step {self.step}"
+        if self.rank is not None:
+            seen = ", ".join(map(str, self.ranks)) or "none"
+            where += f" (rank {self.rank}; seen first by rank(s) {seen})"
+        text = f"nanhunt.Guard: {self.detail} at {where}"
+        if self.checkpoint and self.batch:
+            what = "the pre-update state"
+            if self.captured_step is not None and self.captured_step != self.step:
+                what = f"the last good snapshot (start of step {self.captured_step}"
+                what += ", before the update that wrote them)" if self.pre_update else f"; re-run to step {self.step})"
+            elif not self.pre_update:
+                what = "the state with the weights already non-finite (pass snapshot_every=1 for the state before)"
+            text += f"; capture of {what}: nanhunt replay {self.checkpoint} {self.batch}"
+        elif self.capture_error:
+            text += f"; no capture: {self.capture_error}"
+        return text
+
+
+_serial.prepare(JSONData.__subclasses__())  # every class above, resolved once at import

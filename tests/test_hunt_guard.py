@@ -23,6 +23,7 @@ import nanhunt
 from nanhunt.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.repro import INPUTS, SCRIPT, make_repro
+from nanhunt.step import Step
 
 from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup
 
@@ -241,7 +242,8 @@ def test_buffers_no_step_changes_are_not_copied_at_every_entry(tmp_path: Path) -
             opt.step()
     # THEN after the first step only the buffers a step changes are copied at entry: BatchNorm's (its
     # kernel bumps no version counter) and the one the hook writes
-    names = {guard._buffers[k][0] for k in guard._buffer_copies}
+    buffers = guard._capture.buffers
+    names = {buffers.named[k][0] for k in buffers.copies}
     assert names == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "ema"}
 
 
@@ -538,8 +540,8 @@ def _repro(model: nn.Module, x: torch.Tensor, y: Any, loss_fn: Any, directory: P
         warnings.simplefilter("ignore")  # var_mean's degrees-of-freedom warning
         rep = nanhunt.replay(model, (x, y), loss_fn=loss_fn, dtype=torch.float32, optimizer=optimizer)
         assert rep.first is not None
-        rp = make_repro(model, (x, y), rep.first, str(directory), loss_fn=loss_fn, dtype=torch.float32,
-                        optimizer=optimizer, cap_bytes=cap)
+        rp = make_repro(Step.of(model, (x, y), loss_fn=loss_fn, dtype=torch.float32, optimizer=optimizer), rep.first,
+                        str(directory), cap_bytes=cap)
     assert rp is not None
     return rep.first, rp
 
