@@ -124,6 +124,7 @@ class CaptureWriter:
         self.device_type, self.dtype = device_type, dtype
         self.snapshot_every, self.max_captures, self.dump_all_ranks = snapshot_every, max_captures, dump_all_ranks
         self.rank = rank
+        self.step_call: str | None = None  # "training_step": the capture replays through it (Lightning)
         self.captures = 0
         self.buffers = EntryBuffers(self.module)
         self.snapshot: _Snapshot | None = None
@@ -212,7 +213,7 @@ class CaptureWriter:
     def _save_kwargs(self, entry: StepEntry) -> dict[str, Any]:
         return {
             "loss_fn": self.loss_fn, "model_factory": self.model_factory, "model_kwargs": self.model_kwargs,
-            "device_type": self.device_type, "dtype": self._capture_dtype(entry),
+            "device_type": self.device_type, "dtype": self._capture_dtype(entry), "step_call": self.step_call,
         }
 
     def _save_live(self, entry: StepEntry, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:

@@ -15,11 +15,13 @@ import importlib
 import importlib.machinery
 import importlib.util
 import inspect
+import json
 import keyword
 import os
 import random
 import sys
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
@@ -270,6 +272,7 @@ def save_capture(
     model_state: Mapping[str, torch.Tensor] | None = None,
     optimizer_state: Mapping[str, Any] | None = None,
     scaler_state: Mapping[str, Any] | None = None,
+    step_call: str | None = None,
 ) -> None:
     """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
 
@@ -282,7 +285,13 @@ def save_capture(
     ``scaler_state`` save those state dicts instead of the live objects' (a snapshot
     taken earlier); ``model`` and ``optimizer`` still name the classes. Both files
     load with ``torch.load(..., weights_only=True)``.
+
+    A ``transformers`` model saved under its own class name also saves its config (JSON): the replay
+    rebuilds it from that config, no ``--model`` needed. ``step_call="training_step"`` (Lightning): the
+    step's loss is ``model.training_step(*inputs)``, not ``model(*inputs)``.
     """
+    if step_call not in (None, "training_step"):
+        raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
     model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
     factory = model_factory or callable_path(model)
     if factory is None:
@@ -298,6 +307,9 @@ def save_capture(
         "model": {k: v.detach().cpu() for k, v in (model_state or model.state_dict()).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
+        # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
+        "hf_model": _hf_model_spec(model) if factory == callable_path(model) else None,
+        "step_call": step_call,
         "training": bool(model.training),
         # every module's own flag: a frozen (eval) BatchNorm inside a training model stays frozen
         "module_training": {name: bool(m.training) for name, m in model.named_modules()},
@@ -332,6 +344,118 @@ def _to_cpu(obj: Any) -> Any:
 
 def to_device(obj: Any, device: torch.device) -> Any:
     return map_tensors(obj, lambda t: t.to(device))
+
+
+# ------------------------------------------------------- transformers models, rebuilt from their config
+# Attention kernels that are torch's own. transformers also takes a Hub repository here ("kernels-community/...")
+# and downloads and runs its code: a file may not choose that.
+_HF_ATTENTION = (None, "eager", "sdpa", "flex_attention")
+# Config entries that make a model's constructor fetch something (a pretrained backbone, remote code).
+_HF_FETCHING = ("auto_map", "trust_remote_code", "use_pretrained_backbone", "backbone")
+
+
+def _hf_model_spec(model: nn.Module) -> dict[str, Any] | None:
+    """A ``transformers`` model's class, config (JSON text) and attention kernel; None for any other model."""
+    transformers = sys.modules.get("transformers")  # imported already if the model is one of its models
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    try:
+        config = json.dumps(model.config.to_dict())
+    except (TypeError, ValueError):  # a config holding something JSON cannot say: replay needs --model
+        return None
+    attn = getattr(model.config, "_attn_implementation", None)
+    return {"class": callable_path(model), "config": config, "attn_implementation": attn if isinstance(attn, str)
+            else None}
+
+
+def _hf_model(spec: Mapping[str, Any], where: str) -> nn.Module:
+    """The ``transformers`` model a capture names, built from its config and nothing else from the file: the
+    class must be a ``PreTrainedModel`` subclass of the transformers package (vetted as ``resolve`` vets any
+    name), its config class the class's own ``config_class``, the config plain JSON that asks to fetch nothing,
+    and the attention kernel one of torch's."""
+    fix = "pass --model package.module:factory"
+    path, text, attn = spec.get("class"), spec.get("config"), spec.get("attn_implementation")
+    if not isinstance(path, str) or not isinstance(text, str) or not (attn is None or isinstance(attn, str)):
+        raise CommandError(f"{where} is not a valid nanhunt capture: field 'hf_model' holds no class name and JSON "
+                           f"config; {fix}")
+    if path.partition(":")[0].partition(".")[0] != "transformers":
+        raise _refused(path, "model factory", "it is not a class of the transformers package")
+    cls: Any = resolve(path, what="model factory", trusted=False)
+    transformers = sys.modules["transformers"]  # resolve imported a module of it
+    base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+    config_cls: Any = getattr(cls, "config_class", None)
+    if not (_transformers_class(cls, transformers.PreTrainedModel) and _transformers_class(config_cls, base)):
+        raise _refused(path, "model factory", "it is not a transformers PreTrainedModel class")
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise CommandError(f"{where} is not a valid nanhunt capture: the config of {path!r} is not a JSON "
+                           f"object; {fix}")
+    fetching = _fetching(config)
+    if fetching:
+        raise _refused(path, "model factory", f"its config asks to fetch something ({fetching}): nanhunt builds a "
+                                              "model from the file alone")
+    if attn not in _HF_ATTENTION:
+        raise _refused(path, "model factory", f"its attention kernel {attn!r} is not one of torch's "
+                                              f"({', '.join(a for a in _HF_ATTENTION if a)})")
+    try:
+        cfg = config_cls.from_dict(config)
+        cfg._attn_implementation = attn  # what the run used, set on every sub-config: never what the JSON says
+        model = cls(cfg)
+    except Exception as e:
+        raise CommandError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
+    if not isinstance(model, nn.Module):
+        raise CommandError(f"{path} built a {type(model).__name__}, not an nn.Module; {fix}")
+    return model
+
+
+def _transformers_class(obj: Any, base: type) -> bool:
+    """``obj`` is a subclass of ``base`` defined in the transformers package."""
+    return inspect.isclass(obj) and issubclass(obj, base) and obj.__module__.partition(".")[0] == "transformers"
+
+
+def _fetching(obj: Any, key: str = "", depth: int = 0) -> str | None:
+    """The first config entry (at any depth) that would make a constructor download or import something."""
+    if depth > 64:
+        return f"{key}...: nested too deep to check, over 64 levels"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if k in _HF_FETCHING and v not in (None, False, "", {}, []):
+            return f"{key}{k}"
+        found = _fetching(v, f"{key}{k}.", depth + 1)
+        if found:
+            return found
+    return None
+
+
+def _through_training_step(model: nn.Module) -> None:
+    """Replay a Lightning capture: calling the model runs ``model.training_step(*inputs)`` (the step's loss);
+    its own calls of the model inside run the real forward. Set on the instance: the Step calls ``model(*inputs)``."""
+    training_step = getattr(model, "training_step", None)
+    if not callable(training_step):
+        raise CommandError(f"the capture replays the step through training_step, which {type(model).__name__} does "
+                           "not have; is --model the LightningModule that wrote it?")
+    forward = model.forward
+    inside = False
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal inside
+        if inside:
+            return forward(*args, **kwargs)
+        inside = True
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*self\.log\(\)")  # no Trainer to log to
+                out = training_step(*args, **kwargs)
+        finally:
+            inside = False
+        if out is None:
+            raise CommandError("training_step returned None for the captured batch (it skipped the step)")
+        return out
+
+    setattr(model, "forward", step)
 
 
 # ------------------------------------------------------------------ loading
@@ -459,6 +583,8 @@ def load_step(
     module_training: Mapping[str, Any] | None = None
     loss_path = loss
     autocast: Mapping[str, Any] = {}
+    step_call: str | None = None
+    saved_kwargs: dict[str, Any] = {}
     if isinstance(ck, nn.Module):
         model = ck
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
@@ -476,11 +602,22 @@ def load_step(
         loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
         autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
         saved_dev = str(ck.get("device", "cpu"))
-        if model_factory is None:
+        step_call = checked("step_call", str, "'training_step' or null", again)
+        if step_call not in (None, "training_step"):
+            raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: field 'step_call' is "
+                               f"{step_call!r}, expected 'training_step' or null; {again}")
+        if model_factory is not None:  # a factory you named is called with the file's arguments if it is the file's
+            kwargs = ck.get("model_kwargs")
+            if model_factory == ck.get("model_factory") and isinstance(kwargs, Mapping):
+                saved_kwargs = dict(kwargs)
+        else:
             factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
                               required=True)
             kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
-            model = _build(factory, kwargs or {}, trusted=False)
+            hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
+                         "pass --model package.module:factory")
+            model = _hf_model(hf, f"checkpoint {checkpoint!r}") if hf is not None else \
+                _build(factory, kwargs or {}, trusted=False)
         if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
             notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                          "so the result may differ")
@@ -507,9 +644,11 @@ def load_step(
         raise CommandError(f"checkpoint holds a {type(ck).__name__}; expected a state_dict or a dict with 'model'")
 
     if model_factory is not None:
-        model = _build(model_factory, {}, trusted=True)
+        model = _build(model_factory, saved_kwargs, trusted=True)
     if model is None:
         raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
+    if step_call == "training_step":
+        _through_training_step(model)
     if sd is not None:
         mapped = map_state_dict(sd, model, notes=notes)
         _check_dtypes(model, mapped)

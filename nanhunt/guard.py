@@ -238,9 +238,14 @@ class Guard:
     # ------------------------------------------------------------------ API
     def step(self, batch: Any) -> _StepContext:
         """Context manager around one training step on ``batch`` (remembered with the RNG state)."""
+        return self._step(batch)
+
+    def _step(self, batch: Any, index: int | None = None) -> _StepContext:
+        """``step``, numbered ``index`` (default: ``iterations``): a framework's optimizer step, which its
+        micro-batches share (the integrations)."""
         if self._closed:
             raise RuntimeError("this Guard is closed")
-        return _StepContext(self, batch)
+        return _StepContext(self, batch, index)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Hand over the step's loss to be checked (no host read here); returns it unchanged."""
@@ -322,9 +327,12 @@ class Guard:
                 cur.autocast = torch.get_autocast_dtype(self.device_type)
 
     def _pre_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # Without a GradScaler nothing stops a non-finite update: check before it writes the weights.
+        # Without a GradScaler nothing stops a non-finite update: check before it writes the weights. Not when
+        # step() was given a closure (LBFGS, Lightning): it computes the gradients after this hook, and the
+        # loop (or the callback) checks them.
         cur = self._cur
-        if cur is not None and not cur.checked and not self._scaling():
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+        if cur is not None and not cur.checked and not self._scaling() and closure is None:
             self.check_grads()
 
     def _post_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -332,11 +340,11 @@ class Guard:
             self._cur.update_ran = True
 
     # ------------------------------------------------------------ the step
-    def _enter(self, batch: Any) -> Guard:
+    def _enter(self, batch: Any, index: int | None = None) -> Guard:
         if self._cur is not None:
             raise RuntimeError("guard.step() is already active: steps do not nest")
         try:
-            return self._open(_Step(self.iterations, batch, rng_state()))
+            return self._open(_Step(self.iterations if index is None else index, batch, rng_state()))
         except BaseException:
             # Interrupted (Ctrl-C) before the with-block began: its __exit__ never runs, so the step is
             # closed here, not counted, and the next guard.step() starts afresh.
@@ -505,14 +513,15 @@ class Guard:
 
 
 class _StepContext:
-    __slots__ = ("_guard", "_batch")
+    __slots__ = ("_guard", "_batch", "_index")
 
-    def __init__(self, guard: Guard, batch: Any) -> None:
+    def __init__(self, guard: Guard, batch: Any, index: int | None = None) -> None:
         self._guard = guard
         self._batch = batch
+        self._index = index
 
     def __enter__(self) -> Guard:
-        return self._guard._enter(self._batch)  # one line: nothing runs between the step's start and the block
+        return self._guard._enter(self._batch, self._index)  # nothing runs between the step start and the block
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

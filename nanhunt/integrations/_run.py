@@ -1,0 +1,115 @@
+"""What the framework callbacks share: the Guard of one run, the guard step open now, and stopping the run."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .._errors import GuardError
+from ..guard import Guard
+
+__all__ = ["GuardedRun", "check_options"]
+
+
+def check_options(dump_dir: str | os.PathLike[str], options: dict[str, Any]) -> None:
+    """Fail when the callback is created, not when training starts: options the Guard does not take."""
+    params = inspect.signature(Guard).parameters
+    unknown = [k for k in options if k not in params or k in ("model", "optimizer", "scaler", "dump_dir")]
+    if unknown:
+        raise TypeError(f"NanhuntCallback got options nanhunt.Guard does not take: {', '.join(unknown)}")
+    if options.get("on_fail", "raise") not in ("raise", "dump", "warn"):
+        raise ValueError(f"on_fail must be 'raise', 'dump' or 'warn', not {options['on_fail']!r}")
+    os.fspath(dump_dir)  # a TypeError now for something that is no path
+
+
+class GuardedRun:
+    """One training run under a :class:`Guard`: a guard step per micro-batch, numbered by the framework's
+    optimizer step (``begin``/``end``), the loss and gradient checks, and the run's end.
+
+    A detection raised (:class:`nanhunt.GuardError`, ``on_fail="raise"``) ends the step, removes every hook
+    (the run is over) and carries a note naming the framework and the step; the framework then unwinds."""
+
+    def __init__(self, guard: Guard, framework: str, hooks: list[RemovableHandle] | None = None, *,
+                 replay_options: str = "") -> None:
+        self.guard = guard
+        self.framework = framework
+        self.replay_options = replay_options  # what the replay command needs besides the files ("--model ...")
+        self.hooks = hooks if hooks is not None else []
+        self._ctx: Any = None  # the guard step open now (guard._step's context)
+        self._index = 0
+        self.micro = 0  # micro-batches of the optimizer step so far
+        self.loss_seen = False
+
+    @property
+    def open(self) -> bool:
+        return self._ctx is not None
+
+    def begin(self, batch: Any, index: int) -> None:
+        """A micro-batch of optimizer step ``index`` begins (its batch and the RNG state are remembered)."""
+        if self._ctx is not None:
+            self.end()  # a step the framework left open (a batch it skipped)
+        self.micro = self.micro + 1 if index == self._index else 1
+        self._index = index
+        ctx = self.guard._step(batch, index)
+        ctx.__enter__()
+        self._ctx, self.loss_seen = ctx, False
+
+    def loss(self, loss: torch.Tensor) -> None:
+        """The micro-batch's loss (the first one handed over; checked on device, read with the gradients)."""
+        if self._ctx is not None and not self.loss_seen:
+            self.guard.loss(loss)
+            self.loss_seen = True
+
+    def check_grads(self) -> None:
+        """Before the optimizer step: the loss and gradients (one fused check, one host read)."""
+        if self._ctx is not None:
+            self._call(self.guard.check_grads)
+
+    def end(self) -> None:
+        """The micro-batch is over (checks of a micro-batch that did not update, a skipped step)."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            self._call(lambda: ctx.__exit__(None, None, None), ctx)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """The run is over (``exc``: it raised): end the open step, remove the hooks; safe to call twice."""
+        ctx, self._ctx = self._ctx, None
+        try:
+            if ctx is not None:
+                if exc is None:
+                    ctx.__exit__(None, None, None)
+                else:
+                    ctx.__exit__(type(exc), exc, exc.__traceback__)
+        finally:
+            for h in self.hooks:
+                h.remove()
+            self.hooks.clear()
+            self.guard.close()
+
+    def _call(self, fn: Callable[[], Any], ended: Any = None) -> None:
+        try:
+            fn()
+        except BaseException as e:
+            ctx, self._ctx = self._ctx, None
+            if ctx is not None and ctx is not ended:
+                ctx.__exit__(type(e), e, e.__traceback__)
+            if isinstance(e, GuardError):
+                self._stopped(e)
+            raise
+
+    def _stopped(self, e: GuardError) -> None:
+        micro = f", micro-batch {self.micro} of it" if self.micro > 1 else ""
+        note = f"nanhunt stopped the {self.framework} run at its optimizer step {self._index}{micro}"
+        ev = e.event
+        if self.replay_options and ev.checkpoint and ev.batch:
+            files = f"{shlex.quote(ev.checkpoint)} {shlex.quote(ev.batch)}"
+            note += f"; replay: nanhunt replay {files} {self.replay_options}"
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(note)
+        self.close()

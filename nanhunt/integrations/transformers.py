@@ -1,0 +1,141 @@
+"""``transformers.Trainer`` under :class:`nanhunt.Guard`: stop at the first bad step and leave a capture that
+``nanhunt replay CKPT BATCH`` replays with no other argument.
+
+Where the Trainer shows what the Guard needs (transformers 5.x, ``Trainer._run_epoch`` and ``training_step``):
+callbacks see neither the batch nor the loss, so the callback hooks the model itself. A forward pre-hook opens
+a guard step for each training micro-batch with the keyword arguments the Trainer calls the model with (the
+batch, on the device, ``labels`` included) and the RNG state as the forward begins; a forward hook hands over the
+model's own ``.loss``. ``on_pre_optimizer_step`` (after gradient clipping, which unscales a GradScaler's
+gradients, before ``optimizer.step()``) checks the loss and the gradients; ``on_substep_end`` (a micro-batch
+that only accumulated) and ``on_step_end`` (after the update) end the guard step, where a micro-batch's loss
+and, with a GradScaler, a skipped update are checked. The step is numbered by ``state.global_step``, which all
+micro-batches of an optimizer step share.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers import TrainerCallback
+
+from ..guard import Guard
+from ._run import GuardedRun, check_options
+
+__all__ = ["NanhuntCallback"]
+
+
+class NanhuntCallback(TrainerCallback):
+    """Give a ``transformers.Trainer`` run what :class:`nanhunt.Guard` gives a hand-written loop.
+
+    At the first non-finite loss, gradient or update (or too many GradScaler skips) it writes the capture of the
+    step as it began (``step{N}[-rank{R}]-checkpoint.pt`` / ``-batch.pt`` in ``dump_dir``, ``N`` the Trainer's
+    ``global_step``) and stops the run: ``trainer.train()`` raises :class:`nanhunt.GuardError`, whose message
+    names the step, the rank and the ``nanhunt replay`` command. A ``transformers`` model's capture holds its
+    config: the replay rebuilds the model from it and takes the model's own loss from the batch's ``labels``.
+
+    Example::
+
+        from nanhunt.integrations.transformers import NanhuntCallback
+
+        trainer = Trainer(model=model, args=args, train_dataset=ds,
+                          callbacks=[NanhuntCallback(dump_dir="nan-captures")])
+        trainer.train()
+
+    Args:
+        dump_dir: where captures go.
+        guard_options: :class:`nanhunt.Guard`'s keyword options (``on_fail``, ``max_consecutive_skips``,
+            ``snapshot_every``, ``check_params``, ``dtype``, ...). The autocast dtype is by default the one the
+            model's forward really ran in (``fp16=True`` on the CPU runs in float32 with accelerate 1.x).
+
+    Gradient accumulation: each micro-batch is a guard step; the capture holds the micro-batch that went bad.
+    Several processes (torchrun, ``accelerate launch``): every rank stops at the same step (the Guard's flags
+    are all-reduced), and the ranks that saw the problem write ``step{N}-rank{R}-*``.
+    """
+
+    def __init__(self, *, dump_dir: str | os.PathLike[str], **guard_options: Any) -> None:
+        check_options(dump_dir, guard_options)
+        self.dump_dir = dump_dir
+        self.guard_options = guard_options
+        self.run: GuardedRun | None = None
+        self._state: Any = None
+        self._probe: RemovableHandle | None = None
+
+    # ----------------------------------------------------------------- Trainer events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.close()  # an earlier train() that raised
+            self.run = None
+        self._probe = None
+        if model is None or optimizer is None:
+            raise ValueError("NanhuntCallback needs the Trainer's model and optimizer")
+        inner = optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer  # accelerate's AcceleratedOptimizer: the torch optimizer inside
+        scaler = getattr(optimizer, "scaler", None)  # the GradScaler of fp16 training (accelerate), or None
+        options = dict(self.guard_options)
+        guard = Guard(model, inner, scaler, dump_dir=self.dump_dir, **options)
+        self._state = state
+        hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
+                 model.register_forward_hook(self._forward_ends)]
+        if "dtype" not in options:
+            # accelerate enters autocast inside the forward it wraps, after the model's own pre-hooks: its
+            # first child sees the dtype the forward really runs in (none for fp16 on the CPU)
+            child = next(model.children(), None)
+            if child is not None:
+                self._probe = child.register_forward_pre_hook(self._autocast_seen)
+                hooks.append(self._probe)
+        self.run = GuardedRun(guard, "transformers.Trainer", hooks)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._state = state
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.check_grads()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.end()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.close()
+            self.run = None
+
+    # ------------------------------------------------------------------ model hooks
+    def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        run = self.run
+        if run is None or run.open or not module.training or not torch.is_grad_enabled():
+            return  # evaluation, or a second forward inside one micro-batch
+        # the Trainer calls model(**inputs); a positional call keeps its arguments
+        inputs: Any = dict(kwargs) if not args else tuple(args)
+        run.begin({"inputs": inputs}, int(self._state.global_step) if self._state is not None else 0)
+
+    def _forward_ends(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        run = self.run
+        if run is None or not run.open:
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            run.loss(loss)
+
+    def _autocast_seen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        run = self.run
+        if run is None or not run.open:
+            return
+        device_type = run.guard.device_type
+        on = torch.is_autocast_enabled(device_type)
+        run.guard.dtype = torch.get_autocast_dtype(device_type) if on else torch.float32
+        if self._probe is not None:  # seen once: the dtype does not change within a run
+            self._probe.remove()
+            self._probe = None
