@@ -32,8 +32,11 @@ memory. That is meant for one batch of a model that fits; slice the batch for la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -44,11 +47,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import CommandError
 from ._tree import map_tensors
-from .records import Comparison, Decision, Regression, Report, TensorDiff
+from .records import Comparison, Decision, Failure, Quality, Regression, Report, Rule, Speed, TensorDiff
 from ._env import environment
-from .step import Step, _backward, _call_model, _loss_of
+from .step import Step, _backward, _call_model, _loss_of, split_batch
 
-__all__ = ["compare", "default_tolerances", "top_two", "TIE_RULE", "TASKS"]
+__all__ = ["compare", "rule_from", "settle_rule", "default_tolerances", "top_two", "TIE_RULE", "TASKS"]
 
 TASKS = ("classify", "regress", "none")
 TIE_RULE = "equal top scores go to the lowest class index, in both runs; a row holding NaN has no class (-1)"
@@ -253,28 +256,70 @@ def _call_label(c: _Call) -> str:
     return f"{c.name or '<root>'}#{c.call_index} ({c.module_class})"
 
 
-def _first_nonfinite(run: _Run, batch_inputs: Sequence[torch.Tensor]) -> str | None:
-    """Where a run first held a non-finite value, in execution order."""
+def _allowed(name: str, allow: Sequence[str]) -> bool:
+    """Whether a module call's name is inside a subtree the rule allows (``"<root>"``: the model's own code)."""
+    if not name:
+        return "<root>" in allow
+    return any(name == a or name.startswith(a + ".") for a in allow if a not in ("<root>", "<input>"))
+
+
+def _inside(calls: Sequence[_Call], i: int, ancestor: int) -> bool:
+    p = calls[i].parent
+    while p is not None:
+        if p == ancestor:
+            return True
+        p = calls[p].parent
+    return False
+
+
+def _first_nonfinite(run: _Run, batch_inputs: Sequence[torch.Tensor], allow: Sequence[str] = ()
+                     ) -> tuple[str | None, tuple[str, ...]]:
+    """Where a run first held a non-finite value the rule does not allow, in execution order (None: nowhere),
+    and where it held allowed ones. A non-finite value is allowed when it was introduced inside a module the
+    rule names (a call whose output is non-finite from finite inputs, innermost first; or the enclosing call's
+    own code, when a call's input is the first non-finite value seen) and is carried onwards from there; the
+    loss and the gradients are never allowed to hold one. Without ``allow``: the first non-finite value."""
+    allowed: list[str] = []
     if _nonfinite(batch_inputs):
-        return "the batch (input)"
+        if "<input>" not in allow:
+            return "the batch (input)", ()
+        allowed.append("the batch (input)")
     if run.weights_nonfinite is not None:
-        return f"the weights: {run.weights_nonfinite}"
-    events: list[tuple[int, str]] = []
-    for c in run.calls:
+        return f"the weights: {run.weights_nonfinite}", tuple(allowed)
+    events: list[tuple[int, bool, int]] = []  # (sequence number, is an output, call)
+    for i, c in enumerate(run.calls):
         if _nonfinite(c.inputs):
-            events.append((c.start, f"the input of module {_call_label(c)} (forward)"))
+            events.append((c.start, False, i))
         if c.outputs is not None and _nonfinite(c.outputs):
-            events.append((c.end, f"the output of module {_call_label(c)} (forward)"))
-    if events:
-        return min(events)[1]
+            events.append((c.end, True, i))
+    origins: list[int] = []
+    for _, output, i in sorted(events):
+        c = run.calls[i]
+        if not output:
+            if allowed:
+                continue  # carried from an allowed origin
+            where = f"the input of module {_call_label(c)} (forward)"
+            owner = c.parent  # made outside any recorded call: by the enclosing call's own code
+            if owner is None or not _allowed(run.calls[owner].name, allow):
+                return where, tuple(allowed)
+            origins.append(owner)
+            allowed.append(f"{where}, made by {_call_label(run.calls[owner])}")
+        elif not _nonfinite(c.inputs) and not any(_inside(run.calls, o, i) for o in origins):
+            where = f"the output of module {_call_label(c)} (forward)"
+            if not _allowed(c.name, allow):
+                return where, tuple(allowed)
+            origins.append(i)
+            allowed.append(where)
     if _nonfinite([run.loss]):
-        return "the loss"
+        return "the loss", tuple(allowed)
     bad = next((n for n, g in run.grads.items() if _nonfinite([g])), None)
     if bad is not None:
-        return f"the gradient of {bad} (backward)"
+        return f"the gradient of {bad} (backward)", tuple(allowed)
     if run.output is not None and _nonfinite([run.output]):
-        return "the model's output"
-    return None
+        if not allowed:
+            return "the model's output", ()
+        allowed.append("the model's output")
+    return None, tuple(allowed)
 
 
 # ------------------------------------------------------------------ measuring
@@ -486,134 +531,262 @@ def _regress(ref: torch.Tensor, amp: torch.Tensor) -> tuple[int, Regression]:
                                   worst=tuple((i, float(per_sample[i])) for i in order))
 
 
-# ------------------------------------------------------------------ the entry point
+# ------------------------------------------------------------------ the rule, fixed first
+
+_METRICS = ("accuracy", "mse")
+_RULE_KEYS = tuple(f.name for f in dataclasses.fields(Rule))
+_NUMBERS = {"rtol": True, "atol": True, "max_quality_drop": True, "min_quality": False}  # key: must be >= 0
 
 
-def compare(
-    model: nn.Module,
-    batch: Any,
-    *,
-    loss_fn: Callable[..., Any] | None = None,
-    dtype: torch.dtype | str = torch.float16,
-    device_type: str | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    task: str = "none",
-    max_flips: int = 0,
-    fail_on_tolerance: bool = False,
-    scaler: torch.amp.GradScaler | None = None,
-    train: bool | None = None,
-    rng: Mapping[str, Any] | None = None,
-    command: str | None = None,
-    notes: Sequence[str] = (),
-) -> Report:
-    """Run one step in float32 and under autocast from the same state; say where error is introduced.
+def rule_from(d: Mapping[str, Any], *, where: str = "the rule") -> Rule:
+    """A :class:`~nanhunt.records.Rule` from a JSON object (a ``--rule`` file), every key and value checked:
+    an unknown key (a typo would silently drop a clause) or a value of the wrong type is an error."""
+    if not isinstance(d, Mapping):
+        raise CommandError(f"{where} is a {type(d).__name__}, not a JSON object of the rule's clauses")
+    unknown = sorted(str(k) for k in d if k not in _RULE_KEYS)
+    if unknown:
+        raise CommandError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a rule has "
+                           f"{', '.join(_RULE_KEYS)}")
+    kw: dict[str, Any] = {}
+    for k, v in d.items():
+        def bad(expected: str) -> CommandError:
+            return CommandError(f"{where}: {k} is {v!r}, expected {expected}")
 
-    ``batch`` is ``(inputs, targets)`` as for :func:`nanhunt.replay`; the step is forward, loss
-    and backward (no optimizer update). The acceptance rule is fixed by the arguments before
-    anything runs: the float32 reference and the autocast run are finite, at most ``max_flips``
-    decisions change (``task="classify"``) and, with ``fail_on_tolerance``, no element of the
-    model's output or the loss is out of tolerance (|amp - ref| > atol + rtol * |ref|).
-    ``rtol``/``atol`` default to float16 1e-3/1e-5 and bfloat16 1e-2/1e-5; without
-    ``fail_on_tolerance`` they only rank modules and mark near-boundary samples.
+        if v is None and k in ("metric", "higher_is_better", *_NUMBERS):
+            kw[k] = None
+        elif k == "task":
+            if v not in TASKS:
+                raise bad(f"one of {', '.join(TASKS)}")
+            kw[k] = v
+        elif k == "metric":
+            if not isinstance(v, str) or not v:
+                raise bad("'accuracy', 'mse' or 'package.module:fn'")
+            kw[k] = v
+        elif k in ("higher_is_better", "fail_on_tolerance"):
+            if not isinstance(v, bool):
+                raise bad("true or false")
+            kw[k] = v
+        elif k == "max_flips":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad("an integer >= 0")
+            kw[k] = v
+        elif k in _NUMBERS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (_NUMBERS[k] and v < 0):
+                raise bad("a finite number" + (" >= 0" if _NUMBERS[k] else "") + " or null")
+            kw[k] = float(v)
+        elif k == "allow_nonfinite":
+            if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+                raise bad("a list of module names ('<root>': the model's own code, '<input>': the batch)")
+            kw[k] = tuple(v)
+    return Rule(**kw)
 
-    ``task="classify"``: the model's output holds class scores (classes on dim 1, or a 1-D
-    output for one sample); the top-1 class is taken per sample in both runs, ties going to
-    the lowest class index (:data:`TIE_RULE`). ``task="regress"``: the output's error per
-    sample and its extremes. With a ``scaler``, the autocast backward is scaled by its current
-    scale and the gradients unscaled before comparing, as training would.
 
-    The model, its gradients, ``training`` flags and the RNG are restored afterwards, also on
-    an exception. The result is ``report.comparison`` (a :class:`nanhunt.records.Comparison`);
-    ``report.status`` is ``"clean"`` (rule held), ``"reference-nonfinite"``, ``"nonfinite"``
-    (the autocast run) or ``"diverged"`` (too many flips, or out of tolerance when failing on it).
+def settle_rule(rule: Rule, metric: str | Callable[..., Any] | None = None
+                ) -> tuple[Rule, Callable[..., Any] | None]:
+    """The rule as it is printed and hashed, with what it leaves to defaults made explicit: the quality metric
+    of its task (``classify``: accuracy, ``regress``: mse) and which way the metric improves; and the user's
+    metric function. ``metric`` is a name (``"accuracy"``, ``"mse"``, ``"package.module:fn"``, imported as
+    given: a name you typed is trusted) or a function ``fn(outputs, targets) -> float``, higher is better
+    unless the rule or ``fn.higher_is_better`` says otherwise."""
+    rule = rule_from(rule.to_dict(), where="the rule")  # the same checks as a file's
+    name, fn = rule.metric, None
+    if metric is not None:
+        given = metric if isinstance(metric, str) else f"{metric.__module__}:{metric.__qualname__}"
+        if name is not None and name != given:
+            raise CommandError(f"the rule measures {name!r} but the metric given is {given!r}; give one")
+        name = given
+        fn = None if isinstance(metric, str) else metric
+    if name is None:
+        name = {"classify": "accuracy", "regress": "mse"}.get(rule.task)
+    if name is not None and name not in _METRICS and fn is None:
+        from .capture import resolve
 
-    Example::
+        fn = resolve(name, what="quality metric", trusted=True)
+    hib = rule.higher_is_better
+    if name in _METRICS:
+        natural = name == "accuracy"
+        if hib is not None and hib != natural:
+            raise CommandError(f"{name} is {'higher' if natural else 'lower'} is better; the rule says otherwise")
+        hib = natural
+    elif name is None:
+        hib = None
+    elif hib is None:
+        hib = bool(getattr(fn, "higher_is_better", True))
+    if name is None and (rule.max_quality_drop is not None or rule.min_quality is not None):
+        raise CommandError("a quality clause (max_quality_drop, min_quality) needs a metric: --task classify "
+                           "(accuracy), --task regress (mse) or --metric package.module:fn")
+    return dataclasses.replace(rule, metric=name, higher_is_better=hib), fn
 
-        report = nanhunt.compare(model, (x, y), loss_fn=F.cross_entropy, dtype=torch.float16, task="classify")
-        c = report.comparison
-        print(c.accepted, c.flipped, [c.modules[i].label() for i in c.ranking[:3]])
-    """
-    dt = _as_dtype(dtype)
-    if task not in TASKS:
-        raise CommandError(f"unknown task {task!r}; use one of {', '.join(TASKS)}")
-    d_rtol, d_atol = default_tolerances(dt)
-    rtol = d_rtol if rtol is None else float(rtol)
-    atol = d_atol if atol is None else float(atol)
-    if not (rtol >= 0 and atol >= 0 and math.isfinite(rtol) and math.isfinite(atol)):
-        raise CommandError(f"tolerances must be finite and >= 0 (rtol={rtol}, atol={atol})")
-    if max_flips < 0:
-        raise CommandError(f"max_flips must be >= 0, not {max_flips}")
-    dtype_name = str(dt).replace("torch.", "")
-    limit = float(torch.finfo(dt).max)
-    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
-    # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
-    step = Step.of(model, batch, loss_fn=loss_fn, dtype=dt, device_type=device_type, scaler=scaler, train=train,
-                   rng=rng)
-    model, inputs, targets, device_type = step.model, step.inputs, step.targets, step.device_type
-    batch_floats, _ = _floats(inputs)
-    config: dict[str, Any] = {
-        "dtype": dtype_name,
-        "device_type": device_type,
-        "train": model.training if train is None else train,
-        "loss_fn": getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None),
-        "task": task,
-        "rtol": rtol,
-        "atol": atol,
-        "max_flips": max_flips,
-        "fail_on_tolerance": fail_on_tolerance,
-        "scaler_scale": scale if scaler is not None else None,
-    }
-    module_classes = {name: type(m).__name__ for name, m in model.named_modules()}
-    base_notes = tuple(notes)
-    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
-                  if p.is_floating_point() and p.dtype != torch.float32})
-    if low:
-        base_notes += (f"parameters held in {', '.join(low)}: the reference runs them as they are, so it is float32 "
-                  "arithmetic on rounded weights",)
-    # A float32 model's reference takes a float16/bfloat16 batch upcast (exactly): with autocast off, a
-    # low-precision input would meet float32 weights. The autocast run takes the batch as it is.
-    ref_batch = (inputs, targets) if low else (_upcast(inputs), _upcast(targets))
-    rule = _Rule(dtype=dtype_name, device_type=device_type, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
-                 fail_on_tolerance=fail_on_tolerance, tie_rule=TIE_RULE if task == "classify" else "")
+# ------------------------------------------------------------------ quality
 
-    def run(amp: bool) -> _Run:
-        step.reset()
-        ins, tgts = (inputs, targets) if amp else ref_batch
-        return _run(model, ins, tgts, loss_fn, dtype=dt, device_type=device_type, amp=amp,
-                    scale=scale if amp else 1.0)
 
-    def report(status: str, comparison: Comparison, loss: float | None, extra: Sequence[str] = ()) -> Report:
-        return Report(status=status, first=None, loss=loss, config=config, module_classes=module_classes,
-                      environment=environment(device_type), command=command, notes=base_notes + tuple(extra),
-                      comparison=comparison)
+@dataclass
+class _Scored:
+    """One batch's quality per sample, so that a set's total is exact: quality = sum(ref) / sum(count).
+    accuracy: 1 right / 0 wrong, count 1 (0: no target); mse: the sample's sum of squared errors and its
+    number of elements, and its largest |output - target|."""
 
-    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
-        ref = run(amp=False)
-        ref_loss = float(ref.loss.double().sum())
-        ref_bad = _first_nonfinite(ref, batch_floats)
-        if ref_bad is not None:
-            # Checked first: a float32 step that is already non-finite is no reference for precision.
-            why = (f"the float32 reference is non-finite, first at {ref_bad}: not a precision finding; "
-                   "fix the float32 step first (nanhunt replay --dtype float32 names the op)")
-            return report("reference-nonfinite", Comparison(**rule, accepted=False, violations=(why,),
-                                                            reference_finite=False, reference_first_nonfinite=ref_bad,
-                                                            amp_finite=None, ref_loss=ref_loss), ref_loss)
-        amp = run(amp=True)
+    ref: torch.Tensor
+    amp: torch.Tensor
+    count: torch.Tensor
+    ref_max: torch.Tensor | None = None
+    amp_max: torch.Tensor | None = None
 
+
+def _targets_cpu(targets: Any) -> torch.Tensor:
+    if not isinstance(targets, torch.Tensor):
+        raise CommandError("the quality metric needs the batch's targets as a tensor; this batch has "
+                           + ("none" if targets is None else f"a {type(targets).__name__}"))
+    return targets.detach().cpu()
+
+
+def _score(metric: str, ref: torch.Tensor, amp: torch.Tensor, targets: Any) -> _Scored:
+    t = _targets_cpu(targets)
+    if metric == "accuracy":
+        r, a = _as_samples(ref), _as_samples(amp)
+        if t.is_floating_point() and tuple(t.shape) == tuple(ref.shape):  # one-hot or probabilities
+            labels = top_two(_as_samples(t.float()))[0]
+        elif not t.is_floating_point() and t.numel() == r.shape[0]:
+            labels = t.reshape(-1).long()
+        else:
+            raise CommandError(f"accuracy needs targets as class indices ({r.shape[0]} of them) or scores shaped "
+                               f"like the output {list(ref.shape)}; the targets are {t.dtype} {list(t.shape)}")
+        valid = labels >= 0  # -100 and the like: ignored, as cross_entropy's ignore_index
+        count = valid.double()
+        return _Scored(((top_two(r)[0] == labels) & valid).double(), ((top_two(a)[0] == labels) & valid).double(),
+                       count)
+    if t.numel() != ref.numel():
+        raise CommandError(f"mse needs targets with as many elements as the output {list(ref.shape)}; the targets "
+                           f"are {list(t.shape)}")
+    n = ref.shape[0] if ref.ndim else 1
+    tt = t.double().reshape(n, -1)
+    r, a = ref.double().reshape(n, -1) - tt, amp.double().reshape(n, -1) - tt
+    count = torch.full((n,), float(tt.shape[1]), dtype=torch.float64)
+    ref_max = r.abs().max(dim=1).values if tt.shape[1] else torch.zeros(n, dtype=torch.float64)
+    amp_max = a.abs().max(dim=1).values if tt.shape[1] else torch.zeros(n, dtype=torch.float64)
+    return _Scored(r.square().sum(dim=1), a.square().sum(dim=1), count, ref_max, amp_max)
+
+
+def _quality(rule: Rule, scored: _Scored | None, user: tuple[float, float, int] | None) -> Quality | None:
+    """The quality of both runs from their per-sample scores (or the user's metric's two values)."""
+    name, hib = rule.metric, rule.higher_is_better is not False
+    if name is None:
+        return None
+    if user is not None:
+        return Quality(metric=name, higher_is_better=hib, ref=user[0], amp=user[1], n=user[2])
+    if scored is None:
+        return None
+    total = float(scored.count.sum())
+    ref = float(scored.ref.sum()) / total if total else math.nan
+    amp = float(scored.amp.sum()) / total if total else math.nan
+    if name == "accuracy":
+        worse = tuple(int(i) for i in torch.nonzero((scored.count > 0) & (scored.ref > scored.amp)).flatten())
+        return Quality(metric=name, higher_is_better=True, ref=ref, amp=amp, n=int(total), worse=worse)
+    growth = torch.nan_to_num((scored.amp - scored.ref) / scored.count.clamp(min=1), nan=math.inf)
+    order = sorted((i for i in range(growth.numel()) if float(growth[i]) > 0), key=lambda i: (-float(growth[i]), i))
+    assert scored.ref_max is not None and scored.amp_max is not None
+    return Quality(metric=name, higher_is_better=False, ref=ref, amp=amp, n=int(scored.count.numel()),
+                   ref_max_error=float(scored.ref_max.max()) if scored.ref_max.numel() else 0.0,
+                   amp_max_error=float(scored.amp_max.max()) if scored.amp_max.numel() else 0.0,
+                   worse=tuple(order[:_WORST]))
+
+
+def _user_metric(fn: Callable[..., Any], ref: torch.Tensor, amp: torch.Tensor, targets: Any) -> tuple[float, float, int]:
+    t = targets.detach().cpu() if isinstance(targets, torch.Tensor) else targets
+    return float(fn(ref, t)), float(fn(amp, t)), int(ref.shape[0]) if ref.ndim else 1
+
+
+# ------------------------------------------------------------------ judging
+
+
+def _samples_text(ids: Sequence[str]) -> str:
+    return f"sample{'s' if len(ids) != 1 else ''} " + ", ".join(ids)
+
+
+def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, amp_rows: Sequence[str],
+           flipped: Sequence[str], max_flips: int, task: str, output: TensorDiff | None, loss: TensorDiff | None,
+           quality: Quality | None, worse: Sequence[str]) -> list[Failure]:
+    """The clauses of the rule that the measurements fail, in the rule's order (one :class:`Failure` each)."""
+    out: list[Failure] = []
+    if ref_bad is not None:
+        out.append(Failure("reference_finite", f"the float32 reference is non-finite, first at {ref_bad}: not a "
+                           "precision finding; fix the float32 step first (nanhunt replay --dtype float32 names the op)"))
+        return out
+    if amp_bad is not None:
+        text = f"the autocast {dtype} run is non-finite, first at {amp_bad}"
+        if amp_rows:
+            text += f"; non-finite output in {_samples_text(amp_rows)}"
+        out.append(Failure("amp_finite", text, tuple(amp_rows)))
+    if task == "classify" and len(flipped) > max_flips:
+        out.append(Failure("max_flips", f"{len(flipped)} decision flip{'s' if len(flipped) != 1 else ''} "
+                                        f"(at most {max_flips} allowed): {_samples_text(flipped)}", tuple(flipped)))
+    if rule.fail_on_tolerance:
+        for what, d in (("the model's output", output), ("the loss", loss)):
+            if d is not None and d.out_of_tol > 0:
+                out.append(Failure("tolerance", f"{what}: {d.out_of_tol:.2%} of elements out of tolerance "
+                                                f"(max abs error {d.max_abs:.3g}, max rel error {d.max_rel:.3g})"))
+    if quality is not None:
+        m = quality.metric
+        seen = f"{m} {quality.amp:.6g} under autocast {dtype} against {quality.ref:.6g} in float32"
+        which = f"; worse under autocast: {_samples_text(worse)}" if worse else ""
+        if rule.max_quality_drop is not None and not quality.drop() <= rule.max_quality_drop:  # NaN fails too
+            out.append(Failure("max_quality_drop", f"{seen}: {quality.drop():.6g} worse (at most "
+                                                   f"{rule.max_quality_drop:g} allowed){which}", tuple(worse)))
+        q = rule.min_quality
+        if q is not None and not (quality.amp >= q if quality.higher_is_better else quality.amp <= q):
+            ref_ok = quality.ref >= q if quality.higher_is_better else quality.ref <= q
+            tail = "" if ref_ok else "; the float32 reference fails it too: not a precision finding"
+            out.append(Failure("min_quality", f"{m} {quality.amp:.6g} under autocast {dtype} "
+                                              f"({'at least' if quality.higher_is_better else 'at most'} {q:g} "
+                                              f"required){tail}", tuple(worse)))
+    return out
+
+
+def _nonfinite_rows(ref: torch.Tensor | None, amp: torch.Tensor | None) -> list[int]:
+    """Samples whose autocast output holds a non-finite value where the reference's does not."""
+    if ref is None or amp is None or ref.ndim == 0 or ref.shape != amp.shape:
+        return []
+    r, a = _as_samples(ref), _as_samples(amp)
+    return [int(i) for i in torch.nonzero((~torch.isfinite(a)).any(dim=1) & torch.isfinite(r).all(dim=1)).flatten()]
+
+
+# ------------------------------------------------------------------ one batch
+
+
+@dataclass
+class _Candidate:
+    """One autocast dtype: its tolerances and the rule fields of its comparisons."""
+
+    dt: torch.dtype
+    name: str
+    rtol: float
+    atol: float
+    limit: float
+    header: _Rule
+    batches: list[Comparison] = field(default_factory=list)
+    scored: list[_Scored | None] = field(default_factory=list)
+    outputs: list[tuple[torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)  # for a user metric
+
+
+def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats: Sequence[torch.Tensor],
+                   name: str, targets: Any, ref_allowed: Sequence[str], scale: float,
+                   metric_fn: Callable[..., Any] | None, need_quality: bool) -> Comparison:
+    """The autocast run of one batch against its reference: errors, decisions, quality, the rule on it alone."""
+    rtol, atol, limit = cand.rtol, cand.atol, cand.limit
+    task = rule.task
     amp_loss = float(amp.loss.double().sum())
-    amp_bad = _first_nonfinite(amp, batch_floats)
+    amp_bad, amp_allowed = _first_nonfinite(amp, floats, rule.allow_nonfinite)
     modules, ranking, unmatched = _compare_modules(ref, amp, rtol=rtol, atol=atol, limit=limit)
     loss_diff = _measure([ref.loss], [amp.loss], rtol, atol).diff(name="<loss>", kind="loss", limit=limit,
                                                                   dtype="float32", shape=tuple(ref.loss.shape))
     grads: list[TensorDiff] = []
-    for name, g in ref.grads.items():
-        ag = amp.grads.get(name)
+    for g_name, g in ref.grads.items():
+        ag = amp.grads.get(g_name)
         if ag is None:
-            unmatched.append(f"gradient of {name} (float32 run only)")
+            unmatched.append(f"gradient of {g_name} (float32 run only)")
             continue
-        grads.append(_measure([g], [ag], rtol, atol).diff(name=name, kind="grad", limit=limit, dtype="float32",
+        grads.append(_measure([g], [ag], rtol, atol).diff(name=g_name, kind="grad", limit=limit, dtype="float32",
                                                          shape=tuple(g.shape)))
     unmatched += [f"gradient of {n} (autocast run only)" for n in amp.grads if n not in ref.grads]
 
@@ -626,42 +799,453 @@ def compare(
     if ref.output is not None and amp.output is not None:
         output = _measure([ref.output], [amp.output], rtol, atol).diff(
             name="<output>", kind="output", limit=limit, dtype=amp.output_dtype, shape=tuple(ref.output.shape))
+    usable = ref.output is not None and amp.output is not None and ref.output.ndim > 0 \
+        and ref.output.shape == amp.output.shape
+    if usable and task != "classify":  # the samples the quality and the failures name
+        assert ref.output is not None
+        n_samples = int(ref.output.shape[0])
     if task != "none":
-        if ref.output is None or amp.output is None or ref.output.ndim == 0 or ref.output.shape != amp.output.shape:
+        if not usable:
             raise CommandError(f"--task {task} needs the model to return its scores or predictions as a tensor with "
                                "a sample dimension (or a dict with 'logits'); this model returned none")
+        assert ref.output is not None and amp.output is not None
         if task == "classify":
             n_samples, flipped, near, decisions = _classify(ref.output, amp.output, rtol=rtol, atol=atol)
         else:
             n_samples, regression = _regress(ref.output, amp.output)
 
-    violations: list[str] = []
-    if amp_bad is not None:
-        violations.append(f"the autocast {dtype_name} run is non-finite, first at {amp_bad}")
-    if task == "classify" and len(flipped) > max_flips:
-        violations.append(f"{len(flipped)} decision flip{'s' if len(flipped) != 1 else ''} "
-                          f"(at most {max_flips} allowed): sample{'s' if len(flipped) != 1 else ''} "
-                          + ", ".join(map(str, flipped)))
-    if fail_on_tolerance:
-        for what, d in (("the model's output", output), ("the loss", loss_diff)):
-            if d is not None and d.out_of_tol > 0:
-                violations.append(f"{what}: {d.out_of_tol:.2%} of elements out of tolerance "
-                                  f"(max abs error {d.max_abs:.3g}, max rel error {d.max_rel:.3g})")
-    extra: list[str] = []
-    if amp_bad is not None and amp_bad.startswith("the gradient") and scale != 1.0:
-        extra.append(f"only the gradients went non-finite, with the loss scaled by {scale:g}: GradScaler would skip "
-                     "this step and lower the scale; nanhunt replay tells whether it is scale-induced")
-    if amp_bad is not None:
-        status = "nonfinite"
-    elif violations:
-        status = "diverged"
-    else:
-        status = "clean"
-    comparison = Comparison(
-        **rule, accepted=not violations, violations=tuple(violations), reference_finite=True, amp_finite=amp_bad is None,
-        amp_first_nonfinite=amp_bad, ref_loss=ref_loss, amp_loss=amp_loss, modules=tuple(modules), ranking=ranking,
-        output=output, loss=loss_diff, grads=tuple(grads), n_samples=n_samples, flipped=flipped, near_boundary=near,
-        decisions=decisions, regression=regression, unmatched=tuple(unmatched),
-    )
-    return report(status, comparison, ref_loss, extra)
+    scored: _Scored | None = None
+    user: tuple[float, float, int] | None = None
+    if rule.metric is not None and usable:
+        assert ref.output is not None and amp.output is not None
+        try:
+            if metric_fn is not None:
+                user = _user_metric(metric_fn, ref.output, amp.output, targets)
+                cand.outputs.append((ref.output, amp.output, targets))
+            else:
+                scored = _score(rule.metric, ref.output, amp.output, targets)
+        except CommandError:
+            if need_quality:
+                raise
+    if metric_fn is None:
+        cand.scored.append(scored)
+    quality = _quality(rule, scored, user)
+    def sample(i: int) -> str:
+        return f"{name}:{i}" if name else str(i)
 
+    worse = [sample(i) for i in quality.worse] if quality is not None else []
+    failures = _judge(rule, dtype=cand.name, ref_bad=None, amp_bad=amp_bad,
+                      amp_rows=[sample(i) for i in _nonfinite_rows(ref.output, amp.output)] if amp_bad else [],
+                      flipped=[sample(i) for i in flipped], max_flips=rule.max_flips, task=task, output=output,
+                      loss=loss_diff, quality=quality, worse=worse)
+    allowed = [f"float32 reference: {w}" for w in ref_allowed] + [f"autocast {cand.name}: {w}" for w in amp_allowed]
+    return Comparison(
+        **cand.header, accepted=not failures, violations=tuple(f.message for f in failures), reference_finite=True,
+        amp_finite=amp_bad is None, amp_first_nonfinite=amp_bad, ref_loss=float(ref.loss.double().sum()),
+        amp_loss=amp_loss, modules=tuple(modules), ranking=ranking, output=output, loss=loss_diff, grads=tuple(grads),
+        n_samples=n_samples, flipped=flipped, near_boundary=near, decisions=decisions, regression=regression,
+        unmatched=tuple(unmatched), failures=tuple(failures), quality=quality, allowed=tuple(allowed), batch=name,
+    )
+
+
+def _reference_failed(cand: _Candidate, rule: Rule, *, name: str, ref_bad: str, ref_loss: float) -> Comparison:
+    failures = _judge(rule, dtype=cand.name, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[], max_flips=0,
+                      task=rule.task, output=None, loss=None, quality=None, worse=[])
+    cand.scored.append(None)
+    return Comparison(**cand.header, accepted=False, violations=tuple(f.message for f in failures),
+                      failures=tuple(failures), reference_finite=False, reference_first_nonfinite=ref_bad,
+                      amp_finite=None, ref_loss=ref_loss, batch=name)
+
+
+# ------------------------------------------------------------------ a set: totals
+
+
+def _merge(diffs: Sequence[TensorDiff]) -> TensorDiff:
+    """One value over several batches: the largest errors, the smallest headroom, counts summed."""
+    first = diffs[0]
+    numel = sum(d.numel for d in diffs)
+
+    def most(xs: Iterable[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return max(vals) if vals else None
+
+    headrooms = [d.headroom for d in diffs]
+    return dataclasses.replace(
+        first, numel=numel, max_abs=max(d.max_abs for d in diffs), max_rel=max(d.max_rel for d in diffs),
+        scaled=max(d.scaled for d in diffs),
+        out_of_tol=sum(d.out_of_tol * d.numel for d in diffs) / numel if numel else 0.0,
+        headroom=None if any(h is None for h in headrooms) else min(h for h in headrooms if h is not None),
+        underflow=sum(d.underflow for d in diffs), ref_nonfinite=sum(d.ref_nonfinite for d in diffs),
+        amp_nonfinite=sum(d.amp_nonfinite for d in diffs), ref_absmax=max(d.ref_absmax for d in diffs),
+        input_scaled=most(d.input_scaled for d in diffs), introduced=most(d.introduced for d in diffs),
+    )
+
+
+def _merged(groups: Iterable[Sequence[TensorDiff]], key: Callable[[TensorDiff], Any]) -> list[TensorDiff]:
+    """``groups`` (one list per batch) merged by ``key``, in the order each key first appears."""
+    by: dict[Any, list[TensorDiff]] = {}
+    for group in groups:
+        for d in group:
+            by.setdefault(key(d), []).append(d)
+    return [_merge(ds) for ds in by.values()]
+
+
+def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -> Comparison:
+    """The comparison of a whole set: every batch's, the rule applied to the totals."""
+    bs = cand.batches
+    done = [b for b in bs if b.reference_finite]
+    offsets, at = [], 0
+    for b in bs:
+        offsets.append(at)
+        at += b.n_samples
+
+    def sample(i: int) -> str:
+        b = next(k for k in range(len(bs)) if i < offsets[k] + bs[k].n_samples)
+        return f"{bs[b].batch}:{i - offsets[b]}"
+
+    def first(what: Callable[[Comparison], str | None]) -> str | None:
+        return next((f"{b.batch}: {what(b)}" for b in bs if what(b) is not None), None)
+
+    ref_bad = first(lambda b: b.reference_first_nonfinite)
+    amp_bad = first(lambda b: b.amp_first_nonfinite)
+    modules = _merged((b.modules for b in done), lambda d: (d.name, d.call_index))
+    ranking = tuple(sorted((i for i, d in enumerate(modules) if (d.introduced or 0.0) > 0),
+                           key=lambda i: (-(modules[i].introduced or 0.0), i)))
+    grads = _merged((b.grads for b in done), lambda d: d.name)
+    outputs = [b.output for b in done if b.output is not None]
+    losses = [b.loss for b in done if b.loss is not None]
+    flipped = tuple(o + i for b, o in zip(bs, offsets) for i in b.flipped)
+    near = tuple(o + i for b, o in zip(bs, offsets) for i in b.near_boundary)
+    decisions = tuple(dataclasses.replace(d, index=o + d.index) for b, o in zip(bs, offsets) for d in b.decisions)
+    regression: Regression | None = None
+    regs = [(b.regression, o) for b, o in zip(bs, offsets) if b.regression is not None]
+    if regs:
+        def ext(f: Callable[[Regression], float], pick: Callable[..., float]) -> float:
+            vals = [f(g) for g, _ in regs if not math.isnan(f(g))]
+            return pick(vals) if vals else math.nan
+
+        worst = sorted(((o + i, e) for g, o in regs for i, e in g.worst), key=lambda w: (-w[1], w[0]))[:_WORST]
+        regression = Regression(ref_min=ext(lambda g: g.ref_min, min), ref_max=ext(lambda g: g.ref_max, max),
+                                amp_min=ext(lambda g: g.amp_min, min), amp_max=ext(lambda g: g.amp_max, max),
+                                worst=tuple(worst))
+    quality: Quality | None = None
+    if metric_fn is not None and cand.outputs:
+        try:
+            user = _user_metric(metric_fn, torch.cat([r for r, _, _ in cand.outputs]),
+                                torch.cat([a for _, a, _ in cand.outputs]),
+                                torch.cat([_targets_cpu(t) for _, _, t in cand.outputs]))
+        except (RuntimeError, CommandError):  # outputs that do not concatenate: the mean, weighted by samples
+            qs = [b.quality for b in done if b.quality is not None]
+            n = sum(q.n for q in qs) or 1
+            user = (sum(q.ref * q.n for q in qs) / n, sum(q.amp * q.n for q in qs) / n, sum(q.n for q in qs))
+        quality = _quality(rule, None, user)
+    elif metric_fn is None and any(s is not None for s in cand.scored):
+        # a batch without scores (a non-finite reference) weighs nothing: its count stays 0
+        ref_s, amp_s, count = (torch.zeros(at, dtype=torch.float64) for _ in range(3))
+        ref_m, amp_m = (torch.zeros(at, dtype=torch.float64) for _ in range(2))
+        for s, o in zip(cand.scored, offsets):
+            if s is None:
+                continue
+            span = slice(o, o + s.count.numel())
+            ref_s[span], amp_s[span], count[span] = s.ref, s.amp, s.count
+            if s.ref_max is not None and s.amp_max is not None:
+                ref_m[span], amp_m[span] = s.ref_max, s.amp_max
+        quality = _quality(rule, _Scored(ref_s, amp_s, count, ref_m, amp_m), None)
+    loss_mean = [b.ref_loss for b in bs if b.ref_loss is not None]
+    amp_mean = [b.amp_loss for b in done if b.amp_loss is not None]
+    amp_rows = [f for b in done for x in b.failures if x.clause == "amp_finite" for f in x.samples]
+    failures = _judge(rule, dtype=cand.name, ref_bad=None, amp_bad=amp_bad, amp_rows=amp_rows,
+                      flipped=[sample(i) for i in flipped], max_flips=rule.max_flips, task=rule.task,
+                      output=_merge(outputs) if outputs else None, loss=_merge(losses) if losses else None,
+                      quality=quality, worse=[sample(i) for i in quality.worse] if quality is not None else [])
+    if ref_bad is not None:
+        failures = _judge(rule, dtype=cand.name, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[],
+                          max_flips=0, task=rule.task, output=None, loss=None, quality=None, worse=[]) + failures
+    return Comparison(
+        **cand.header, accepted=not failures, violations=tuple(f.message for f in failures),
+        failures=tuple(failures), reference_finite=ref_bad is None, reference_first_nonfinite=ref_bad,
+        amp_finite=None if not done else amp_bad is None, amp_first_nonfinite=amp_bad,
+        ref_loss=sum(loss_mean) / len(loss_mean) if loss_mean else None,
+        amp_loss=sum(amp_mean) / len(amp_mean) if amp_mean else None, modules=tuple(modules), ranking=ranking,
+        output=_merge(outputs) if outputs else None, loss=_merge(losses) if losses else None, grads=tuple(grads),
+        n_samples=at, flipped=flipped, near_boundary=near, decisions=decisions, regression=regression,
+        unmatched=tuple(f"{b.batch}: {u}" for b in bs for u in b.unmatched), quality=quality,
+        allowed=tuple(f"{b.batch}: {a}" for b in bs for a in b.allowed), batches=tuple(bs),
+    )
+
+
+# ------------------------------------------------------------------ speed, after the numbers
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _speed(step: Step, batches: Sequence[tuple[str, Any, Any, tuple[Any, Any]]], dt: torch.dtype, *,
+           repeats: int, train: bool) -> Speed:
+    """The plain step over the set, float32 and autocast interleaved (alternating which goes first), with no
+    hook of nanhunt's installed: the median time per pass over the set, the median and quartiles of the
+    autocast / float32 ratio per repetition, and on CUDA the peak memory allocated during a pass."""
+    model, device_type, loss_fn = step.model, step.device_type, step.loss_fn
+    cuda = device_type == "cuda"
+
+    def one_pass(amp: bool) -> tuple[float, int | None]:
+        total, peak = 0.0, None
+        for _, inputs, targets, ref_batch in batches:
+            ins, tgts = (inputs, targets) if amp else ref_batch
+            step.reset()
+            base = 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            _sync(device_type)
+            t0 = time.perf_counter()
+            with contextlib.ExitStack() as stack:
+                if not train:
+                    stack.enter_context(torch.no_grad())
+                with torch.autocast(device_type, dtype=dt, enabled=amp):
+                    loss = _loss_of(_call_model(model, ins), tgts, loss_fn)
+                if train and loss.requires_grad:
+                    _backward(loss)
+            _sync(device_type)
+            total += time.perf_counter() - t0
+            if cuda:
+                used = int(torch.cuda.max_memory_allocated()) - base
+                peak = used if peak is None else max(peak, used)
+        return total, peak
+
+    one_pass(False)  # warm-up: first calls allocate, pick kernels, fill caches
+    one_pass(True)
+    ref_t: list[float] = []
+    amp_t: list[float] = []
+    peaks: dict[bool, int | None] = {False: None, True: None}
+    for r in range(repeats):
+        for amp in ((False, True) if r % 2 == 0 else (True, False)):
+            t, peak = one_pass(amp)
+            (amp_t if amp else ref_t).append(t)
+            if peak is not None:
+                peaks[amp] = max(peaks[amp] or 0, peak)
+    ratios = [a / r if r > 0 else math.inf for a, r in zip(amp_t, ref_t)]
+    q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
+    return Speed(mode="train" if train else "eval", repeats=repeats, ref_median_s=statistics.median(ref_t),
+                 amp_median_s=statistics.median(amp_t), ratio_median=statistics.median(ratios), ratio_q1=q1,
+                 ratio_q3=q3, ref_peak_bytes=peaks[False], amp_peak_bytes=peaks[True])
+
+
+# ------------------------------------------------------------------ the entry point
+
+
+def _as_dtypes(dtype: torch.dtype | str | Sequence[torch.dtype | str]) -> list[torch.dtype]:
+    items: list[torch.dtype | str]
+    if isinstance(dtype, str):
+        items = [d.strip() for d in dtype.split(",")]
+    elif isinstance(dtype, torch.dtype):
+        items = [dtype]
+    else:
+        items = list(dtype)
+    out = [_as_dtype(d) for d in items]
+    if not out or len(set(out)) != len(out):
+        raise CommandError(f"compare needs one or more different autocast dtypes, not {dtype}")
+    return out
+
+
+def _named(batch: Any, batches: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
+    if (batch is None) == (batches is None):
+        raise CommandError("compare needs a batch, or a set of them (batches=[...]), not both")
+    if batches is None:
+        return [("", batch)]
+    named = list(batches.items()) if isinstance(batches, Mapping) else \
+        [(f"batch{i}", b) for i, b in enumerate(batches)]
+    if not named:
+        raise CommandError("the set of batches is empty")
+    names = [str(n) for n, _ in named]
+    if len(set(names)) != len(names) or not all(names):
+        raise CommandError("the batches of a set need different, non-empty names")
+    return [(str(n), b) for n, b in named]
+
+
+def compare(
+    model: nn.Module,
+    batch: Any = None,
+    *,
+    batches: Sequence[Any] | Mapping[str, Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float16,
+    device_type: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    task: str = "none",
+    max_flips: int = 0,
+    fail_on_tolerance: bool = False,
+    rule: Rule | None = None,
+    metric: str | Callable[..., Any] | None = None,
+    speed: int = 0,
+    scaler: torch.amp.GradScaler | None = None,
+    train: bool | None = None,
+    rng: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    notes: Sequence[str] = (),
+) -> Report:
+    """Run one step in float32 and under autocast from the same state; say where error is introduced.
+
+    ``batch`` is ``(inputs, targets)`` as for :func:`nanhunt.replay`; the step is forward, loss
+    and backward (no optimizer update). Or ``batches``, a fixed set to validate on (ordinary inputs,
+    edge cases, inputs near decision boundaries): a list (named ``batch0``, ``batch1``...) or a dict
+    name -> batch; every batch starts from the same state and RNG, samples are named ``name:index``,
+    and the result holds one comparison per batch (``comparison.batches``) and the totals.
+
+    The acceptance rule is fixed before anything runs: ``rule`` (a :class:`nanhunt.records.Rule`, e.g.
+    :func:`rule_from` of a JSON file) or the arguments ``rtol``, ``atol``, ``task``, ``max_flips`` and
+    ``fail_on_tolerance`` (not both). It holds when the float32 reference and the autocast run are finite
+    (but for values introduced inside the modules ``rule.allow_nonfinite`` names), at most ``max_flips``
+    decisions change (``task="classify"``), with ``fail_on_tolerance`` no element of the model's output
+    or the loss is out of tolerance (|amp - ref| > atol + rtol * |ref|), and the quality of the
+    autocast run is at most ``rule.max_quality_drop`` worse than float32's and at least
+    ``rule.min_quality``. ``rtol``/``atol`` default to float16 1e-3/1e-5 and bfloat16 1e-2/1e-5;
+    without ``fail_on_tolerance`` they only rank modules and mark near-boundary samples. The rule is
+    stored with its sha256 (``comparison.acceptance``, ``comparison.rule_sha256``); each failed clause
+    is a :class:`~nanhunt.records.Failure` naming its samples.
+
+    Quality (``metric``): accuracy for ``task="classify"``, mean squared error (and the largest error)
+    for ``"regress"``, or your ``fn(outputs, targets) -> float`` (a function, or its
+    ``"package.module:fn"`` name), on both runs against the targets.
+
+    ``dtype`` may list several autocast dtypes (``"float16,bfloat16"``): the reference runs once per
+    batch, each candidate after it; ``report.comparison`` is the first's and
+    ``report.comparison.alternatives`` the others'. ``speed=N`` then times the plain step (no hook
+    of nanhunt's) N times interleaved, for the candidates that passed only.
+
+    ``task="classify"``: the model's output holds class scores (classes on dim 1, or a 1-D
+    output for one sample); the top-1 class is taken per sample in both runs, ties going to
+    the lowest class index (:data:`TIE_RULE`). ``task="regress"``: the output's error per
+    sample and its extremes. With a ``scaler``, the autocast backward is scaled by its current
+    scale and the gradients unscaled before comparing, as training would.
+
+    The model, its gradients, ``training`` flags and the RNG are restored afterwards, also on
+    an exception. The result is ``report.comparison`` (a :class:`nanhunt.records.Comparison`);
+    ``report.status`` is ``"clean"`` (rule held by every candidate), ``"reference-nonfinite"``,
+    ``"nonfinite"`` (an autocast run) or ``"diverged"`` (another clause failed).
+
+    Example::
+
+        report = nanhunt.compare(model, (x, y), loss_fn=F.cross_entropy, dtype=torch.float16, task="classify")
+        c = report.comparison
+        print(c.accepted, c.flipped, [c.modules[i].label() for i in c.ranking[:3]])
+
+        rule = Rule(task="classify", max_flips=0, max_quality_drop=0.01)
+        report = nanhunt.compare(model, batches={"ordinary": b1, "edge": b2, "boundary": b3}, loss_fn=F.cross_entropy,
+                                 dtype="float16,bfloat16", rule=rule, speed=10)
+        print([(c.dtype, c.accepted, [f.clause for f in c.failures]) for c in report.comparison.candidates()])
+    """
+    dts = _as_dtypes(dtype)
+    if rule is None:
+        rule = rule_from({"task": task, "rtol": rtol, "atol": atol, "max_flips": max_flips,
+                          "fail_on_tolerance": fail_on_tolerance}, where="compare's arguments")
+    elif (rtol, atol, task, max_flips, fail_on_tolerance) != (None, None, "none", 0, False):
+        raise CommandError("give the acceptance rule as rule=... or as rtol/atol/task/max_flips/fail_on_tolerance, "
+                           "not both")
+    rule, metric_fn = settle_rule(rule, metric)
+    need_quality = rule.max_quality_drop is not None or rule.min_quality is not None or metric is not None
+    if speed < 0:
+        raise CommandError(f"speed must be >= 0 repetitions, not {speed}")
+    named = _named(batch, batches)
+    digest = rule.sha256()
+    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+
+    # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
+    step = Step.of(model, named[0][1], loss_fn=loss_fn, dtype=dts[0], device_type=device_type, scaler=scaler,
+                   train=train, rng=rng)
+    model, device_type = step.model, step.device_type
+    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                  if p.is_floating_point() and p.dtype != torch.float32})
+    sets: list[tuple[str, Any, Any, tuple[Any, Any]]] = []
+    for name, b in named:
+        inputs, targets = b if isinstance(b, tuple) and len(b) == 2 else split_batch(b)
+        # A float32 model's reference takes a float16/bfloat16 batch upcast (exactly): with autocast off, a
+        # low-precision input would meet float32 weights. The autocast run takes the batch as it is.
+        sets.append((name, inputs, targets, (inputs, targets) if low else (_upcast(inputs), _upcast(targets))))
+    names = [str(d).replace("torch.", "") for d in dts]
+    config: dict[str, Any] = {
+        "dtype": ",".join(names),
+        "device_type": device_type,
+        "train": model.training if train is None else train,
+        "loss_fn": getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None),
+        "task": rule.task,
+        "rtol": rule.rtol if rule.rtol is not None or len(dts) > 1 else default_tolerances(dts[0])[0],
+        "atol": rule.atol if rule.atol is not None or len(dts) > 1 else default_tolerances(dts[0])[1],
+        "max_flips": rule.max_flips,
+        "fail_on_tolerance": rule.fail_on_tolerance,
+        "scaler_scale": scale if scaler is not None else None,
+        "metric": rule.metric,
+        "batches": len(sets) if batches is not None else None,
+        "speed_repeats": speed or None,
+    }
+    module_classes = {name: type(m).__name__ for name, m in model.named_modules()}
+    base_notes = tuple(notes)
+    if low:
+        base_notes += (f"parameters held in {', '.join(low)}: the reference runs them as they are, so it is float32 "
+                       "arithmetic on rounded weights",)
+    cands: list[_Candidate] = []
+    for dt, dname in zip(dts, names):
+        d_rtol, d_atol = default_tolerances(dt)
+        c_rtol = d_rtol if rule.rtol is None else rule.rtol
+        c_atol = d_atol if rule.atol is None else rule.atol
+        cands.append(_Candidate(dt, dname, c_rtol, c_atol, float(torch.finfo(dt).max), _Rule(
+            dtype=dname, device_type=device_type, rtol=c_rtol, atol=c_atol, task=rule.task, max_flips=rule.max_flips,
+            fail_on_tolerance=rule.fail_on_tolerance, tie_rule=TIE_RULE if rule.task == "classify" else "")))
+
+    def run(inputs: Any, targets: Any, dt: torch.dtype, amp: bool) -> _Run:
+        step.reset()
+        return _run(model, inputs, targets, loss_fn, dtype=dt, device_type=device_type, amp=amp,
+                    scale=scale if amp else 1.0)
+
+    extra: list[str] = []
+    speeds: dict[str, Speed] = {}
+    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
+        for name, inputs, targets, (ref_in, ref_tg) in sets:
+            floats, _ = _floats(inputs)
+            ref = run(ref_in, ref_tg, dts[0], amp=False)
+            ref_bad, ref_allowed = _first_nonfinite(ref, floats, rule.allow_nonfinite)
+            for cand in cands:
+                if ref_bad is not None:
+                    # Checked first: a float32 step that is already non-finite is no reference for precision.
+                    cand.batches.append(_reference_failed(cand, rule, name=name, ref_bad=ref_bad,
+                                                          ref_loss=float(ref.loss.double().sum())))
+                    continue
+                amp = run(inputs, targets, cand.dt, amp=True)
+                cand.batches.append(_compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
+                                                   ref_allowed=ref_allowed, scale=scale, metric_fn=metric_fn,
+                                                   need_quality=need_quality))
+                del amp
+            del ref
+        results = [_total(c, rule, metric_fn) if batches is not None else c.batches[0] for c in cands]
+        if speed:
+            mode = model.training if train is None else train
+            for c, r in zip(cands, results):
+                if r.accepted:  # only after the numbers pass
+                    speeds[c.name] = _speed(step, sets, c.dt, repeats=speed, train=mode)
+    for c, r in zip(cands, results):
+        bad = r.amp_first_nonfinite
+        if bad is not None and "the gradient" in bad and scale != 1.0:
+            extra.append(f"autocast {c.name}: only the gradients went non-finite, with the loss scaled by {scale:g}: "
+                         "GradScaler would skip this step and lower the scale; nanhunt replay tells whether it is "
+                         "scale-induced")
+    refused = Speed(reason="not measured: the candidate failed the rule (speed is measured only after the numbers "
+                           "pass)")
+    results = [dataclasses.replace(r, acceptance=rule, rule_sha256=digest,
+                                   speed=speeds.get(r.dtype, refused) if speed else None) for r in results]
+    first = dataclasses.replace(results[0], alternatives=tuple(results[1:]))
+    if len(extra) == 1 and len(results) == 1:
+        extra = [extra[0].split(": ", 1)[1]]  # one candidate: as before
+    if not all(r.reference_finite for r in results):
+        status = "reference-nonfinite"
+    elif all(r.accepted for r in results):
+        status = "clean"
+    elif any(r.amp_finite is False for r in results):
+        status = "nonfinite"
+    else:
+        status = "diverged"
+    return Report(status=status, first=None, loss=results[0].ref_loss, config=config, module_classes=module_classes,
+                  environment=environment(device_type), command=command, notes=base_notes + tuple(extra),
+                  comparison=first)

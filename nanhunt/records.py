@@ -16,7 +16,8 @@ from . import _serial
 from ._serial import JSONData, absent
 
 __all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
-           "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent"]
+           "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent", "Rule",
+           "Quality", "Failure", "Speed", "CLAUSES"]
 
 # Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
 # ``Report.from_dict`` reads every older version: a missing key takes its default.
@@ -458,6 +459,113 @@ class Regression(JSONData):
     worst: tuple[tuple[int, float], ...] = ()  # (sample, max |amp - ref| in it), largest first
 
 
+# The clauses of an acceptance rule, by the name a failure gives (``Failure.clause``).
+CLAUSES = ("reference_finite", "amp_finite", "max_flips", "tolerance", "max_quality_drop", "min_quality")
+
+
+@dataclass(frozen=True)
+class Rule(JSONData):
+    """The acceptance rule of ``nanhunt compare`` as data, fixed (printed and hashed) before any autocast run.
+
+    What is measured: ``task`` (``"classify"``, ``"regress"`` or ``"none"``) and ``metric``, the quality of both
+    runs against the targets (``"accuracy"``, ``"mse"`` or the user's ``"package.module:fn"``; None: none), which
+    improves upwards when ``higher_is_better``. The clauses (names as in :data:`CLAUSES`): both runs finite
+    (``reference_finite``, ``amp_finite``), except non-finite values introduced inside a module named in
+    ``allow_nonfinite`` (its subtree; ``"<root>"``: the model's own code, ``"<input>"``: the batch), which the
+    loss and the gradients must not hold; at most ``max_flips`` decision flips (``task="classify"``); with
+    ``fail_on_tolerance``, the model's output and the loss within ``rtol``/``atol`` (None: the dtype's default,
+    float16 1e-3/1e-5, bfloat16 1e-2/1e-5); the autocast run's quality at most ``max_quality_drop`` worse than
+    the reference's, and at least ``min_quality`` (at most, when lower is better).
+
+    :meth:`sha256` hashes :meth:`canonical` (this JSON, keys sorted, no spaces): a rule changed after a failing
+    run, a tolerance widened, has another hash.
+    """
+
+    task: str = "none"
+    metric: str | None = None
+    higher_is_better: bool | None = None  # None: the metric's own way (accuracy up, mse down)
+    rtol: float | None = None
+    atol: float | None = None
+    fail_on_tolerance: bool = False
+    max_flips: int = 0
+    max_quality_drop: float | None = None
+    min_quality: float | None = None
+    allow_nonfinite: tuple[str, ...] = ()
+
+    def canonical(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def sha256(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()
+
+    def quality_text(self) -> str:
+        """The quality clauses, or "" when there are none."""
+        if self.metric is None:
+            return ""
+        parts = []
+        if self.max_quality_drop is not None:
+            parts.append(f"{self.metric} at most {self.max_quality_drop:g} worse than float32")
+        if self.min_quality is not None:
+            parts.append(f"{self.metric} {'at most' if self.higher_is_better is False else 'at least'} "
+                         f"{self.min_quality:g}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Quality(JSONData):
+    """The quality ``metric`` of both runs against the targets: ``ref`` (float32) and ``amp`` (autocast), over
+    ``n`` samples. For ``"mse"`` also the largest |output - target| of each run. ``worse`` are the samples
+    (indices, as :meth:`Comparison.sample` names them) the autocast run got wrong and the reference right
+    (accuracy) or whose squared error grew most (mse, at most 5); a user metric names none."""
+
+    metric: str = field(metadata=absent(""))
+    higher_is_better: bool = True
+    ref: float = math.nan
+    amp: float = math.nan
+    n: int = 0
+    ref_max_error: float | None = None
+    amp_max_error: float | None = None
+    worse: tuple[int, ...] = ()
+
+    def drop(self) -> float:
+        """How much worse the autocast run is (negative: better)."""
+        return self.ref - self.amp if self.higher_is_better else self.amp - self.ref
+
+
+@dataclass(frozen=True)
+class Failure(JSONData):
+    """One clause of the rule that failed (``clause``, see :data:`CLAUSES`), why, and on which samples
+    (``"file:index"`` in a set of batch files, the index alone for one batch)."""
+
+    clause: str = field(metadata=absent(""))
+    message: str = ""
+    samples: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Speed(JSONData):
+    """``--speed``: the plain step (``mode`` ``"train"``: forward, loss, backward; ``"eval"``: forward and loss
+    without gradients) timed with no nanhunt hook, float32 and autocast interleaved ``repeats`` times over the
+    whole set. ``ratio_*``: autocast time / float32 time per repetition (below 1: autocast is faster), its
+    median and quartiles. Peak memory (bytes allocated) is measured on CUDA only (None elsewhere).
+    ``reason`` says why nothing was measured (a candidate that failed the rule is never timed)."""
+
+    mode: str = "train"
+    repeats: int = 0
+    ref_median_s: float | None = None
+    amp_median_s: float | None = None
+    ratio_median: float | None = None
+    ratio_q1: float | None = None
+    ratio_q3: float | None = None
+    ref_peak_bytes: int | None = None
+    amp_peak_bytes: int | None = None
+    reason: str = ""
+
+
 @dataclass(frozen=True)
 class Comparison(JSONData):
     """What ``nanhunt compare`` found: the acceptance rule, fixed before the run, and the result.
@@ -475,6 +583,12 @@ class Comparison(JSONData):
     non-finite (``"module fc#0 (forward)"``, ``"loss"``, ``"gradient of fc.weight"``...).
     With a non-finite reference the autocast run is not made: nothing is compared and the
     comparison lists stay empty.
+
+    ``acceptance`` is the rule as data (:class:`Rule`, with its quality and non-finite clauses)
+    and ``rule_sha256`` its hash; ``failures`` name the clause each violation fails and its samples.
+    On a set of batches, ``batches`` holds one comparison per batch (named by ``batch``) and the
+    fields above are the totals (:meth:`sample` names a sample ``file:index``); with several
+    autocast dtypes, ``alternatives`` holds the others', each against the same reference.
     """
 
     dtype: str = field(metadata=absent("float16"))
@@ -504,13 +618,48 @@ class Comparison(JSONData):
     decisions: tuple[Decision, ...] = ()  # the flipped and near-boundary samples, by index
     regression: Regression | None = None
     unmatched: tuple[str, ...] = ()  # module calls or gradients present in one run only
+    # The rule as data and the sha256 of its canonical JSON (absent from reports written before them).
+    acceptance: Rule | None = None
+    rule_sha256: str = ""
+    failures: tuple[Failure, ...] = ()  # the failed clauses, one per violation, in the same order
+    quality: Quality | None = None
+    allowed: tuple[str, ...] = ()  # non-finite values the rule allowed: where, in which run
+    batch: str = ""  # the batch's name (its file) in a set
+    # A set of batches: one comparison each, in order (the rule applied to that batch alone); the fields above
+    # are then the totals: errors the largest over the batches, samples numbered across the set.
+    batches: tuple[Comparison, ...] = ()
+    # The other autocast dtypes run against the same reference under the same rule, in the order given.
+    alternatives: tuple[Comparison, ...] = ()
+    speed: Speed | None = None
+
+    def candidates(self) -> tuple[Comparison, ...]:
+        """Every autocast dtype compared: this one and its alternatives."""
+        return (self, *self.alternatives)
+
+    def sample(self, i: int) -> str:
+        """Sample ``i`` by name: ``"file:index"`` in a set (``i`` counts across it) or in a named batch, else ``"i"``."""
+        if self.batches:
+            for b in self.batches:
+                if i < b.n_samples:
+                    return b.sample(i)
+                i -= b.n_samples
+        return f"{self.batch}:{i}" if self.batch else str(i)
 
     def rule_text(self) -> str:
         """The acceptance rule in one sentence, printed with every result."""
-        parts = ["float32 reference finite", f"autocast {self.dtype} run finite"]
+        runs = self.candidates()
+        dtypes = f"{self.dtype}" if len(runs) == 1 else f"({', '.join(r.dtype for r in runs)})"
+        parts = ["float32 reference finite", f"autocast {dtypes} run finite"]
+        rule = self.acceptance
+        if rule is not None and rule.allow_nonfinite:
+            parts[-1] += (f" but for values introduced inside {', '.join(rule.allow_nonfinite)} "
+                          "(never in the loss or a gradient)")
         if self.task == "classify":
             parts.append(f"at most {self.max_flips} decision flip{'s' if self.max_flips != 1 else ''}")
-        tol = f"rtol={self.rtol:g} atol={self.atol:g}"
+        if rule is not None and rule.quality_text():
+            parts.append(rule.quality_text())
+        tols = list(dict.fromkeys(f"rtol={r.rtol:g} atol={r.atol:g}" for r in runs))
+        tol = tols[0] if len(tols) == 1 else ", ".join(f"{r.dtype} rtol={r.rtol:g} atol={r.atol:g}" for r in runs)
         if self.fail_on_tolerance:
             parts.append(f"output and loss within {tol}")
             tail = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..records import Comparison, Decision, Occurrence, Record, Regression, Report, TensorDiff
+from ..records import Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed, TensorDiff
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans", "path_label",
@@ -17,7 +17,9 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows", "RANKING_COLUMNS", "ranking_cells",
            "carrier", "carrier_text", "decisions_head", "decisions_counts", "decision_columns", "decision_cells", "DIFF_COLUMNS",
            "diff_cells", "diff_text", "extremes_text", "worst_text", "gradients_head", "ordered_grads",
-           "module_class_text"]
+           "module_class_text", "RULE_HASH_LABEL", "rule_hash_text", "violation_lines", "allowed_lines",
+           "CANDIDATE_COLUMNS", "candidate_cells", "batch_columns", "batch_cells", "quality_text", "SPEED_COLUMNS",
+           "speed_cells", "speed_rows", "sample_list", "candidate_head"]
 
 LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
           "float64": 1.7976931348623157e308}
@@ -285,11 +287,28 @@ RANKING_COLUMNS = ("#", "module call", "introduced", "output err", "input err", 
 DIFF_COLUMNS = ("value", "dtype", "shape", "max abs", "max rel", "err", "out of tol", "headroom", "underflow")
 
 
-def compare_verdict(c: Comparison) -> str:
-    """One word (or two) for the result: ``ACCEPTED``, ``REJECTED`` or ``REFERENCE NON-FINITE``."""
+def _verdict(c: Comparison) -> str:
     if not c.reference_finite:
         return "REFERENCE NON-FINITE"
     return "ACCEPTED" if c.accepted else "REJECTED"
+
+
+def compare_verdict(c: Comparison) -> str:
+    """One word (or two) for the result: ``ACCEPTED`` (by every candidate dtype), ``REJECTED`` or
+    ``REFERENCE NON-FINITE``."""
+    verdicts = {_verdict(x) for x in c.candidates()}
+    return verdicts.pop() if len(verdicts) == 1 else "REJECTED"
+
+
+def _violations(c: Comparison) -> str:
+    n = len(c.violations)
+    return f"{n} violation{'s' if n != 1 else ''}"
+
+
+def _set_text(c: Comparison) -> str:
+    if not c.batches:
+        return ""
+    return f" on {len(c.batches)} batch{'es' if len(c.batches) != 1 else ''} ({c.n_samples} samples)"
 
 
 def compare_summary(report: Report) -> str:
@@ -298,9 +317,132 @@ def compare_summary(report: Report) -> str:
     assert c is not None, "not a comparison report"
     if not c.reference_finite:
         return f"REFERENCE NON-FINITE: the float32 reference is non-finite, first at {c.reference_first_nonfinite}"
-    n = len(c.violations)
-    tail = "" if c.accepted else f" ({n} violation{'s' if n != 1 else ''})"
-    return f"{compare_verdict(c)}: autocast {c.dtype} against the float32 reference{tail}"
+    if c.alternatives:
+        each = ", ".join(f"{x.dtype} {_verdict(x)}" + ("" if x.accepted else f" ({_violations(x)})")
+                         for x in c.candidates())
+        return f"{compare_verdict(c)}: autocast {each} against the float32 reference{_set_text(c)}"
+    tail = "" if c.accepted else f" ({_violations(c)})"
+    return f"{compare_verdict(c)}: autocast {c.dtype} against the float32 reference{tail}{_set_text(c)}"
+
+
+RULE_HASH_LABEL = "rule sha256"
+
+
+def rule_hash_text(c: Comparison) -> str | None:
+    """``<sha256> of <the rule's canonical JSON>``, or None for a comparison written without it."""
+    if not c.rule_sha256:
+        return None
+    return c.rule_sha256 + (f" of {c.acceptance.canonical()}" if c.acceptance is not None else "")
+
+
+def violation_lines(c: Comparison) -> list[str]:
+    """Every violation of every candidate, with the clause it fails (and the dtype, for several candidates)."""
+    out: list[str] = []
+    for x in c.candidates():
+        head = f"autocast {x.dtype}: " if c.alternatives else ""
+        if x.failures:
+            out += [f"{head}{f.message} (clause {f.clause})" for f in x.failures]
+        else:
+            out += [head + v for v in x.violations]
+    return out
+
+
+def allowed_lines(c: Comparison) -> list[str]:
+    return [a for x in c.candidates() for a in x.allowed]
+
+
+def candidate_head(c: Comparison) -> str:
+    """The heading of one candidate's details, when there are several."""
+    return f"autocast {c.dtype}: {_verdict(c)}" + ("" if c.accepted else f" ({_violations(c)})")
+
+
+CANDIDATE_COLUMNS = ("candidate", "verdict", "failed clauses", "samples", "quality float32", "quality autocast",
+                     "speed ratio")
+
+
+def _clauses(c: Comparison) -> str:
+    return ", ".join(dict.fromkeys(f.clause for f in c.failures)) or ("-" if c.accepted else "see violations")
+
+
+def candidate_cells(c: Comparison) -> tuple[str, ...]:
+    q, sp = c.quality, c.speed
+    ratio = "-" if sp is None or sp.ratio_median is None else f"{sp.ratio_median:.3g}x"
+    samples = list(dict.fromkeys(s for f in c.failures for s in f.samples))
+    return (c.dtype, _verdict(c), _clauses(c), ", ".join(samples[:10]) + (" ..." if len(samples) > 10 else "") or "-",
+            num(q.ref) if q else "-", num(q.amp) if q else "-", ratio)
+
+
+def batch_columns(c: Comparison) -> tuple[str, ...]:
+    return ("batch", "samples", "float32", c.dtype, "flips", "quality float32", f"quality {c.dtype}",
+            "top introduced error", "rule alone")
+
+
+def batch_cells(b: Comparison) -> tuple[str, ...]:
+    ref = "finite" if b.reference_finite else "NON-FINITE"
+    amp = "not run" if b.amp_finite is None else ("finite" if b.amp_finite else "NON-FINITE")
+    flips = str(len(b.flipped)) + (f" ({sample_list(b, b.flipped, 5)})" if b.flipped else "")
+    q = b.quality
+    top = f"{b.modules[b.ranking[0]].label()} ({num(b.modules[b.ranking[0]].introduced)})" if b.ranking else "-"
+    rule = "holds" if b.accepted else "fails: " + _clauses(b)
+    return (b.batch, str(b.n_samples), ref, amp, flips, num(q.ref) if q else "-", num(q.amp) if q else "-", top,
+            rule)
+
+
+def _quality_sense(q: Quality) -> str:
+    return "higher is better" if q.higher_is_better else "lower is better"
+
+
+def quality_text(c: Comparison) -> str | None:
+    """The quality of both runs in one sentence (None when none was measured)."""
+    q = c.quality
+    if q is None:
+        return None
+    drop = q.drop()
+    how = "no worse" if drop <= 0 else f"{num(drop)} worse"
+    text = (f"quality ({q.metric}, {_quality_sense(q)}) on {q.n} samples: float32 {num(q.ref)}, autocast {c.dtype} "
+            f"{num(q.amp)}: {how}")
+    if q.ref_max_error is not None or q.amp_max_error is not None:
+        text += f"; largest error float32 {num(q.ref_max_error)}, {c.dtype} {num(q.amp_max_error)}"
+    if q.worse:
+        text += f"; worse under autocast: {sample_list(c, q.worse)}"
+    return text
+
+
+SPEED_COLUMNS = ("candidate", "step", "repeats", "float32 s", "autocast s", "ratio (median)", "ratio q1-q3",
+                 "peak float32", "peak autocast")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2 ** 20:.1f} MiB"
+
+
+def speed_rows(c: Comparison) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The timed candidates' rows of ``SPEED_COLUMNS``, and a line for each one not timed (and why)."""
+    rows: list[tuple[str, ...]] = []
+    untimed: list[str] = []
+    for x in c.candidates():
+        if x.speed is not None:
+            if x.speed.reason:
+                untimed.append(f"speed of autocast {x.dtype} {x.speed.reason}")
+            else:
+                rows.append(speed_cells(x, x.speed))
+    return rows, untimed
+
+
+def speed_cells(c: Comparison, sp: Speed) -> tuple[str, ...]:
+    """One candidate's timing (taken only after it passed the rule)."""
+    q = f"{num(sp.ratio_q1)}-{num(sp.ratio_q3)}"
+    return (c.dtype, sp.mode, str(sp.repeats), num(sp.ref_median_s), num(sp.amp_median_s),
+            "-" if sp.ratio_median is None else f"{sp.ratio_median:.3g}x", q, _bytes(sp.ref_peak_bytes),
+            _bytes(sp.amp_peak_bytes))
+
+
+def sample_list(c: Comparison, xs: tuple[int, ...], limit: int = 20) -> str:
+    """Samples by name (``file:index`` in a set), at most ``limit`` of them."""
+    head = ", ".join(c.sample(i) for i in xs[:limit])
+    return head + (f", ... ({len(xs) - limit} more)" if len(xs) > limit else "")
 
 
 def compare_title(c: Comparison) -> str:
@@ -376,18 +518,18 @@ def decisions_head(c: Comparison) -> str:
 def decisions_counts(c: Comparison) -> str:
     """How many samples, how many flipped and near the boundary, and which."""
     return (f"{c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
-            + (f" ({indices(c.flipped)})" if c.flipped else "")
+            + (f" ({sample_list(c, c.flipped)})" if c.flipped else "")
             + f", {len(c.near_boundary)} near the boundary"
-            + (f" ({indices(c.near_boundary)})" if c.near_boundary else ""))
+            + (f" ({sample_list(c, c.near_boundary)})" if c.near_boundary else ""))
 
 
 def decision_columns(c: Comparison) -> tuple[str, ...]:
     return ("sample", "float32 class (runner-up)", "float32 margin", f"{c.dtype} class", f"{c.dtype} margin", "")
 
 
-def decision_cells(d: Decision) -> tuple[str, ...]:
+def decision_cells(c: Comparison, d: Decision) -> tuple[str, ...]:
     what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
-    return (str(d.index), f"{d.ref_class} ({d.ref_runner_up})", num(d.ref_margin), str(d.amp_class), num(d.amp_margin),
+    return (c.sample(d.index), f"{d.ref_class} ({d.ref_runner_up})", num(d.ref_margin), str(d.amp_class), num(d.amp_margin),
             what)
 
 
@@ -407,8 +549,8 @@ def extremes_text(c: Comparison, g: Regression) -> str:
             f"[{num(g.amp_min)}, {num(g.amp_max)}]")
 
 
-def worst_text(g: Regression) -> str:
-    return "largest error per sample: " + ", ".join(f"{i} ({num(e)})" for i, e in g.worst)
+def worst_text(c: Comparison, g: Regression) -> str:
+    return "largest error per sample: " + ", ".join(f"{c.sample(i)} ({num(e)})" for i, e in g.worst)
 
 
 def gradients_head(c: Comparison) -> str:

@@ -191,7 +191,7 @@ def _decisions_table(c: Comparison) -> Table:
     for col in _c.decision_columns(c):
         t.add_column(col, justify="left" if col in ("sample", "") else "right")
     for d in c.decisions:
-        t.add_row(*(_m(x) for x in _c.decision_cells(d)), style="bold red" if d.flipped else "yellow")
+        t.add_row(*(_m(x) for x in _c.decision_cells(c, d)), style="bold red" if d.flipped else "yellow")
     return t
 
 
@@ -199,22 +199,34 @@ def _diff_line(what: str, d: TensorDiff) -> Text:
     return _t(f"{what}: {_c.diff_text(d)}")
 
 
-def render_comparison(report: Report, limit: int = 10) -> RenderableType:
-    """``nanhunt compare``: the verdict and the rule first, then the introduced-error ranking, the decisions,
-    the output, the loss and the gradients."""
-    c = report.comparison
-    assert c is not None, "not a comparison report"
-    parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if c.accepted else "red"))]
-    parts.append(_t(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
-    for v in c.violations:
-        parts.append(_t("violation: " + v, style="red"))
-    if not c.reference_finite:
+def _cells_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], *, left: int = 1, title: str = "") -> Table:
+    t = Table(title=title or None, title_justify="left")
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
+        t.add_row(*(_m(x) for x in row))
+    return t
+
+
+def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
+    """One autocast dtype: the runs, the batches of a set, the quality, the ranking, the decisions, the values."""
+    parts: list[RenderableType] = []
+    if not c.reference_finite and not c.modules:
         parts.append(Text(_c.NOTHING_COMPARED, style="red"))
+    elif not c.reference_finite:
+        parts.append(_t(f"runs: float32 reference NON-FINITE (first at {c.reference_first_nonfinite}); the other "
+                        "batches compared", style="red"))
     else:
         runs = _t(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
         runs.append(visible(_c.amp_state(c)), style="green" if c.amp_finite else "bold red")
         runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
+    if c.batches:
+        parts.append(_cells_table(_c.batch_columns(c), [_c.batch_cells(b) for b in c.batches], left=1,
+                                  title="the set, batch by batch"))
+    q = _c.quality_text(c)
+    if q is not None:
+        parts.append(_t(q, style="bold red" if c.quality is not None and c.quality.drop() > 0 else "bold"))
     if c.modules:
         if c.ranking:
             parts.append(_ranking_table(c, limit))
@@ -225,7 +237,7 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         d = _c.carrier(c)
         if d is not None:
             parts.append(_text(_c.carrier_text(d)))
-    if c.task == "classify" and c.reference_finite:  # a non-finite reference: nothing was compared
+    if c.task == "classify" and (c.reference_finite or c.modules):  # a non-finite reference: nothing was compared
         parts.append(_t(_c.decisions_head(c), style="bold red" if c.flipped else "bold"))
         if c.decisions:
             parts.append(_decisions_table(c))
@@ -235,7 +247,7 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     if g is not None:
         parts.append(_t(_c.extremes_text(c, g)))
         if g.worst:
-            parts.append(_t(_c.worst_text(g)))
+            parts.append(_t(_c.worst_text(c, g)))
     if c.loss is not None:
         parts.append(_diff_line("loss", c.loss))
     if c.grads:
@@ -245,6 +257,38 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         parts.append(line)
     if c.unmatched:
         parts.append(_t("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))
+    return parts
+
+
+def render_comparison(report: Report, limit: int = 10) -> RenderableType:
+    """``nanhunt compare``: the verdict and the rule first (its hash, the failed clauses), the candidates when
+    several dtypes were compared, then for each the runs, the batches of a set, the quality, the
+    introduced-error ranking, the decisions, the output, the loss and the gradients; the speed last."""
+    c = report.comparison
+    assert c is not None, "not a comparison report"
+    ok = all(x.accepted for x in c.candidates())
+    parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if ok else "red"))]
+    parts.append(_t(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
+    digest = _c.rule_hash_text(c)
+    if digest is not None:
+        parts.append(_t(f"{_c.RULE_HASH_LABEL}: {digest}", style="dim"))
+    for v in _c.violation_lines(c):
+        parts.append(_t("violation: " + v, style="red"))
+    for a in _c.allowed_lines(c):
+        parts.append(_t("allowed by the rule: " + a, style="yellow"))
+    if c.alternatives:
+        parts.append(_cells_table(_c.CANDIDATE_COLUMNS, [_c.candidate_cells(x) for x in c.candidates()], left=4,
+                                  title="candidates against one float32 reference"))
+    for x in c.candidates():
+        if c.alternatives:
+            parts.append(_t(_c.candidate_head(x), style="bold " + ("green" if x.accepted else "red")))
+        parts += _candidate(x, limit)
+    rows, untimed = _c.speed_rows(c)
+    if rows:
+        parts.append(_cells_table(_c.SPEED_COLUMNS, rows, left=2,
+                                  title="speed, after validation (no nanhunt hook; ratio = autocast / float32)"))
+    for u in untimed:
+        parts.append(_t(u, style="yellow"))
     cfg = report.config
     if cfg:
         parts.append(_t("config: " + ", ".join(f"{k}={v}" for k, v in cfg.items() if v is not None), style="dim"))

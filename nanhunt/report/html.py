@@ -313,7 +313,7 @@ def _diff_table(named: list[tuple[str, TensorDiff]], *, names_are_code: bool = F
 def _decisions_table(cmp: Comparison) -> str:
     rows = []
     for d in cmp.decisions:
-        cells = c.decision_cells(d)
+        cells = c.decision_cells(cmp, d)
         body = "".join(f"<td>{_e(x)}</td>" if i in (0, 5) else _num_cell(x) for i, x in enumerate(cells))
         rows.append(f'<tr class="{"flip" if d.flipped else "near"}">{body}</tr>')
     head = _head_row(c.decision_columns(cmp), (0, 5))
@@ -332,35 +332,38 @@ def _compare_badges(cmp: Comparison) -> str:
     return out
 
 
-def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, draw: bool) -> str:
-    if png is None and draw and cmp.modules:
-        from .picture import png as draw_png
+def _plain_table(header: tuple[str, ...], rows: list[tuple[str, ...]], *, text_columns: tuple[int, ...],
+                 row_class: list[str] | None = None) -> str:
+    body = []
+    for k, row in enumerate(rows):
+        cls = f' class="{row_class[k]}"' if row_class and row_class[k] else ""
+        cells = "".join(f"<td>{_e(x)}</td>" if i in text_columns else _num_cell(x) for i, x in enumerate(row))
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><thead><tr>{_head_row(header, text_columns)}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
-        png = draw_png(report)
-    summary = c.compare_summary(report)
-    parts: list[str] = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>nanhunt compare: {_e(summary)}</title>",
-        f"<style>{_CSS}{_CMP_CSS}</style></head><body>",
-        f"<header><h1>nanhunt compare</h1>{_compare_badges(cmp)}",
-        f'<p class="sentence {"ok" if cmp.accepted else "bad"}">{_e(summary)}</p>',
-        f'<p class="rule"><b>{_e(c.RULE_LABEL.capitalize())}:</b> {_e(cmp.rule_text())}.</p>',
-    ]
-    if cmp.violations:
-        items = "".join(f"<li>{_e(v)}</li>" for v in cmp.violations)
-        parts.append(f'<ul class="violations">{items}</ul>')
-    parts.append("</header>")
+
+def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
+    """One autocast dtype: the runs, the batches of a set, the quality, the picture (the first candidate's),
+    where the error is introduced, the decisions, the output and the loss, the gradients."""
+    parts: list[str] = []
     runs = []
     for k, v in c.run_rows(cmp):
         state = "ok" if v.startswith("finite") else ("dim" if v == "not run" else "bad")
         runs.append((k, f'<span class="{state}">{_e(v)}</span>'))
     parts += ["<section><h2>Runs</h2>", _kv(runs)]
-    if not cmp.reference_finite:
+    if not cmp.reference_finite and not cmp.modules:
         parts.append(f'<p class="bad">{_e(c.NOTHING_COMPARED.capitalize())}.</p>')
     parts.append("</section>")
+    if cmp.batches:
+        rows = [c.batch_cells(b) for b in cmp.batches]
+        parts += ["<section><h2>Batches</h2>",
+                  _plain_table(c.batch_columns(cmp), rows, text_columns=(0, 2, 3, 4, 7, 8),
+                               row_class=["" if b.accepted else "flip" for b in cmp.batches]), "</section>"]
+    q = c.quality_text(cmp)
+    if q is not None:
+        worse = cmp.quality is not None and cmp.quality.drop() > 0
+        parts.append(f'<section><h2>Quality</h2><p class="{"bad" if worse else ""}"><b>{_e(q[0].upper() + q[1:])}.'
+                     "</b></p></section>")
     if png:
         alt = "error by module call: the error each call introduces (bars) and the error of its output (dots)"
         parts += ["<section><h2>Error by module</h2><figure>",
@@ -384,7 +387,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
             parts.append(f"<p>{_spans([Span(spans[0].text.capitalize()), *spans[1:]])}.</p>")
         parts.append(f"<details><summary>All {len(cmp.modules)} module calls, in the order they started</summary>"
                      f"{_calls_table(cmp)}</details></section>")
-    if cmp.task == "classify" and cmp.reference_finite:
+    if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
         parts += ["<section><h2>Decisions</h2>",
                   f'<p class="{"bad" if cmp.flipped else ""}"><b>{_e(c.decisions_counts(cmp))}.</b></p>']
         if cmp.decisions:
@@ -399,7 +402,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         if g is not None:
             parts.append(f"<p>{_e(c.extremes_text(cmp, g).capitalize())}.</p>")
             if g.worst:
-                parts.append(f"<p>{_e(c.worst_text(g).capitalize())}.</p>")
+                parts.append(f"<p>{_e(c.worst_text(cmp, g).capitalize())}.</p>")
         parts.append("</section>")
     if cmp.grads:
         grads = c.ordered_grads(cmp)
@@ -411,6 +414,58 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         items = "".join(f"<li>{_e(u)}</li>" for u in cmp.unmatched[:_LIST_SHOWN])
         parts.append(f"<details><summary>Not compared: in one run only ({len(cmp.unmatched)})</summary>"
                      f"<ul>{items}</ul></details>")
+    return parts
+
+
+def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, draw: bool) -> str:
+    if png is None and draw and cmp.modules:
+        from .picture import png as draw_png
+
+        png = draw_png(report)
+    summary = c.compare_summary(report)
+    ok = all(x.accepted for x in cmp.candidates())
+    parts: list[str] = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>nanhunt compare: {_e(summary)}</title>",
+        f"<style>{_CSS}{_CMP_CSS}</style></head><body>",
+        f"<header><h1>nanhunt compare</h1>{_compare_badges(cmp)}",
+        f'<p class="sentence {"ok" if ok else "bad"}">{_e(summary)}</p>',
+        f'<p class="rule"><b>{_e(c.RULE_LABEL.capitalize())}:</b> {_e(cmp.rule_text())}.</p>',
+    ]
+    if cmp.rule_sha256:
+        canonical = f" of <code>{_e(cmp.acceptance.canonical())}</code>" if cmp.acceptance is not None else ""
+        parts.append(f'<p class="dim"><b>{_e(c.RULE_HASH_LABEL.capitalize())}:</b> <code>{_e(cmp.rule_sha256)}'
+                     f"</code>{canonical}</p>")
+    violations = c.violation_lines(cmp)
+    if violations:
+        items = "".join(f"<li>{_e(v)}</li>" for v in violations)
+        parts.append(f'<ul class="violations">{items}</ul>')
+    allowed = c.allowed_lines(cmp)
+    if allowed:
+        items = "".join(f"<li>{_e(a)}</li>" for a in allowed)
+        parts.append(f'<p>Allowed by the rule:</p><ul class="allowed">{items}</ul>')
+    parts.append("</header>")
+    if cmp.alternatives:
+        rows = [c.candidate_cells(x) for x in cmp.candidates()]
+        parts += ["<section><h2>Candidates against one float32 reference</h2>",
+                  _plain_table(c.CANDIDATE_COLUMNS, rows, text_columns=(0, 1, 2, 3),
+                               row_class=["" if x.accepted else "flip" for x in cmp.candidates()]), "</section>"]
+    for i, x in enumerate(cmp.candidates()):
+        if cmp.alternatives:
+            parts.append(f'<h2 class="{"ok" if x.accepted else "bad"}">{_e(c.candidate_head(x))}</h2>')
+        parts += _candidate(x, png=png if i == 0 else None)
+    rows, untimed = c.speed_rows(cmp)
+    if rows or untimed:
+        parts += ["<section><h2>Speed, after validation</h2>",
+                  "<p>The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
+                  "float32 time per repetition (below 1: autocast is faster).</p>"]
+        if rows:
+            parts.append(_plain_table(c.SPEED_COLUMNS, rows, text_columns=(0, 1)))
+        parts += [f'<p class="warn">{_e(u[0].upper() + u[1:])}.</p>' for u in untimed]
+        parts.append("</section>")
     cfg = [(k, _e(v)) for k, v in report.config.items() if v is not None]
     env = [(k, _e(v)) for k, v in c.environment_rows(dataclasses.replace(report, config={}))]
     if cfg or env:

@@ -188,17 +188,19 @@ def _diff_table(named: Sequence[tuple[str, TensorDiff]], *, names_are_code: bool
     return _cells_table(c.DIFF_COLUMNS, rows, right_from=3)
 
 
-def _render_comparison(report: Report, cmp: Comparison) -> str:
-    """``nanhunt compare``: the status and the rule, the runs, where the error is introduced, the decisions,
-    the output and the loss; the rest folded."""
-    out: list[str] = [f"## {c.compare_title(cmp)}", "", f"**{escape(c.compare_summary(report))}**", "",
-                      f"**{escape(c.RULE_LABEL.capitalize())}:** {escape(cmp.rule_text())}."]
-    if cmp.violations:
-        out += ["", "Violations:", ""] + [f"- {escape(v)}" for v in cmp.violations]
-    out += ["", "#### Runs", ""]
+def _candidate(cmp: Comparison) -> list[str]:
+    """One autocast dtype: the runs, the batches of a set, the quality, where the error is introduced, the
+    decisions, the output and the loss; the rest folded."""
+    out = ["", "#### Runs", ""]
     out += [f"- **{escape(k)}:** {escape(v)}" for k, v in c.run_rows(cmp)]
-    if not cmp.reference_finite:
+    if not cmp.reference_finite and not cmp.modules:
         out += ["", escape(c.NOTHING_COMPARED.capitalize()) + "."]
+    if cmp.batches:
+        rows = [tuple(escape(x) for x in c.batch_cells(b)) for b in cmp.batches]
+        out += ["", "#### Batches", "", _cells_table(c.batch_columns(cmp), rows)]
+    q = c.quality_text(cmp)
+    if q is not None:
+        out += ["", "#### Quality", "", f"**{escape(q[0].upper() + q[1:])}.**"]
     if cmp.modules:
         out += ["", "#### Where the error is introduced", "", f"Columns: {escape(c.ERROR_DEFINITION)}.", ""]
         if cmp.ranking:
@@ -212,10 +214,10 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
             spans = c.carrier_text(d)
             out += ["", _spans([Span(spans[0].text.capitalize()), *spans[1:]]) + "."]
         out += ["", _details(f"All {len(cmp.modules)} module calls, in the order they started", _calls_table(cmp))]
-    if cmp.task == "classify" and cmp.reference_finite:
+    if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
         out += ["", "#### Decisions", "", f"**{escape(c.decisions_counts(cmp))}.**"]
         if cmp.decisions:
-            rows = [tuple(escape(x) for x in c.decision_cells(d)) for d in cmp.decisions]
+            rows = [tuple(escape(x) for x in c.decision_cells(cmp, d)) for d in cmp.decisions]
             out += ["", _cells_table(c.decision_columns(cmp), rows)]
     named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
     if named or cmp.regression is not None:
@@ -226,7 +228,7 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
         if g is not None:
             out += ["", escape(c.extremes_text(cmp, g).capitalize()) + "."]
             if g.worst:
-                out += ["", escape(c.worst_text(g).capitalize()) + "."]
+                out += ["", escape(c.worst_text(cmp, g).capitalize()) + "."]
     if cmp.grads:
         grads = c.ordered_grads(cmp)
         body = _diff_table([(d.name, d) for d in grads[:_LIST_SHOWN]], names_are_code=True)
@@ -237,6 +239,39 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
     if cmp.unmatched:
         body = "\n".join(f"- {escape(u)}" for u in cmp.unmatched[:_LIST_SHOWN])
         out += ["", _details(f"Not compared: in one run only ({len(cmp.unmatched)})", body)]
+    return out
+
+
+def _render_comparison(report: Report, cmp: Comparison) -> str:
+    """``nanhunt compare``: the status and the rule (its hash, the failed clauses), the candidates, each one's
+    details, the speed; configuration and reproduction last."""
+    out: list[str] = [f"## {c.compare_title(cmp)}", "", f"**{escape(c.compare_summary(report))}**", "",
+                      f"**{escape(c.RULE_LABEL.capitalize())}:** {escape(cmp.rule_text())}."]
+    if cmp.rule_sha256:
+        canonical = f" of {code(cmp.acceptance.canonical())}" if cmp.acceptance is not None else ""
+        out += ["", f"**{escape(c.RULE_HASH_LABEL.capitalize())}:** {code(cmp.rule_sha256)}{canonical}"]
+    violations = c.violation_lines(cmp)
+    if violations:
+        out += ["", "Violations:", ""] + [f"- {escape(v)}" for v in violations]
+    allowed = c.allowed_lines(cmp)
+    if allowed:
+        out += ["", "Allowed by the rule:", ""] + [f"- {escape(a)}" for a in allowed]
+    if cmp.alternatives:
+        rows = [tuple(escape(x) for x in c.candidate_cells(x)) for x in cmp.candidates()]
+        out += ["", "#### Candidates against one float32 reference", "",
+                _cells_table(c.CANDIDATE_COLUMNS, rows, right_from=4)]
+    for x in cmp.candidates():
+        if cmp.alternatives:
+            out += ["", f"### {escape(c.candidate_head(x))}"]
+        out += _candidate(x)
+    rows, untimed = c.speed_rows(cmp)
+    if rows or untimed:
+        out += ["", "#### Speed, after validation", "",
+                "The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
+                "float32 time per repetition (below 1: autocast is faster)."]
+        if rows:
+            out += ["", _cells_table(c.SPEED_COLUMNS, [tuple(escape(v) for v in r) for r in rows], right_from=2)]
+        out += ["", *(f"- {escape(u[0].upper() + u[1:])}." for u in untimed)] if untimed else []
     cfg = [(k, str(v)) for k, v in report.config.items() if v is not None]
     env = c.environment_rows(dataclasses.replace(report, config={}))
     if cfg or env:
