@@ -33,11 +33,13 @@ __all__ = [
     "no_autocast",
     "compiled_original",
     "keeps_running_stats",
-    "own_parameters",
-    "own_buffers",
+    "own_weights",
     "amp_check_and_unscale",
     "foreach_norm",
     "foreach_copy",
+    "local_tensor",
+    "complete_collective",
+    "collective_label",
 ]
 
 current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
@@ -79,6 +81,50 @@ _OVERWRITE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "berno
                         "geometric_", "cauchy_", "log_normal_"})
 
 
+# Collectives of torch.distributed as the dispatch mode sees them (DDP: ``c10d::allreduce_``; FSDP2:
+# ``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``; functional collectives: ``_c10d_functional::*``).
+# Their outputs hold values that arrived from other ranks: never an origin on this rank.
+# name -> (what it is, positions of the arguments it writes the received values into, positions it reads).
+_C10D: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {
+    "allreduce_": ("all-reduce", (0,), (0,)),
+    "allreduce_coalesced_": ("all-reduce", (0,), (0,)),
+    "broadcast_": ("broadcast", (0,), (0,)),
+    "reduce_": ("reduce", (0,), (0,)),
+    "_allgather_base_": ("all-gather", (0,), (1,)),
+    "allgather_": ("all-gather", (0,), (1,)),
+    "allgather_coalesced_": ("all-gather", (0,), (1,)),
+    "allgather_into_tensor_coalesced_": ("all-gather", (0,), (1,)),
+    "_reduce_scatter_base_": ("reduce-scatter", (0,), (1,)),
+    "reduce_scatter_": ("reduce-scatter", (0,), (1,)),
+    "reduce_scatter_tensor_coalesced_": ("reduce-scatter", (0,), (1,)),
+    "alltoall_base_": ("all-to-all", (0,), (1,)),
+    "alltoall_": ("all-to-all", (0,), (1,)),
+    "scatter_": ("scatter", (0,), (1,)),
+    "gather_": ("gather", (0,), (1,)),
+    "recv_": ("receive", (0,), ()),
+    "recv_any_source_": ("receive", (0,), ()),
+}
+_FUNCTIONAL = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
+               "reduce_scatter_tensor": "reduce-scatter", "broadcast": "broadcast", "all_to_all_single": "all-to-all"}
+
+
+def collective_label(name: str) -> str | None:
+    """``"all-reduce"`` for ``"c10d::allreduce_"``: what a collective op is, in words; else None."""
+    ns, _, base = name.partition("::")
+    c = _collective(ns, base)
+    return None if c is None else c[0]
+
+
+def _collective(namespace: str, base: str) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    if namespace == "c10d":
+        return _C10D.get(base)
+    if namespace in ("_c10d_functional", "c10d_functional"):
+        for prefix, label in _FUNCTIONAL.items():
+            if base.startswith(prefix):
+                return (label, (), (0,))  # received: the outputs (and the schema's written arguments)
+    return None
+
+
 @dataclass(frozen=True)
 class OpInfo:
     name: str  # "aten::addmm"
@@ -95,6 +141,10 @@ class OpInfo:
     writes: bool  # any argument written (schema or hidden)
     run: Callable[..., Any]  # the op itself, called without OpOverload.__call__'s Python frame
     func: Any  # the OpOverload (keeps the id of OP_INFOS' key alive)
+    # a collective ("all-reduce", ...): its outputs arrived from other ranks; None for every other op
+    collective: str | None = None
+    received_args: tuple[int, ...] = ()  # a collective's arguments holding what it received
+    read_args: tuple[int, ...] = ()  # a collective's arguments it sends
 
 
 OP_INFOS: dict[int, OpInfo] = {}  # id(func) -> its OpInfo, filled by op_info (OpOverload hashes in Python)
@@ -117,6 +167,7 @@ def op_info(func: Any) -> OpInfo:
             else:
                 written_pos.append(i)
     base = func._overloadpacket.__name__
+    coll = _collective(schema.name.split("::", 1)[0], base)
     wo_pos = tuple(i for i in written_pos if base in _OVERWRITE and i == 0)
     wo_kw = tuple(k for k in written_kw if k.startswith("out"))
     # native_batch_norm(input, weight, bias, running_mean, running_var, training, ...) updates
@@ -126,7 +177,8 @@ def op_info(func: Any) -> OpInfo:
         name=schema.name,
         same_set_view=returns_alias and base in _SAME_SET_VIEWS and len(schema.returns) == 1,
         is_view=returns_alias,
-        uninitialised=base in _UNINITIALISED,
+        # FSDP2's all-gather buffer: this rank's shard copied into fresh memory, the rest still unwritten
+        uninitialised=base in _UNINITIALISED or schema.name == "fsdp::all_gather_copy_in",
         copy_of=0 if base in _COPIES or base == "copy_" else None,
         hidden_writes=hidden,
         constant=base in ("lift_fresh", "lift_fresh_copy"),
@@ -137,6 +189,9 @@ def op_info(func: Any) -> OpInfo:
         writes=bool(written_pos or written_kw or hidden),
         run=getattr(func, "_op", func),
         func=func,
+        collective=None if coll is None else coll[0],
+        received_args=() if coll is None else coll[1],
+        read_args=() if coll is None else coll[2],
     )
     OP_INFOS[id(func)] = info
     return info
@@ -145,9 +200,30 @@ def op_info(func: Any) -> OpInfo:
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place write); -1 for inference tensors, which have none."""
     try:
-        return int(t._version)
+        return t._version
     except RuntimeError:
         return -1
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of ``t``: a DTensor's local shard (no collective), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def complete_collective(out: Any, functional: bool) -> None:
+    """Wait until a collective's values have arrived (they exist only then; an asynchronous one
+    returns at once): the ``Work`` a ``c10d`` op returns, or each output of a functional collective
+    (``functional``). The caller's own later wait returns at once."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    for o in items:
+        if isinstance(o, torch.Tensor):
+            if functional:
+                torch.ops._c10d_functional.wait_tensor(o)
+        elif isinstance(o, (tuple, list)):
+            complete_collective(o, functional)
+        elif o is not None and callable(getattr(o, "wait", None)):
+            o.wait()
 
 
 def node_sequence_nr(node: Any) -> int:
@@ -166,14 +242,9 @@ def keeps_running_stats(module: nn.Module) -> bool:
     return isinstance(module, _NormBase)
 
 
-def own_parameters(module: nn.Module) -> Iterable[Any]:
-    """The module's own parameter slots (not its children's; shared ones and ``None`` included)."""
-    return module._parameters.values()
-
-
-def own_buffers(module: nn.Module) -> Iterable[Any]:
-    """The module's own buffer slots (not its children's; shared ones and ``None`` included)."""
-    return module._buffers.values()
+def own_weights(module: nn.Module) -> tuple[Iterable[Any], Iterable[Any]]:
+    """The module's own parameter and buffer slots (not its children's; shared ones and ``None`` included)."""
+    return module._parameters.values(), module._buffers.values()
 
 
 def push_mode(mode: TorchDispatchMode) -> None:

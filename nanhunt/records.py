@@ -53,6 +53,7 @@ class Role(str, enum.Enum):
     GRAD = "grad"  # a parameter's .grad after backward
     STATE = "state"  # optimizer or other long-lived state first seen in the update
     REMEASURED = "remeasured"  # a known tensor measured again after an in-place change or view write
+    RECEIVED = "received"  # arrived from another rank through a collective (all-reduce, ...): never an origin here
 
     def __str__(self) -> str:
         return self.value

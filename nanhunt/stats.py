@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ._dispatch import no_autocast
+from ._dispatch import local_tensor, no_autocast
 from .records import FullStats
 
 __all__ = ["PendingStats", "full_stats", "FP16_MAX", "BF16_MAX", "dtype_max", "dtype_tiny"]
@@ -37,6 +37,7 @@ def dtype_tiny(dtype: torch.dtype) -> float:
 
 _DTYPES = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
 _COMPLEX = frozenset(d for d in _DTYPES if d.is_complex)
+_TENSOR = torch.Tensor
 _BYTE_FLOATS = frozenset(d for d in _DTYPES if d.is_floating_point and d.itemsize == 1)
 
 
@@ -55,14 +56,17 @@ class PendingStats:
         self.values: dict[int, tuple[float, float]] = {}
 
     def add(self, slot: int, t: torch.Tensor) -> None:
-        """Queue the statistics of ``t`` under ``slot``; no host synchronisation."""
-        if not t.numel():
-            self.values[slot] = (0.0, 0.0)
-            return
-        dtype = t.dtype
+        """Queue the statistics of ``t`` under ``slot``; no host synchronisation. A DTensor is
+        measured on this rank's shard (no collective)."""
         # The stats must never join an autograd graph (inside the dispatch mode tensors are
         # below autograd already; detach costs ~20 us, so only when needed).
         x = t.detach() if t.requires_grad else t
+        if x.__class__ is not _TENSOR:  # a subclass (a Parameter, a DTensor)
+            x = local_tensor(x)
+        if not x.numel():
+            self.values[slot] = (0.0, 0.0)
+            return
+        dtype = t.dtype
         if dtype in _COMPLEX:  # NaN/Inf in either part: the real view holds both
             x = torch.view_as_real(x)
         elif dtype in _BYTE_FLOATS:  # float8 formats: no aminmax kernel; exact in float32
@@ -102,8 +106,9 @@ class PendingStats:
 
 
 def full_stats(t: torch.Tensor) -> FullStats:
-    """All counts for one tensor. About 100x the cost of ``aminmax``: use sparingly."""
-    x = t.detach()
+    """All counts for one tensor (a DTensor: this rank's shard). About 100x the cost of ``aminmax``:
+    use sparingly."""
+    x = local_tensor(t.detach())
     if x.is_complex():
         x = torch.view_as_real(x)
     n = x.numel()

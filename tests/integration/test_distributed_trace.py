@@ -1,0 +1,82 @@
+"""nanhunt.trace under torch.distributed: two gloo processes on the CPU, DDP and FSDP2 (fully_shard) on a tiny
+MLP. Only rank 1's batch overflows: rank 1's trace names the op, rank 0's has no origin (the NaN arrived through
+a collective) and every rank names rank 1 as first. Each run is bounded in time; a stuck rank is killed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from .dist_trace_worker import run
+
+TIMEOUT_S = 60
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_ranks(tmp_path: Path, wrapper: str, overflow: bool) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=run, args=(r, 2, port, wrapper, overflow, str(tmp_path))) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=TIMEOUT_S)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert not hung, f"rank(s) {hung} still running after {TIMEOUT_S}s"
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    for res in results.values():
+        assert "error" not in res, res["error"]
+    return results
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_overflow_on_rank1_is_born_there_and_received_on_rank0(tmp_path: Path, wrapper: str) -> None:
+    # GIVEN two ranks, only rank 1's batch overflows fc1 in float16 WHEN each traces the step
+    res = _two_ranks(tmp_path, wrapper, overflow=True)
+    r0, r1 = res[0], res[1]
+    module = "module.fc1" if wrapper == "ddp" else "fc1"
+    # THEN rank 1 names the op that made it
+    assert r1["first"] == ["forward", module, "aten::addmm", "inf"]
+    # AND rank 0 made none: it arrived through the gradient collective, and its record says so
+    assert r0["first"] is None
+    expected = ("c10d::allreduce_", "all-reduce") if wrapper == "ddp" else ("c10d::_reduce_scatter_base_",
+                                                                           "reduce-scatter")
+    assert r0["received"] == ["received", expected[0], "backward"]
+    assert r0["received_note"].startswith(f"NaN arrived from another rank through the gradient {expected[1]}")
+    # AND both ranks name rank 1 as first, with a line for reports
+    for r in res.values():
+        assert (r["first_rank"], r["first_ranks"]) == (1, [1])
+        assert r["ranks"]["0"] is None and r["ranks"]["1"].startswith("Inf born in phase forward")
+        assert r["summary"].startswith(f"rank 1: Inf born in phase forward, module {module}")
+        assert r["summary"].endswith(f"rank 0 received it through the gradient {expected[1]}")
+    seen = {"ddp": ["c10d::allreduce_"], "fsdp2": ["c10d::_allgather_base_", "c10d::_reduce_scatter_base_"]}
+    assert r0["collectives"] == seen[wrapper]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_clean_step_names_no_rank(tmp_path: Path, wrapper: str) -> None:
+    # GIVEN two ranks with ordinary batches WHEN each traces the step THEN nothing is born, received or first
+    for r in _two_ranks(tmp_path, wrapper, overflow=False).values():
+        assert (r["first"], r["received"], r["first_rank"], r["first_ranks"], r["summary"]) == (None, None, None, [],
+                                                                                                 None)
+        assert r["ranks"] == {"0": None, "1": None}
