@@ -311,6 +311,6 @@ def test_every_format_shows_the_rule_its_hash_and_the_failed_clause(tmp_path: Pa
     assert "| boundary.pt | 4 | finite | finite | 1 (boundary.pt:0) | 1 | 0.75 |" in md
     assert "| float16 | REJECTED | max\\_flips, max\\_quality\\_drop | boundary.pt:0 |" in md
     assert Report.from_json(render("json", rep)) == rep
-    from tests.test_compare_report import _parse
+    from tests.unit.test_compare_report import _parse
 
     assert all(len(set(t)) == 1 for t in _parse(render("html", rep)).tables)  # every row has the header's cells

@@ -16,7 +16,7 @@ from nanhunt.capture import load_step
 
 from helpers_guard import dist_worker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

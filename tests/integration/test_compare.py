@@ -17,10 +17,10 @@ from nanhunt.compare import TIE_RULE, top_two
 from nanhunt.records import Comparison, Report
 from nanhunt.report.console import render_text
 
-from .helpers_compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Carried, Exploding, Flip, Net, Overflow, Scalar,
+from ..helpers_compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Carried, Exploding, Flip, Net, Overflow, Scalar,
                               Underflow)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HELPERS = "tests.helpers_compare"
 CE = "torch.nn.functional:cross_entropy"
 

@@ -13,7 +13,7 @@ from fixtures.models import MLP
 from nanhunt.capture import load_step
 from nanhunt.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZE = {"d_in": 4, "d_hidden": 8, "d_out": 2}
 
 

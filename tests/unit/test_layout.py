@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "nanhunt"
+PKG = Path(__file__).resolve().parents[2] / "nanhunt"
 
 
 def _imports(path: Path) -> set[str]:

@@ -2,7 +2,7 @@
 
 Regenerate the golden files after an intended change with
 
-    NANHUNT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_report.py -q -p no:cacheprovider
+    NANHUNT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_report.py -q -p no:cacheprovider
 
 and read the diff before committing it. Nothing here imports torch: renderers only format plain data.
 """

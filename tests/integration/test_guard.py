@@ -18,7 +18,7 @@ from nanhunt.cli import main as cli_main
 
 from helpers_guard import batch, guard_for, mlp_setup, train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@ console, JSON; goldens, hostile module names, a self-contained page, and the com
 
 Regenerate the golden files (``tests/golden/compare.*``) after an intended change with
 
-    NANHUNT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_compare_report.py -q -p no:cacheprovider
+    NANHUNT_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_compare_report.py -q -p no:cacheprovider
 
 and read the diff before committing it. The reports here are built by hand (no torch); only the command-line tests
 at the end run a model.
@@ -27,7 +27,7 @@ import pytest
 from tests._golden import GOLDEN, check_golden, markdown_to_html, render
 from nanhunt.records import Comparison, Decision, Regression, Report, TensorDiff
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIE_RULE = "equal top scores go to the lowest class index, in both runs; a row holding NaN has no class (-1)"
 HOSTILE = "enc.[bold red]lay[/].<script>alert(1)</script>|`x``y`|$x$"
 HOSTILE_CLASS = "Evil<img src=x onerror=alert(1)>*cls*"
@@ -482,7 +482,7 @@ def test_picture_puts_infinite_errors_in_their_own_column() -> None:
 
 def test_picture_leaves_no_pyplot_state() -> None:
     # A fresh interpreter: drawing must not import pyplot nor register a figure anywhere.
-    code = ("import sys, json; sys.path.insert(0, 'tests'); from test_compare_report import sample_comparison; "
+    code = ("import sys, json; sys.path.insert(0, 'tests'); from tests.unit.test_compare_report import sample_comparison; "
             "from nanhunt.report.picture import png; b = png(sample_comparison()); "
             "print(json.dumps([b[:4] == b'\\x89PNG', 'matplotlib.pyplot' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -511,7 +511,7 @@ def test_write_puts_the_picture_beside_the_page(tmp_path: Path) -> None:
 def flip_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     import torch
 
-    from .helpers_compare import FLIP_X, FLIP_Y, Flip
+    from ..helpers_compare import FLIP_X, FLIP_Y, Flip
 
     monkeypatch.chdir(ROOT)  # --model tests.helpers_compare:Flip imports from the repository root
     ck, bt = tmp_path / "checkpoint.pt", tmp_path / "batch.pt"

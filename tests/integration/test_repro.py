@@ -19,7 +19,7 @@ from nanhunt.records import Occurrence, Phase, Record, Repro, Role
 from nanhunt.repro import INPUTS, SCRIPT, capture_origin_call, make_repro, verify_repro, write_repro
 from nanhunt.step import Step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ faults of our own

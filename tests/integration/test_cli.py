@@ -13,7 +13,7 @@ import torch
 from nanhunt.cli import main
 from nanhunt.records import Report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "fixtures"
 
 

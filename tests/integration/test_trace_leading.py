@@ -14,9 +14,9 @@ from nanhunt import Phase
 from nanhunt.cli import main
 from nanhunt.records import Report
 
-from .models import where
+from ..models import where
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class HandSoftmax(nn.Module):
