@@ -573,6 +573,12 @@ def load_step(
     dev = _parse_device(device) if device else None
     ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
+    if _is_batch_file(ck) and isinstance(bt, Mapping) and "nanhunt_capture" in bt:
+        raise CommandError(f"these look swapped: {checkpoint!r} is a nanhunt batch and {batch!r} a checkpoint; "
+                           f"give the checkpoint first: nanhunt replay {batch} {checkpoint}")
+    if _is_batch_file(ck):
+        raise CommandError(f"checkpoint {checkpoint!r} is a nanhunt batch file, not a checkpoint; give the "
+                           "checkpoint.pt written beside it first")
 
     model: nn.Module | None = None
     sd: Mapping[str, Any] | None = None
@@ -716,6 +722,10 @@ def _parse_device(device: str) -> torch.device:
     except Exception as e:
         raise CommandError(f"--device {device} was given but no such device is available here; use --device cpu") from e
     return dev
+
+
+def _is_batch_file(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and "nanhunt_batch" in obj
 
 
 def _capture_field(d: Mapping[str, Any], name: str, types: type, expected: str, where: str, fix: str, *,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._errors import CommandError
 from .capture import load_file
 from .records import Inspection, TensorSummary
 
@@ -43,6 +44,8 @@ def _walk(prefix: str, obj: Any, depth: int = 0) -> Iterator[tuple[str, torch.Te
 
 def inspect_checkpoint(path: str, *, trust_pickle: bool = False) -> Inspection:
     ck = load_file(path, what="checkpoint", trust_pickle=trust_pickle)
+    if isinstance(ck, Mapping) and "nanhunt_batch" in ck:
+        raise CommandError(f"{path!r} is a nanhunt batch file, not a checkpoint; inspect the checkpoint.pt beside it")
     flagged: list[TensorSummary] = []
     n = 0
     scaler: dict[str, Any] = {}

@@ -270,3 +270,15 @@ def test_ctrl_c_in_cli_replay_exits_130_and_leaves_files(tmp_path: Path, capsys:
     assert "Traceback" not in err and "interrupted" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r.json").exists()
     assert _files_state([str(ck), str(b)]) == before
+
+
+def test_swapped_arguments_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a capture's two files given in the wrong order
+    fix = Path(__file__).resolve().parents[2] / "fixtures" / "nan_weight"
+    # WHEN replayed  THEN one line says they look swapped and gives the right order; inspect says it is a batch
+    assert main(["replay", str(fix / "batch.pt"), str(fix / "checkpoint.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "look swapped" in err[0] and err[0].endswith(f"{fix / 'checkpoint.pt'} {fix / 'batch.pt'}")
+    assert main(["inspect", str(fix / "batch.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "batch file, not a checkpoint" in err[0]
