@@ -108,13 +108,15 @@ class OpRecorder:
         run = info.run
         kd = self._kd
         if info.same_set_view and (node is None or self._phases.backward_seen):
-            # Fast path, half the ops of a step: a view holding exactly the elements of a tensor
-            # whose record is current shares that record. Nothing to measure or attribute
-            # unless the op makes an autograd node (then the general path keeps its context).
+            # Fast path, half the ops: a view holding exactly the elements of a tensor whose record is current
+            # shares it. Nothing to measure or attribute unless it makes a node (the general path keeps its context).
             a: torch.Tensor = args[0]
             e = kd.get(id(a))
             if e is not None and e[0]() is a:
-                ver = _version(a)
+                try:  # inline, not _dispatch.tensor_version: no call on this path (~0.1% of a traced step)
+                    ver = a._version
+                except RuntimeError:
+                    ver = -1
                 rec = e[1]
                 if rec[1] == ver and ver >= 0 and (
                         (node is not None and not _grad_enabled()) or _peek_seq() == self.last_seq):
@@ -158,9 +160,7 @@ class OpRecorder:
             self._node_made(first_seq, seq, module, call, src)
         else:
             self._last_ctx = (module, call, src)
-
         out = run(*args, **kwargs)
-
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
