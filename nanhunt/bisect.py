@@ -168,88 +168,105 @@ def bisect(
     model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted``
     and holds what was found so far).
     """
-    model, dtype = step.model, step.dtype
-    trials = _Trials(step, progress)
-    all_origins = tuple(origins) or ((origin,) if origin is not None else ())
-    # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
-    reaching = next((o for o in all_origins if not o.silent), None)
-    # Only silent origins: the step stays finite, and the question becomes "is the origin gone?"
-    # (harmless ones, feeding only indices, are no question).
-    silent = None if reaching is not None else next((o for o in all_origins if not o.harmless and not o.allowed), None)
-    trials.watch = silent
-    t0 = time.perf_counter()
-    alternatives: dict[str, bool] = {}
-    children = _children(model)
-    root = next(n for n, m in model.named_modules() if m is model)
-    with_loss = step.loss_fn is not None
-    scaler = step.scaler
-    # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
-    with_update = step.optimizer is not None and has_half_weights(model)
-    regions = ([LOSS_REGION] if with_loss else []) + ([UPDATE_REGION] if with_update else [])
-    n_candidates = len(children) + len(regions)
+    proof = _Proof(step, origin, tuple(origins) or ((origin,) if origin is not None else ()), progress)
+    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
+        try:
+            return proof.run(locate_fp32)
+        except _Interrupted:
+            return proof.verdict("precision" if proof.found else "interrupted", tuple(proof.found),
+                                 origin_alone_fixes=proof.origin_alone, interrupted=True)
 
-    def verdict(kind: str, culprits: tuple[str, ...] = (), **kw: Any) -> Verdict:
-        return Verdict(kind=kind, culprits=culprits, replays=trials.count, seconds=time.perf_counter() - t0,
-                       alternatives=dict(alternatives), fix=suggested_fix(culprits) if kind == "precision" else None,
-                       candidates=n_candidates, silent=silent is not None and kind == "precision", **kw)
 
-    origin_mod = origin.module if origin is not None else None
-    modules = {n for n, _ in model.named_modules()}
+class _Proof:
+    """One bisection: its trials, what it found so far, and the verdict it gives."""
 
-    def alone() -> bool | None:
-        """Does the origin's module alone in float32 fix the step? (one replay; None: not in a module)"""
-        if origin_mod is not None and origin_mod in modules:
-            return trials.finite(frozenset({origin_mod}), label=f"{origin_mod or '<root>'} alone")
-        if origin is not None and origin.phase.value == "loss" and with_loss:
+    def __init__(self, step: Step, origin: Occurrence | None, origins: tuple[Occurrence, ...],
+                 progress: Callable[[int, str], None] | None) -> None:
+        self.step, self.origin, self.origins = step, origin, origins
+        self.trials = _Trials(step, progress)
+        # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
+        self.reaching = next((o for o in origins if not o.silent), None)
+        # Only silent origins: the step stays finite, and the question becomes "is the origin gone?"
+        # (harmless ones, feeding only indices, are no question).
+        self.silent = None if self.reaching is not None else next(
+            (o for o in origins if not o.harmless and not o.allowed), None)
+        self.trials.watch = self.silent
+        self.t0 = time.perf_counter()
+        self.alternatives: dict[str, bool] = {}
+        model = step.model
+        self.children = _children(model)
+        self.root = next(n for n, m in model.named_modules() if m is model)
+        self.modules = {n for n, _ in model.named_modules()}
+        self.with_loss = step.loss_fn is not None
+        # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
+        self.with_update = step.optimizer is not None and has_half_weights(model)
+        self.regions = ([LOSS_REGION] if self.with_loss else []) + ([UPDATE_REGION] if self.with_update else [])
+        self.origin_mod = origin.module if origin is not None else None
+        self.found: list[str] = []
+        self.origin_alone: bool | None = None
+
+    def verdict(self, kind: str, culprits: tuple[str, ...] = (), **kw: Any) -> Verdict:
+        return Verdict(kind=kind, culprits=culprits, replays=self.trials.count, seconds=time.perf_counter() - self.t0,
+                       alternatives=dict(self.alternatives), fix=suggested_fix(culprits) if kind == "precision" else None,
+                       candidates=len(self.children) + len(self.regions),
+                       silent=self.silent is not None and kind == "precision", **kw)
+
+    def alone(self) -> bool | None:
+        """Does the origin's module (or region) alone in float32 fix the step? One replay; None: no such place."""
+        origin, trials = self.origin, self.trials
+        if self.origin_mod is not None and self.origin_mod in self.modules:
+            return trials.finite(frozenset({self.origin_mod}), label=f"{self.origin_mod or '<root>'} alone")
+        if origin is not None and origin.phase.value == "loss" and self.with_loss:
             return trials.finite(frozenset({LOSS_REGION}), label="<loss> alone")
-        if origin is not None and origin.phase.value == "update" and with_update:
+        if origin is not None and origin.phase.value == "update" and self.with_update:
             return trials.finite(frozenset({UPDATE_REGION}), label="<update> alone")
         return None
 
-    found: list[str] = []
-    origin_alone: bool | None = None
-    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
-        try:
-            # With half-precision weights (model.half()) the original is no float32 run even without autocast.
-            if ((dtype != torch.float32 or has_half_weights(model))
-                    and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
-                origin_alone = alone()
-                return verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None,
-                               origin_alone_fixes=origin_alone)
-            called: set[str] = set()
-            if trials.finite(frozenset(), label="original configuration", called=called):
-                if all_origins and reaching is None and silent is None:
-                    # Every origin fed only indices (harmless) and the step is finite, as traced:
-                    # nothing for float32 to fix.
-                    return verdict("clean")
-                return verdict("not-reproducible")
-            origin_alone = alone()
-            children = _children(model, called)
-            n_candidates = len(children) + len(regions)
-            if dtype == torch.float16:
-                alternatives["bfloat16"] = trials.finite(frozenset(), dtype=torch.bfloat16, label="bfloat16 instead")
-            if scaler is not None and scaler.is_enabled():
-                alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
-                if alternatives["scale 1"] and reaching is not None and reaching.phase.value == "backward":
-                    return verdict("scale-induced", origin_alone_fixes=origin_alone)
-            # What the search tries first: the origin's module, <loss> for an origin in the loss, <update>
-            # for one in a half-precision model's update.
-            target = (LOSS_REGION if origin is not None and origin_mod is None and origin.phase.value == "loss"
-                      and with_loss else UPDATE_REGION if origin is not None and origin.phase.value == "update"
-                      and with_update else origin_mod)
-            top = [root] + regions
-            if not trials.finite(frozenset(top), label="whole model and loss"):
-                return verdict("not-precision", origin_alone_fixes=origin_alone)
-            found = _search(trials, top, frozenset(), children, target)
-            found = _refine(trials, found, children, target)
-            found = _prune(trials, found)
-            # The confirmation is one more clean run of exactly that set, not a cached answer.
-            trials.cache.pop((frozenset(found), None, False), None)
-            confirmed = trials.finite(frozenset(found), label="confirm (clean run)")
-            return verdict("precision", tuple(found), origin_alone_fixes=origin_alone, confirmed=confirmed)
-        except _Interrupted:
-            return verdict("precision" if found else "interrupted", tuple(found), origin_alone_fixes=origin_alone,
-                           interrupted=True)
+    def target(self) -> str | None:
+        """What the search tries first: the origin's module, <loss> for an origin in the loss, <update> for
+        one in a half-precision model's update."""
+        o = self.origin
+        if o is not None and self.origin_mod is None and o.phase.value == "loss" and self.with_loss:
+            return LOSS_REGION
+        if o is not None and o.phase.value == "update" and self.with_update:
+            return UPDATE_REGION
+        return self.origin_mod
+
+    def run(self, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
+        step, trials, model = self.step, self.trials, self.step.model
+        # With half-precision weights (model.half()) the original is no float32 run even without autocast.
+        if ((step.dtype != torch.float32 or has_half_weights(model))
+                and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
+            self.origin_alone = self.alone()
+            return self.verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None,
+                                origin_alone_fixes=self.origin_alone)
+        called: set[str] = set()
+        if trials.finite(frozenset(), label="original configuration", called=called):
+            if self.origins and self.reaching is None and self.silent is None:
+                # Every origin fed only indices (harmless) and the step is finite, as traced:
+                # nothing for float32 to fix.
+                return self.verdict("clean")
+            return self.verdict("not-reproducible")
+        self.origin_alone = self.alone()
+        self.children = _children(model, called)
+        if step.dtype == torch.float16:
+            self.alternatives["bfloat16"] = trials.finite(frozenset(), dtype=torch.bfloat16, label="bfloat16 instead")
+        scaler = step.scaler
+        if scaler is not None and scaler.is_enabled():
+            self.alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
+            if self.alternatives["scale 1"] and self.reaching is not None and self.reaching.phase.value == "backward":
+                return self.verdict("scale-induced", origin_alone_fixes=self.origin_alone)
+        target = self.target()
+        top = [self.root] + self.regions
+        if not trials.finite(frozenset(top), label="whole model and loss"):
+            return self.verdict("not-precision", origin_alone_fixes=self.origin_alone)
+        self.found = _search(trials, top, frozenset(), self.children, target)
+        self.found = _refine(trials, self.found, self.children, target)
+        self.found = _prune(trials, self.found)
+        # The confirmation is one more clean run of exactly that set, not a cached answer.
+        trials.cache.pop((frozenset(self.found), None, False), None)
+        confirmed = trials.finite(frozenset(self.found), label="confirm (clean run)")
+        return self.verdict("precision", tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed)
 
 
 def _on_path(c: str, origin_mod: str | None) -> bool:

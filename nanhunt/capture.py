@@ -290,17 +290,7 @@ def save_capture(
     rebuilds it from that config, no ``--model`` needed. ``step_call="training_step"`` (Lightning): the
     step's loss is ``model.training_step(*inputs)``, not ``model(*inputs)``.
     """
-    if step_call not in (None, "training_step"):
-        raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
-    model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
-    factory = model_factory or callable_path(model)
-    if factory is None:
-        raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
-    loss_path = None
-    if loss_fn is not None:
-        loss_path = callable_path(loss_fn)
-        if loss_path is None:
-            raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
+    model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     ckpt: dict[str, Any] = {
         "nanhunt_capture": CAPTURE_FORMAT,
@@ -336,6 +326,23 @@ def save_capture(
     }
     torch.save(ckpt, os.fspath(checkpoint_path))
     torch.save(bfile, os.fspath(batch_path))
+
+
+def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
+                   step_call: str | None) -> tuple[nn.Module, str, str | None]:
+    """``save_capture``'s checks: the unwrapped model, the factory and the loss function's importable name."""
+    if step_call not in (None, "training_step"):
+        raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
+    model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
+    factory = model_factory or callable_path(model)
+    if factory is None:
+        raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
+    loss_path = None
+    if loss_fn is not None:
+        loss_path = callable_path(loss_fn)
+        if loss_path is None:
+            raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
+    return model, factory, loss_path
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -573,101 +580,20 @@ def load_step(
     dev = _parse_device(device) if device else None
     ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
-    if _is_batch_file(ck) and isinstance(bt, Mapping) and "nanhunt_capture" in bt:
-        raise CommandError(f"these look swapped: {checkpoint!r} is a nanhunt batch and {batch!r} a checkpoint; "
-                           f"give the checkpoint first: nanhunt replay {batch} {checkpoint}")
-    if _is_batch_file(ck):
-        raise CommandError(f"checkpoint {checkpoint!r} is a nanhunt batch file, not a checkpoint; give the "
-                           "checkpoint.pt written beside it first")
+    _check_not_batch(ck, bt, checkpoint, batch)
 
-    model: nn.Module | None = None
-    sd: Mapping[str, Any] | None = None
-    opt_sd = scaler_sd = None
-    opt_class = None
-    opt_names = None
-    training = True
-    module_training: Mapping[str, Any] | None = None
-    loss_path = loss
-    autocast: Mapping[str, Any] = {}
-    step_call: str | None = None
-    saved_kwargs: dict[str, Any] = {}
     if isinstance(ck, nn.Module):
-        model = ck
+        got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
-        def checked(name: str, types: type, expected: str, fix: str, *, required: bool = False) -> Any:
-            return _capture_field(ck, name, types, expected, f"checkpoint {checkpoint!r}", fix, required=required)
-
-        again = "save the capture again (nanhunt.save_capture)"
-        sd = checked("model", Mapping, "the model's state_dict", again, required=True)
-        opt_sd = checked("optimizer", Mapping, "an optimizer state_dict or null", again)
-        opt_class = checked("optimizer_class", str, "'package.module:Class' or null", again)
-        opt_names = checked("optimizer_params", list, "a list of parameter names per group, or null", again)
-        scaler_sd = checked("scaler", Mapping, "a GradScaler state_dict or null", "pass --no-scaler to replay without it")
-        training = bool(ck.get("training", True))
-        module_training = checked("module_training", Mapping, "a dict of module name -> bool", again)
-        loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
-        autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
-        saved_dev = str(ck.get("device", "cpu"))
-        step_call = checked("step_call", str, "'training_step' or null", again)
-        if step_call not in (None, "training_step"):
-            raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: field 'step_call' is "
-                               f"{step_call!r}, expected 'training_step' or null; {again}")
-        if model_factory is not None:  # a factory you named is called with the file's arguments if it is the file's
-            kwargs = ck.get("model_kwargs")
-            if model_factory == ck.get("model_factory") and isinstance(kwargs, Mapping):
-                saved_kwargs = dict(kwargs)
-        else:
-            factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
-                              required=True)
-            kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
-            hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
-                         "pass --model package.module:factory")
-            model = _hf_model(hf, f"checkpoint {checkpoint!r}") if hf is not None else \
-                _build(factory, kwargs or {}, trusted=False)
-        if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
-            notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
-                         "so the result may differ")
-        torch_v = ck.get("torch_version")
-        if torch_v and torch_v != torch.__version__:
-            notes.append(f"captured with torch {torch_v}, replayed with {torch.__version__}")
+        got = _read_capture(ck, checkpoint, model_factory=model_factory, loss=loss, dev=dev, notes=notes)
     elif isinstance(ck, Mapping):
-        if isinstance(ck.get("model"), nn.Module):
-            model = ck["model"]
-        elif isinstance(ck.get("model"), Mapping):
-            sd = ck["model"]
-        elif isinstance(ck.get("state_dict"), Mapping):
-            sd = ck["state_dict"]
-        elif ck and all(isinstance(v, torch.Tensor) for v in ck.values()):
-            sd = ck
-        else:
-            keys = ", ".join(list(map(str, ck))[:5])
-            raise CommandError(f"checkpoint holds keys {keys}; expected a state_dict, {{'model': ...}} or {{'state_dict': ...}}")
-        o = ck.get("optimizer")
-        opt_sd = o if isinstance(o, Mapping) else None
-        s = ck.get("scaler")
-        scaler_sd = s if isinstance(s, Mapping) else None
+        got = _read_plain_checkpoint(ck, loss)
     else:
         raise CommandError(f"checkpoint holds a {type(ck).__name__}; expected a state_dict or a dict with 'model'")
 
-    if model_factory is not None:
-        model = _build(model_factory, saved_kwargs, trusted=True)
-    if model is None:
-        raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
-    if step_call == "training_step":
-        _through_training_step(model)
-    if sd is not None:
-        mapped = map_state_dict(sd, model, notes=notes)
-        _check_dtypes(model, mapped)
-        if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
-            _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
-        model.load_state_dict(mapped, strict=True)
-
     if dev is None:
         dev = torch.device("cpu")
-    model.to(dev)
-    model.train(training if train is None else train)
-    if module_training is not None and (train is None or train == training):
-        _restore_training(model, module_training)
+    model = _ready_model(got, ck, dev, model_factory=model_factory, train=train, notes=notes)
 
     if isinstance(bt, nn.Module):
         raise CommandError("the batch file holds a model, not a batch")
@@ -675,37 +601,162 @@ def load_step(
     rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
 
-    loss_fn: Callable[..., Any] | None = None
-    if loss_path:
-        obj = resolve(loss_path, what="loss function", trusted=loss is not None)
-        if inspect.isclass(obj):  # a loss class is instantiated into a callable module
-            try:
-                obj = obj()
-            except Exception as e:
-                raise CommandError(f"loss {loss_path!r} is a class that must be constructible with no arguments, "
-                                   f"but {_first_line(e)}; pass a function (package.module:fn) or a class whose "
-                                   "arguments have defaults") from e
-        loss_fn = cast("Callable[..., Any]", obj)  # resolve() checked obj is callable
+    loss_fn = _loss_fn(got.loss_path, trusted=loss is not None) if got.loss_path else None
 
     optimizer = None
-    if opt_sd is not None:
-        optimizer = _build_optimizer(model, opt_sd, opt_class, opt_names)
+    if got.opt_sd is not None:
+        optimizer = _build_optimizer(model, got.opt_sd, got.opt_class, got.opt_names)
         if optimizer is None:
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
-    scaler = None
-    if scaler_sd is not None and not no_scaler:
-        if not scaler_sd:  # GradScaler(enabled=False).state_dict() is {}
-            notes.append("the checkpoint's GradScaler was disabled (empty state): replayed without a scaler")
-        else:
-            scaler = torch.amp.GradScaler(dev.type)
-            try:
-                scaler.load_state_dict(dict(scaler_sd))
-            except Exception as e:
-                raise CommandError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
-                                   "pass --no-scaler to replay without it") from e
-    dt = parse_dtype(dtype or str(autocast.get("dtype", "float16")))
+    scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not no_scaler else None
+    dt = parse_dtype(dtype or str(got.autocast.get("dtype", "float16")))
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
                 optimizer=optimizer, rng=rng, notes=tuple(notes))
+
+
+@dataclass
+class _Loaded:
+    """What ``load_step`` read from a checkpoint, before the model is built and moved."""
+
+    model: nn.Module | None = None
+    sd: Mapping[str, Any] | None = None
+    opt_sd: Mapping[str, Any] | None = None
+    scaler_sd: Mapping[str, Any] | None = None
+    opt_class: str | None = None
+    opt_names: list[Any] | None = None
+    training: bool = True
+    module_training: Mapping[str, Any] | None = None
+    loss_path: str | None = None
+    autocast: Mapping[str, Any] = field(default_factory=dict)
+    step_call: str | None = None
+    saved_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
+    """Refuse a nanhunt batch file given as the checkpoint (or the two files swapped)."""
+    if _is_batch_file(ck) and isinstance(bt, Mapping) and "nanhunt_capture" in bt:
+        raise CommandError(f"these look swapped: {checkpoint!r} is a nanhunt batch and {batch!r} a checkpoint; "
+                           f"give the checkpoint first: nanhunt replay {batch} {checkpoint}")
+    if _is_batch_file(ck):
+        raise CommandError(f"checkpoint {checkpoint!r} is a nanhunt batch file, not a checkpoint; give the "
+                           "checkpoint.pt written beside it first")
+
+
+def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str | None, loss: str | None,
+                  dev: torch.device | None, notes: list[str]) -> _Loaded:
+    """The fields of a nanhunt capture, each checked; the model built from the file's factory (untrusted)
+    unless ``--model`` names one."""
+    def checked(name: str, types: type, expected: str, fix: str, *, required: bool = False) -> Any:
+        return _capture_field(ck, name, types, expected, f"checkpoint {checkpoint!r}", fix, required=required)
+
+    got = _Loaded()
+    again = "save the capture again (nanhunt.save_capture)"
+    got.sd = checked("model", Mapping, "the model's state_dict", again, required=True)
+    got.opt_sd = checked("optimizer", Mapping, "an optimizer state_dict or null", again)
+    got.opt_class = checked("optimizer_class", str, "'package.module:Class' or null", again)
+    got.opt_names = checked("optimizer_params", list, "a list of parameter names per group, or null", again)
+    got.scaler_sd = checked("scaler", Mapping, "a GradScaler state_dict or null", "pass --no-scaler to replay without it")
+    got.training = bool(ck.get("training", True))
+    got.module_training = checked("module_training", Mapping, "a dict of module name -> bool", again)
+    got.loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
+    got.autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
+    saved_dev = str(ck.get("device", "cpu"))
+    got.step_call = checked("step_call", str, "'training_step' or null", again)
+    if got.step_call not in (None, "training_step"):
+        raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: field 'step_call' is "
+                           f"{got.step_call!r}, expected 'training_step' or null; {again}")
+    if model_factory is not None:  # a factory you named is called with the file's arguments if it is the file's
+        kwargs = ck.get("model_kwargs")
+        if model_factory == ck.get("model_factory") and isinstance(kwargs, Mapping):
+            got.saved_kwargs = dict(kwargs)
+    else:
+        factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
+                          required=True)
+        kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
+        hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
+                     "pass --model package.module:factory")
+        got.model = _hf_model(hf, f"checkpoint {checkpoint!r}") if hf is not None else \
+            _build(factory, kwargs or {}, trusted=False)
+    if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
+        notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
+                     "so the result may differ")
+    torch_v = ck.get("torch_version")
+    if torch_v and torch_v != torch.__version__:
+        notes.append(f"captured with torch {torch_v}, replayed with {torch.__version__}")
+    return got
+
+
+def _read_plain_checkpoint(ck: Mapping[str, Any], loss: str | None) -> _Loaded:
+    """A checkpoint not written by nanhunt: a model, a state_dict, or a dict holding one (and maybe the
+    optimizer and scaler states)."""
+    got = _Loaded(loss_path=loss)
+    if isinstance(ck.get("model"), nn.Module):
+        got.model = ck["model"]
+    elif isinstance(ck.get("model"), Mapping):
+        got.sd = ck["model"]
+    elif isinstance(ck.get("state_dict"), Mapping):
+        got.sd = ck["state_dict"]
+    elif ck and all(isinstance(v, torch.Tensor) for v in ck.values()):
+        got.sd = ck
+    else:
+        keys = ", ".join(list(map(str, ck))[:5])
+        raise CommandError(f"checkpoint holds keys {keys}; expected a state_dict, {{'model': ...}} or {{'state_dict': ...}}")
+    o = ck.get("optimizer")
+    got.opt_sd = o if isinstance(o, Mapping) else None
+    s = ck.get("scaler")
+    got.scaler_sd = s if isinstance(s, Mapping) else None
+    return got
+
+
+def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str | None, train: bool | None,
+                 notes: list[str]) -> nn.Module:
+    """The model built (``--model`` trusted), its weights loaded, moved to ``dev`` and set to train/eval."""
+    model = got.model
+    if model_factory is not None:
+        model = _build(model_factory, got.saved_kwargs, trusted=True)
+    if model is None:
+        raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
+    if got.step_call == "training_step":
+        _through_training_step(model)
+    if got.sd is not None:
+        mapped = map_state_dict(got.sd, model, notes=notes)
+        _check_dtypes(model, mapped)
+        if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
+            _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
+        model.load_state_dict(mapped, strict=True)
+
+    model.to(dev)
+    model.train(got.training if train is None else train)
+    if got.module_training is not None and (train is None or train == got.training):
+        _restore_training(model, got.module_training)
+    return model
+
+
+def _loss_fn(loss_path: str, *, trusted: bool) -> Callable[..., Any]:
+    """The loss callable ``loss_path`` names (trusted only when given as ``--loss``)."""
+    obj = resolve(loss_path, what="loss function", trusted=trusted)
+    if inspect.isclass(obj):  # a loss class is instantiated into a callable module
+        try:
+            obj = obj()
+        except Exception as e:
+            raise CommandError(f"loss {loss_path!r} is a class that must be constructible with no arguments, "
+                               f"but {_first_line(e)}; pass a function (package.module:fn) or a class whose "
+                               "arguments have defaults") from e
+    return cast("Callable[..., Any]", obj)  # resolve() checked obj is callable
+
+
+def _scaler(scaler_sd: Mapping[str, Any], dev: torch.device, notes: list[str]) -> torch.amp.GradScaler | None:
+    """A GradScaler with the checkpoint's state; None for a disabled one."""
+    if not scaler_sd:  # GradScaler(enabled=False).state_dict() is {}
+        notes.append("the checkpoint's GradScaler was disabled (empty state): replayed without a scaler")
+        return None
+    scaler = torch.amp.GradScaler(dev.type)
+    try:
+        scaler.load_state_dict(dict(scaler_sd))
+    except Exception as e:
+        raise CommandError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
+                           "pass --no-scaler to replay without it") from e
+    return scaler
 
 
 def _parse_device(device: str) -> torch.device:

@@ -890,6 +890,49 @@ def _merged(groups: Iterable[Sequence[TensorDiff]], key: Callable[[TensorDiff], 
     return [_merge(ds) for ds in by.values()]
 
 
+def _total_regression(regs: Sequence[tuple[Regression, int]]) -> Regression | None:
+    """The regression extremes of a set: each batch's ``(regression, sample offset)``; None without any."""
+    if not regs:
+        return None
+
+    def ext(f: Callable[[Regression], float], pick: Callable[..., float]) -> float:
+        vals = [f(g) for g, _ in regs if not math.isnan(f(g))]
+        return pick(vals) if vals else math.nan
+
+    worst = sorted(((o + i, e) for g, o in regs for i, e in g.worst), key=lambda w: (-w[1], w[0]))[:_WORST]
+    return Regression(ref_min=ext(lambda g: g.ref_min, min), ref_max=ext(lambda g: g.ref_max, max),
+                      amp_min=ext(lambda g: g.amp_min, min), amp_max=ext(lambda g: g.amp_max, max),
+                      worst=tuple(worst))
+
+
+def _total_quality(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None, done: Sequence[Comparison],
+                   offsets: Sequence[int], at: int) -> Quality | None:
+    """The quality of a set: the user metric on all outputs, else the built-in one on all scored samples."""
+    if metric_fn is not None and cand.outputs:
+        try:
+            user = _user_metric(metric_fn, torch.cat([r for r, _, _ in cand.outputs]),
+                                torch.cat([a for _, a, _ in cand.outputs]),
+                                torch.cat([_targets_cpu(t) for _, _, t in cand.outputs]))
+        except (RuntimeError, CommandError):  # outputs that do not concatenate: the mean, weighted by samples
+            qs = [b.quality for b in done if b.quality is not None]
+            n = sum(q.n for q in qs) or 1
+            user = (sum(q.ref * q.n for q in qs) / n, sum(q.amp * q.n for q in qs) / n, sum(q.n for q in qs))
+        return _quality(rule, None, user)
+    if metric_fn is None and any(s is not None for s in cand.scored):
+        # a batch without scores (a non-finite reference) weighs nothing: its count stays 0
+        ref_s, amp_s, count = (torch.zeros(at, dtype=torch.float64) for _ in range(3))
+        ref_m, amp_m = (torch.zeros(at, dtype=torch.float64) for _ in range(2))
+        for s, o in zip(cand.scored, offsets):
+            if s is None:
+                continue
+            span = slice(o, o + s.count.numel())
+            ref_s[span], amp_s[span], count[span] = s.ref, s.amp, s.count
+            if s.ref_max is not None and s.amp_max is not None:
+                ref_m[span], amp_m[span] = s.ref_max, s.amp_max
+        return _quality(rule, _Scored(ref_s, amp_s, count, ref_m, amp_m), None)
+    return None
+
+
 def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -> Comparison:
     """The comparison of a whole set: every batch's, the rule applied to the totals."""
     bs = cand.batches
@@ -917,40 +960,8 @@ def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -
     flipped = tuple(o + i for b, o in zip(bs, offsets) for i in b.flipped)
     near = tuple(o + i for b, o in zip(bs, offsets) for i in b.near_boundary)
     decisions = tuple(dataclasses.replace(d, index=o + d.index) for b, o in zip(bs, offsets) for d in b.decisions)
-    regression: Regression | None = None
-    regs = [(b.regression, o) for b, o in zip(bs, offsets) if b.regression is not None]
-    if regs:
-        def ext(f: Callable[[Regression], float], pick: Callable[..., float]) -> float:
-            vals = [f(g) for g, _ in regs if not math.isnan(f(g))]
-            return pick(vals) if vals else math.nan
-
-        worst = sorted(((o + i, e) for g, o in regs for i, e in g.worst), key=lambda w: (-w[1], w[0]))[:_WORST]
-        regression = Regression(ref_min=ext(lambda g: g.ref_min, min), ref_max=ext(lambda g: g.ref_max, max),
-                                amp_min=ext(lambda g: g.amp_min, min), amp_max=ext(lambda g: g.amp_max, max),
-                                worst=tuple(worst))
-    quality: Quality | None = None
-    if metric_fn is not None and cand.outputs:
-        try:
-            user = _user_metric(metric_fn, torch.cat([r for r, _, _ in cand.outputs]),
-                                torch.cat([a for _, a, _ in cand.outputs]),
-                                torch.cat([_targets_cpu(t) for _, _, t in cand.outputs]))
-        except (RuntimeError, CommandError):  # outputs that do not concatenate: the mean, weighted by samples
-            qs = [b.quality for b in done if b.quality is not None]
-            n = sum(q.n for q in qs) or 1
-            user = (sum(q.ref * q.n for q in qs) / n, sum(q.amp * q.n for q in qs) / n, sum(q.n for q in qs))
-        quality = _quality(rule, None, user)
-    elif metric_fn is None and any(s is not None for s in cand.scored):
-        # a batch without scores (a non-finite reference) weighs nothing: its count stays 0
-        ref_s, amp_s, count = (torch.zeros(at, dtype=torch.float64) for _ in range(3))
-        ref_m, amp_m = (torch.zeros(at, dtype=torch.float64) for _ in range(2))
-        for s, o in zip(cand.scored, offsets):
-            if s is None:
-                continue
-            span = slice(o, o + s.count.numel())
-            ref_s[span], amp_s[span], count[span] = s.ref, s.amp, s.count
-            if s.ref_max is not None and s.amp_max is not None:
-                ref_m[span], amp_m[span] = s.ref_max, s.amp_max
-        quality = _quality(rule, _Scored(ref_s, amp_s, count, ref_m, amp_m), None)
+    regression = _total_regression([(b.regression, o) for b, o in zip(bs, offsets) if b.regression is not None])
+    quality = _total_quality(cand, rule, metric_fn, done, offsets, at)
     loss_mean = [b.ref_loss for b in bs if b.ref_loss is not None]
     amp_mean = [b.amp_loss for b in done if b.amp_loss is not None]
     amp_rows = [f for b in done for x in b.failures if x.clause == "amp_finite" for f in x.samples]
@@ -1065,26 +1076,165 @@ def _named(batch: Any, batches: Sequence[Any] | Mapping[str, Any] | None) -> lis
     return [(str(n), b) for n, b in named]
 
 
+_BatchSet = tuple[str, Any, Any, tuple[Any, Any]]  # name, inputs, targets, (reference inputs, targets)
+
+
+def _rule_of_args(rule: Rule | None, *, rtol: float | None, atol: float | None, task: str, max_flips: int,
+                  fail_on_tolerance: bool) -> Rule:
+    """The acceptance rule: ``rule`` as given, or built from compare's arguments (not both)."""
+    if rule is None:
+        return rule_from({"task": task, "rtol": rtol, "atol": atol, "max_flips": max_flips,
+                          "fail_on_tolerance": fail_on_tolerance}, where="compare's arguments")
+    if (rtol, atol, task, max_flips, fail_on_tolerance) != (None, None, "none", 0, False):
+        raise CommandError("give the acceptance rule as rule=... or as rtol/atol/task/max_flips/fail_on_tolerance, "
+                           "not both")
+    return rule
+
+
+def _batch_sets(named: Sequence[tuple[str, Any]], low: Sequence[str]) -> list[_BatchSet]:
+    sets: list[_BatchSet] = []
+    for name, b in named:
+        inputs, targets = b if isinstance(b, tuple) and len(b) == 2 else split_batch(b)
+        # A float32 model's reference takes a float16/bfloat16 batch upcast (exactly): with autocast off, a
+        # low-precision input would meet float32 weights. The autocast run takes the batch as it is.
+        sets.append((name, inputs, targets, (inputs, targets) if low else (_upcast(inputs), _upcast(targets))))
+    return sets
+
+
+def _candidates(dts: Sequence[torch.dtype], names: Sequence[str], rule: Rule, device_type: str) -> list[_Candidate]:
+    cands: list[_Candidate] = []
+    for dt, dname in zip(dts, names):
+        d_rtol, d_atol = default_tolerances(dt)
+        c_rtol = d_rtol if rule.rtol is None else rule.rtol
+        c_atol = d_atol if rule.atol is None else rule.atol
+        cands.append(_Candidate(dt, dname, c_rtol, c_atol, float(torch.finfo(dt).max), _Rule(
+            dtype=dname, device_type=device_type, rtol=c_rtol, atol=c_atol, task=rule.task, max_flips=rule.max_flips,
+            fail_on_tolerance=rule.fail_on_tolerance, tie_rule=TIE_RULE if rule.task == "classify" else "")))
+    return cands
+
+
+def _status(results: Sequence[Comparison]) -> str:
+    if not all(r.reference_finite for r in results):
+        return "reference-nonfinite"
+    if all(r.accepted for r in results):
+        return "clean"
+    if any(r.amp_finite is False for r in results):
+        return "nonfinite"
+    return "diverged"
+
+
+class _Comparer:
+    """One call of :func:`compare` once its arguments are checked: the step, the rule, the batches, the candidates."""
+
+    def __init__(self, step: Step, rule: Rule, metric_fn: Callable[..., Any] | None, dts: Sequence[torch.dtype],
+                 named: Sequence[tuple[str, Any]], *, loss_fn: Callable[..., Any] | None,
+                 scaler: torch.amp.GradScaler | None, train: bool | None, is_set: bool, metric_given: bool) -> None:
+        self.step, self.rule, self.metric_fn, self.dts = step, rule, metric_fn, list(dts)
+        self.model, self.device_type = step.model, step.device_type
+        self.loss_fn, self.scaler, self.train = loss_fn, scaler, train
+        self.scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        self.is_set = is_set
+        self.need_quality = rule.max_quality_drop is not None or rule.min_quality is not None or metric_given
+        self.low = sorted({str(p.dtype).replace("torch.", "") for p in self.model.parameters()
+                           if p.is_floating_point() and p.dtype != torch.float32})
+        self.sets = _batch_sets(named, self.low)
+        self.names = [str(d).replace("torch.", "") for d in self.dts]
+
+    def config(self, speed: int) -> dict[str, Any]:
+        rule, dts, loss_fn = self.rule, self.dts, self.loss_fn
+        loss_name = getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None)
+        return {
+            "dtype": ",".join(self.names),
+            "device_type": self.device_type,
+            "train": self.model.training if self.train is None else self.train,
+            "loss_fn": loss_name,
+            "task": rule.task,
+            "rtol": rule.rtol if rule.rtol is not None or len(dts) > 1 else default_tolerances(dts[0])[0],
+            "atol": rule.atol if rule.atol is not None or len(dts) > 1 else default_tolerances(dts[0])[1],
+            "max_flips": rule.max_flips,
+            "fail_on_tolerance": rule.fail_on_tolerance,
+            "scaler_scale": self.scale if self.scaler is not None else None,
+            "metric": rule.metric,
+            "batches": len(self.sets) if self.is_set else None,
+            "speed_repeats": speed or None,
+        }
+
+    def notes(self, notes: Sequence[str]) -> tuple[str, ...]:
+        base_notes = tuple(notes)
+        if self.low:
+            base_notes += (f"parameters held in {', '.join(self.low)}: the reference runs them as they are, so it is "
+                           "float32 arithmetic on rounded weights",)
+        return base_notes
+
+    def _run(self, inputs: Any, targets: Any, dt: torch.dtype, amp: bool) -> _Run:
+        self.step.reset()
+        return _run(self.model, inputs, targets, self.loss_fn, dtype=dt, device_type=self.device_type, amp=amp,
+                    scale=self.scale if amp else 1.0)
+
+    def _batch(self, cands: Sequence[_Candidate], name: str, inputs: Any, targets: Any,
+               ref_in: Any, ref_tg: Any) -> None:
+        """The reference of one batch, then every candidate against it."""
+        rule = self.rule
+        floats, _ = _floats(inputs)
+        ref = self._run(ref_in, ref_tg, self.dts[0], amp=False)
+        ref_bad, ref_allowed = _first_nonfinite(ref, floats, rule.allow_nonfinite)
+        for cand in cands:
+            if ref_bad is not None:
+                # Checked first: a float32 step that is already non-finite is no reference for precision.
+                cand.batches.append(_reference_failed(cand, rule, name=name, ref_bad=ref_bad,
+                                                      ref_loss=float(ref.loss.double().sum())))
+                continue
+            amp = self._run(inputs, targets, cand.dt, amp=True)
+            cand.batches.append(_compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
+                                               ref_allowed=ref_allowed, scale=self.scale, metric_fn=self.metric_fn,
+                                               need_quality=self.need_quality))
+            del amp
+        del ref
+
+    def execute(self, speed: int) -> tuple[list[_Candidate], list[Comparison], dict[str, Speed]]:
+        """Every batch and candidate, then the speed of those accepted; the model is restored afterwards."""
+        cands = _candidates(self.dts, self.names, self.rule, self.device_type)
+        speeds: dict[str, Speed] = {}
+        with self.step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
+            for name, inputs, targets, (ref_in, ref_tg) in self.sets:
+                self._batch(cands, name, inputs, targets, ref_in, ref_tg)
+            results = [_total(c, self.rule, self.metric_fn) if self.is_set else c.batches[0] for c in cands]
+            if speed:
+                mode = self.model.training if self.train is None else self.train
+                for c, r in zip(cands, results):
+                    if r.accepted:  # only after the numbers pass
+                        speeds[c.name] = _speed(self.step, self.sets, c.dt, repeats=speed, train=mode)
+        return cands, results, speeds
+
+    def finish(self, cands: Sequence[_Candidate], results: Sequence[Comparison], speeds: Mapping[str, Speed],
+               speed: int) -> tuple[str, Comparison, list[str]]:
+        """The status, the first candidate's comparison (holding the others) and the extra notes."""
+        scale = self.scale
+        extra: list[str] = []
+        for c, r in zip(cands, results):
+            bad = r.amp_first_nonfinite
+            if bad is not None and "the gradient" in bad and scale != 1.0:
+                extra.append(f"autocast {c.name}: only the gradients went non-finite, with the loss scaled by "
+                             f"{scale:g}: GradScaler would skip this step and lower the scale; nanhunt replay tells "
+                             "whether it is scale-induced")
+        refused = Speed(reason="not measured: the candidate failed the rule (speed is measured only after the "
+                               "numbers pass)")
+        digest = self.rule.sha256()
+        results = [dataclasses.replace(r, acceptance=self.rule, rule_sha256=digest,
+                                       speed=speeds.get(r.dtype, refused) if speed else None) for r in results]
+        first = dataclasses.replace(results[0], alternatives=tuple(results[1:]))
+        if len(extra) == 1 and len(results) == 1:
+            extra = [extra[0].split(": ", 1)[1]]  # one candidate: as before
+        return _status(results), first, extra
+
+
 def compare(
-    model: nn.Module,
-    batch: Any = None,
-    *,
-    batches: Sequence[Any] | Mapping[str, Any] | None = None,
-    loss_fn: Callable[..., Any] | None = None,
-    dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float16,
-    device_type: str | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    task: str = "none",
-    max_flips: int = 0,
-    fail_on_tolerance: bool = False,
-    rule: Rule | None = None,
-    metric: str | Callable[..., Any] | None = None,
-    speed: int = 0,
-    scaler: torch.amp.GradScaler | None = None,
-    train: bool | None = None,
-    rng: Mapping[str, Any] | None = None,
-    command: str | None = None,
+    model: nn.Module, batch: Any = None, *, batches: Sequence[Any] | Mapping[str, Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None, dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float16,
+    device_type: str | None = None, rtol: float | None = None, atol: float | None = None, task: str = "none",
+    max_flips: int = 0, fail_on_tolerance: bool = False, rule: Rule | None = None,
+    metric: str | Callable[..., Any] | None = None, speed: int = 0, scaler: torch.amp.GradScaler | None = None,
+    train: bool | None = None, rng: Mapping[str, Any] | None = None, command: str | None = None,
     notes: Sequence[str] = (),
 ) -> Report:
     """Run one step in float32 and under autocast from the same state; say where error is introduced.
@@ -1139,113 +1289,21 @@ def compare(
         print([(c.dtype, c.accepted, [f.clause for f in c.failures]) for c in report.comparison.candidates()])
     """
     dts = _as_dtypes(dtype)
-    if rule is None:
-        rule = rule_from({"task": task, "rtol": rtol, "atol": atol, "max_flips": max_flips,
-                          "fail_on_tolerance": fail_on_tolerance}, where="compare's arguments")
-    elif (rtol, atol, task, max_flips, fail_on_tolerance) != (None, None, "none", 0, False):
-        raise CommandError("give the acceptance rule as rule=... or as rtol/atol/task/max_flips/fail_on_tolerance, "
-                           "not both")
+    rule = _rule_of_args(rule, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
+                         fail_on_tolerance=fail_on_tolerance)
     rule, metric_fn = settle_rule(rule, metric)
-    need_quality = rule.max_quality_drop is not None or rule.min_quality is not None or metric is not None
     if speed < 0:
         raise CommandError(f"speed must be >= 0 repetitions, not {speed}")
     named = _named(batch, batches)
-    digest = rule.sha256()
-    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-
     # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
     step = Step.of(model, named[0][1], loss_fn=loss_fn, dtype=dts[0], device_type=device_type, scaler=scaler,
                    train=train, rng=rng)
-    model, device_type = step.model, step.device_type
-    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
-                  if p.is_floating_point() and p.dtype != torch.float32})
-    sets: list[tuple[str, Any, Any, tuple[Any, Any]]] = []
-    for name, b in named:
-        inputs, targets = b if isinstance(b, tuple) and len(b) == 2 else split_batch(b)
-        # A float32 model's reference takes a float16/bfloat16 batch upcast (exactly): with autocast off, a
-        # low-precision input would meet float32 weights. The autocast run takes the batch as it is.
-        sets.append((name, inputs, targets, (inputs, targets) if low else (_upcast(inputs), _upcast(targets))))
-    names = [str(d).replace("torch.", "") for d in dts]
-    config: dict[str, Any] = {
-        "dtype": ",".join(names),
-        "device_type": device_type,
-        "train": model.training if train is None else train,
-        "loss_fn": getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None),
-        "task": rule.task,
-        "rtol": rule.rtol if rule.rtol is not None or len(dts) > 1 else default_tolerances(dts[0])[0],
-        "atol": rule.atol if rule.atol is not None or len(dts) > 1 else default_tolerances(dts[0])[1],
-        "max_flips": rule.max_flips,
-        "fail_on_tolerance": rule.fail_on_tolerance,
-        "scaler_scale": scale if scaler is not None else None,
-        "metric": rule.metric,
-        "batches": len(sets) if batches is not None else None,
-        "speed_repeats": speed or None,
-    }
-    module_classes = {name: type(m).__name__ for name, m in model.named_modules()}
-    base_notes = tuple(notes)
-    if low:
-        base_notes += (f"parameters held in {', '.join(low)}: the reference runs them as they are, so it is float32 "
-                       "arithmetic on rounded weights",)
-    cands: list[_Candidate] = []
-    for dt, dname in zip(dts, names):
-        d_rtol, d_atol = default_tolerances(dt)
-        c_rtol = d_rtol if rule.rtol is None else rule.rtol
-        c_atol = d_atol if rule.atol is None else rule.atol
-        cands.append(_Candidate(dt, dname, c_rtol, c_atol, float(torch.finfo(dt).max), _Rule(
-            dtype=dname, device_type=device_type, rtol=c_rtol, atol=c_atol, task=rule.task, max_flips=rule.max_flips,
-            fail_on_tolerance=rule.fail_on_tolerance, tie_rule=TIE_RULE if rule.task == "classify" else "")))
-
-    def run(inputs: Any, targets: Any, dt: torch.dtype, amp: bool) -> _Run:
-        step.reset()
-        return _run(model, inputs, targets, loss_fn, dtype=dt, device_type=device_type, amp=amp,
-                    scale=scale if amp else 1.0)
-
-    extra: list[str] = []
-    speeds: dict[str, Speed] = {}
-    with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
-        for name, inputs, targets, (ref_in, ref_tg) in sets:
-            floats, _ = _floats(inputs)
-            ref = run(ref_in, ref_tg, dts[0], amp=False)
-            ref_bad, ref_allowed = _first_nonfinite(ref, floats, rule.allow_nonfinite)
-            for cand in cands:
-                if ref_bad is not None:
-                    # Checked first: a float32 step that is already non-finite is no reference for precision.
-                    cand.batches.append(_reference_failed(cand, rule, name=name, ref_bad=ref_bad,
-                                                          ref_loss=float(ref.loss.double().sum())))
-                    continue
-                amp = run(inputs, targets, cand.dt, amp=True)
-                cand.batches.append(_compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
-                                                   ref_allowed=ref_allowed, scale=scale, metric_fn=metric_fn,
-                                                   need_quality=need_quality))
-                del amp
-            del ref
-        results = [_total(c, rule, metric_fn) if batches is not None else c.batches[0] for c in cands]
-        if speed:
-            mode = model.training if train is None else train
-            for c, r in zip(cands, results):
-                if r.accepted:  # only after the numbers pass
-                    speeds[c.name] = _speed(step, sets, c.dt, repeats=speed, train=mode)
-    for c, r in zip(cands, results):
-        bad = r.amp_first_nonfinite
-        if bad is not None and "the gradient" in bad and scale != 1.0:
-            extra.append(f"autocast {c.name}: only the gradients went non-finite, with the loss scaled by {scale:g}: "
-                         "GradScaler would skip this step and lower the scale; nanhunt replay tells whether it is "
-                         "scale-induced")
-    refused = Speed(reason="not measured: the candidate failed the rule (speed is measured only after the numbers "
-                           "pass)")
-    results = [dataclasses.replace(r, acceptance=rule, rule_sha256=digest,
-                                   speed=speeds.get(r.dtype, refused) if speed else None) for r in results]
-    first = dataclasses.replace(results[0], alternatives=tuple(results[1:]))
-    if len(extra) == 1 and len(results) == 1:
-        extra = [extra[0].split(": ", 1)[1]]  # one candidate: as before
-    if not all(r.reference_finite for r in results):
-        status = "reference-nonfinite"
-    elif all(r.accepted for r in results):
-        status = "clean"
-    elif any(r.amp_finite is False for r in results):
-        status = "nonfinite"
-    else:
-        status = "diverged"
+    run = _Comparer(step, rule, metric_fn, dts, named, loss_fn=loss_fn, scaler=scaler, train=train,
+                    is_set=batches is not None, metric_given=metric is not None)
+    config = run.config(speed)
+    module_classes = {name: type(m).__name__ for name, m in run.model.named_modules()}
+    cands, results, speeds = run.execute(speed)
+    status, first, extra = run.finish(cands, results, speeds, speed)
     return Report(status=status, first=None, loss=results[0].ref_loss, config=config, module_classes=module_classes,
-                  environment=environment(device_type), command=command, notes=base_notes + tuple(extra),
+                  environment=environment(run.device_type), command=command, notes=run.notes(notes) + tuple(extra),
                   comparison=first)

@@ -104,15 +104,56 @@ def locate(
             assert isinstance(r, Record)
             return r
 
-    found: list[tuple[RecordView, str]] = []
     module_level = level == "module"
+    masks: list[tuple[RecordView, str]] = []  # module level: the first module output holding only -inf
+    found = _origin_records(records, module_level=module_level, start=start, spans=spans, not_masks=not_masks,
+                            root_outputs=root_outputs, masks_out=masks)
+    if final and not found and _sinks_bad(records, root_outputs):
+        seeded = _scalar_seeded(records) or (masks[0] if masks else None)
+        if seeded is not None:
+            found.append(seeded)
+    flows = _flows(records, found, root_outputs=root_outputs, module_level=module_level, sinks_seen=sinks_seen,
+                   index_uses=index_uses) if final else {}
+    origins: list[Occurrence] = []
+    for r, kind in found:
+        flow = flows.get(r.index, _Flow(None, (r.index,), False, (), frozenset()))
+        module, call_index = _made_by(records, r, module_level, calls)
+        out = materialize(r.index)
+        origins.append(Occurrence(
+            phase=r.phase,
+            module=module,
+            module_class=classes.get(module) if module is not None else None,
+            call_index=call_index,
+            op=r.op,
+            kind=kind,
+            source=out.source,
+            output=out,
+            inputs=tuple(materialize(i) for i in r.inputs),
+            reached=flow.reached,
+            allowed=is_allowed(module, r.op, allow),
+            path=flow.path,
+            harmless=flow.harmless,
+            absorbed=flow.absorbed,
+        ))
+    first = leading_origin(origins)
+    tainted = frozenset().union(*(f.spread for f in flows.values()))
+    return LocateResult(first=first, origins=tuple(origins), path=() if first is None else first.path,
+                        tainted=tainted)
+
+
+def _origin_records(records: Sequence[RecordView], *, module_level: bool, start: int, spans: Mapping[int, int],
+                    not_masks: AbstractSet[int], root_outputs: frozenset[int],
+                    masks_out: list[tuple[RecordView, str]] | None = None) -> list[tuple[RecordView, str]]:
+    """The records of ``records[start:]`` that create a non-finite value, with its kind, in order (one per
+    op call; a module whose child already made it is none; module level: a module output holding only -inf
+    may be a mask returned on purpose and goes to ``masks_out``)."""
+    found: list[tuple[RecordView, str]] = []
     grads_nonfinite = module_level and any(not records[i].finite and records[i].role in _MODULE_GRADS
                                            for i in range(start))
     # (a -inf-only model output may be a mask returned on purpose: it does not hide what backward does)
     root_nonfinite = module_level and any(records[i].has_nan or records[i].max == math.inf
                                           for i in root_outputs if i < len(records))
     group, prev, last_group = 0, None, -1
-    masks: tuple[RecordView, str] | None = None  # module level: the first module output holding only -inf
     for k in range(start, len(records)):
         r = records[k]
         # Consecutive outputs of one op call (layer_norm's out, mean, rstd) form one group.
@@ -123,17 +164,15 @@ def locate(
         if r.finite:
             continue
         kind = origin_kind(r, records, may_mask=r.index not in not_masks)
-        if kind is None and level == "module" and r.role in _MODULE_GRADS:
+        if kind is None and module_level and r.role in _MODULE_GRADS:
             # Module level sees no backward ops: the first non-finite gradient is where
             # backward went bad, unless the forward output already was.
             if not grads_nonfinite and not root_nonfinite:
                 kind = "nan" if r.has_nan else "inf"
         if r.role in _MODULE_GRADS:
             grads_nonfinite = True
-        if kind is None:
-            continue
-        if group == last_group:
-            continue  # another output of the same op call
+        if kind is None or group == last_group:
+            continue  # no origin, or another output of the same op call
         last_group = group
         s = spans.get(r.index)
         if s is not None and any(not x.finite and x.phase is Phase.FORWARD for x in records[s : r.index]):
@@ -141,73 +180,62 @@ def locate(
         if module_level and r.role is Role.OUTPUT and r.op is None and not r.has_nan and r.max < math.inf:
             # Module level does not see masked_fill's -inf scalar: a module returning -inf only may
             # mask on purpose (masked logits). It is the origin only when nothing else explains
-            # non-finite sinks (below); a silent one is left to the op level.
-            if masks is None:
-                masks = (r, kind)
+            # non-finite sinks; a silent one is left to the op level.
+            if masks_out is not None and not masks_out:
+                masks_out.append((r, kind))
             continue
         found.append((r, kind))
+    return found
 
-    if final and not found and _sinks_bad(records, root_outputs):
-        seeded = _scalar_seeded(records) or masks
-        if seeded is not None:
-            found.append(seeded)
 
-    g = nonfinite_graph(records) if final else None
-    loss = loss_index(records) if final else None
-    origins: list[Occurrence] = []
-    tainted: set[int] = set()
-    grads_bad = module_level and final and any(not x.finite and x.role is Role.GRAD for x in records)
-    spread = {r.index: {r.index} | nx.descendants(g, r.index) for r, _ in found} if g is not None else {}
+@dataclass(frozen=True)
+class _Flow:
+    """Where an origin's non-finite values went."""
+
+    reached: tuple[str, ...] | None  # None: unknown (the sinks were not recorded)
+    path: tuple[int, ...]
+    harmless: bool
+    absorbed: tuple[int, ...]  # the first finite records that took them in
+    spread: frozenset[int]  # the origin and every non-finite record it fed
+
+
+def _flows(records: Sequence[RecordView], found: Sequence[tuple[RecordView, str]], *, root_outputs: frozenset[int],
+           module_level: bool, sinks_seen: bool, index_uses: AbstractSet[int]) -> dict[int, _Flow]:
+    g = nonfinite_graph(records)
+    loss = loss_index(records)
+    grads_bad = module_level and any(not x.finite and x.role is Role.GRAD for x in records)
+    spread = {r.index: frozenset({r.index} | nx.descendants(g, r.index)) for r, _ in found}
     absorbed = _absorbed(records, set().union(*spread.values())) if spread else {}
-    for r, kind in found:
-        reached: tuple[str, ...] | None = None  # unknown until the step is over
-        path: tuple[int, ...] = (r.index,)
-        harmless = False
-        into: list[int] = []
-        if g is not None:
-            reached, target = reached_sinks(g, records, r.index, root_outputs, loss)
-            if module_level and "loss" in reached and "gradients" not in reached and grads_bad:
-                # module level records no backward op: every gradient comes from the loss it reached
-                reached = tuple(k for k in SINKS if k in reached or k == "gradients")
-            if not sinks_seen:
-                reached = None  # not "silent": the sinks were not recorded
-            # it went only into integer / index / boolean results: no floating value took it in, and
-            # an op with no floating output did (a value nothing used, a buffer it was stored in, is not)
-            into = sorted({k for i in spread[r.index] for k in absorbed.get(i, ())})
-            harmless = reached == () and (not into and bool(spread[r.index] & index_uses) or r.op in _WORKSPACES)
-            path = propagation_path(g, r.index, target)
-            tainted.update(spread[r.index])
-        module, call_index = r.module, r.call_index
-        if r.phase is Phase.INPUT:
-            module = None  # the batch comes from outside the model (call_index: the model call it entered)
-        if level == "module" and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
-            # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
-            consumer = _consumer(records, r.inputs[0])
-            if consumer is not None:
-                module, call_index = consumer.module, consumer.call_index
-            else:
-                module, call_index = _enclosing(records, calls, r.inputs[0]) or (module, call_index)
-        allowed = is_allowed(module, r.op, allow)
-        occ = Occurrence(
-            phase=r.phase,
-            module=module,
-            module_class=classes.get(module) if module is not None else None,
-            call_index=call_index,
-            op=r.op,
-            kind=kind,
-            source=(out := materialize(r.index)).source,
-            output=out,
-            inputs=tuple(materialize(i) for i in r.inputs),
-            reached=reached,
-            allowed=allowed,
-            path=path,
-            harmless=harmless,
-            absorbed=tuple(into[:8]),
-        )
-        origins.append(occ)
-    first = leading_origin(origins)
-    return LocateResult(first=first, origins=tuple(origins), path=() if first is None else first.path,
-                        tainted=frozenset(tainted))
+    out: dict[int, _Flow] = {}
+    for r, _ in found:
+        reached: tuple[str, ...] | None
+        reached, target = reached_sinks(g, records, r.index, root_outputs, loss)
+        if module_level and "loss" in reached and "gradients" not in reached and grads_bad:
+            # module level records no backward op: every gradient comes from the loss it reached
+            reached = tuple(k for k in SINKS if k in reached or k == "gradients")
+        if not sinks_seen:
+            reached = None  # not "silent": the sinks were not recorded
+        # it went only into integer / index / boolean results: no floating value took it in, and
+        # an op with no floating output did (a value nothing used, a buffer it was stored in, is not)
+        into = sorted({k for i in spread[r.index] for k in absorbed.get(i, ())})
+        harmless = reached == () and (not into and bool(spread[r.index] & index_uses) or r.op in _WORKSPACES)
+        out[r.index] = _Flow(reached, propagation_path(g, r.index, target), harmless, tuple(into[:8]),
+                             spread[r.index])
+    return out
+
+
+def _made_by(records: Sequence[RecordView], r: RecordView, module_level: bool,
+             calls: Sequence[tuple[int, int, str, int]]) -> tuple[str | None, int]:
+    """The module call an origin is attributed to."""
+    if r.phase is Phase.INPUT:
+        return None, r.call_index  # the batch comes from outside the model (the call: the model call it entered)
+    if module_level and r.role is Role.GRAD_OUTPUT and r.phase is Phase.BACKWARD and r.inputs:
+        # The gradient w.r.t. a module's output is made by the backward of the module that consumed it.
+        consumer = _consumer(records, r.inputs[0])
+        if consumer is not None:
+            return consumer.module, consumer.call_index
+        return _enclosing(records, calls, r.inputs[0]) or (r.module, r.call_index)
+    return r.module, r.call_index
 
 
 def leading_origin(origins: Sequence[Occurrence]) -> Occurrence | None:

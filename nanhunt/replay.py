@@ -53,7 +53,7 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     zoom: frozenset[int] = frozenset()
     with step.isolated():
         for _ in range(2):
-            t = Trace(step.model, level=level, allow=allow, full_stats=False, _zoom=zoom)
+            t = Trace._zooming(step.model, zoom, level=level, allow=allow)
             loss = step.run(within=t)
             loss_value = float(loss.detach().float())
             traces.append(t)

@@ -62,7 +62,6 @@ class Trace:
         scope: Iterable[str] = (),
         full_stats: bool = False,
         distributed: bool | None = None,
-        _zoom: Iterable[int] = (),
     ) -> None:
         if level not in _LEVELS:
             raise ValueError(f"level must be one of {_LEVELS}, not {level!r}")
@@ -84,7 +83,6 @@ class Trace:
             model = orig
             self.compiled = True
         self._model_ref = None if model is None else weakref.ref(model)
-        self._zoom = frozenset(_zoom)
         self.scope: tuple[str, ...] = (scope,) if isinstance(scope, str) else tuple(scope)
         if self.scope and (model is None or level != "op"):
             raise ValueError("scope= restricts an op-level trace of a model to some of its modules")
@@ -96,7 +94,7 @@ class Trace:
         self._entered = False  # the mode entered for the whole block (no scope)
         self._eager: contextlib.AbstractContextManager[None] | None = None  # compiled code runs eagerly
         # The parts, each holding only those below it (no cycle keeps a finished trace's records alive).
-        self._store = RecordStore(self._zoom)
+        self._store = RecordStore()
         self._phases = PhaseTracker(self._store)
         # Op level: the ops since the last read-back are kept with their tensors, so that the
         # culprit's full statistics can be measured while they are alive.
@@ -113,6 +111,15 @@ class Trace:
         return self._ops._on_op
 
     # ------------------------------------------------------------- lifecycle
+    @classmethod
+    def _zooming(cls, model: nn.Module, zoom: Iterable[int], **options: Any) -> Trace:
+        """A trace that also measures in full the records ``zoom`` names (their statistics and their inputs'
+        shapes): the second run of a replay, on the culprit the first one found. Not public API."""
+        t = cls(model, **options)
+        t._store.zoom = frozenset(zoom)
+        t._ops._zoom = t._store.zoom
+        return t
+
     def __enter__(self) -> Trace:
         if self._state != "new":
             raise TraceStateError("this trace was already started; make a new nanhunt.trace(...) for each step")

@@ -161,8 +161,34 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         from .picture import png as draw_png
 
         png = draw_png(report)
+    parts = _page_head(report)
+    occ = report.first
+    if occ is not None:
+        parts += _birth_sections(occ)
+    if png:
+        parts += _step_picture(png)
+    if report.path:
+        items = "".join(f"<li>{_spans(c.path_label(r))}</li>" for r in report.path[:_PATH_SHOWN])
+        if len(report.path) > _PATH_SHOWN:
+            items += f"<li>... and {len(report.path) - _PATH_SHOWN} more</li>"
+        parts += ["<section><h2>Propagation path</h2>", f'<ol class="path">{items}</ol></section>']
+    if report.status != "clean" or report.verdict is not None:
+        parts += _bisection(report)
+    parts += ["<section><h2>GradScaler</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
+    env = c.environment_rows(report)
+    if env:
+        parts += ["<section><h2>Environment</h2>", _kv([(k, _e(val)) for k, val in env]), "</section>"]
+    parts += _reproduce(report)
+    if report.modules:
+        parts += ["<section><h2>Modules</h2>", _tree(report), "</section>"]
+    parts += _other_origins(report, occ)
+    return _close(parts, report, f"nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors.")
+
+
+def _page_head(report: Report) -> list[str]:
+    """The document head and the page header: badges and the one-sentence summary."""
     title = "".join(s.text for s in c.sentence(report))
-    parts: list[str] = [
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
@@ -172,44 +198,48 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         f"<header><h1>nanhunt report</h1>{_badges(report)}",
         f'<p class="sentence">{_spans(c.sentence(report))}</p></header>',
     ]
-    occ = report.first
-    if occ is not None:
-        rows = [(k, _spans(v)) for k, v in c.birth_rows(occ)]
-        parts += ["<section><h2>Where it was born</h2>", _kv(rows), "</section>"]
-        parts += ["<section><h2>The op's tensors against their dtype's limits</h2>", _tensor_table(occ),
-                  '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
-                  "overflows (65504 for float16).</p></section>"]
-    if png:
-        alt = "log10 of the largest magnitude of every recorded tensor along the step"
-        parts += ["<section><h2>The step at a glance</h2><figure>",
-                  f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">',
-                  "<figcaption>x: every recorded tensor in execution order (forward, loss, backward, update); "
-                  "y: log10 of its largest finite |x|. Dashed lines: float16 and bfloat16 maxima. Crosses and "
-                  "triangles at the top: NaN and Inf tensors. The star and the red line: the origin."
-                  "</figcaption></figure></section>"]
-    if report.path:
-        items = "".join(f"<li>{_spans(c.path_label(r))}</li>" for r in report.path[:_PATH_SHOWN])
-        if len(report.path) > _PATH_SHOWN:
-            items += f"<li>... and {len(report.path) - _PATH_SHOWN} more</li>"
-        parts += ["<section><h2>Propagation path</h2>", f'<ol class="path">{items}</ol></section>']
+
+
+def _birth_sections(occ: Occurrence) -> list[str]:
+    """Where the first non-finite value was born, and the op's tensors against their dtype's limits."""
+    rows = [(k, _spans(v)) for k, v in c.birth_rows(occ)]
+    return ["<section><h2>Where it was born</h2>", _kv(rows), "</section>",
+            "<section><h2>The op's tensors against their dtype's limits</h2>", _tensor_table(occ),
+            '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
+            "overflows (65504 for float16).</p></section>"]
+
+
+def _step_picture(png: bytes) -> list[str]:
+    """The step at a glance: the picture inlined as a data URI, with its caption."""
+    alt = "log10 of the largest magnitude of every recorded tensor along the step"
+    return ["<section><h2>The step at a glance</h2><figure>",
+            f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">',
+            "<figcaption>x: every recorded tensor in execution order (forward, loss, backward, update); "
+            "y: log10 of its largest finite |x|. Dashed lines: float16 and bfloat16 maxima. Crosses and "
+            "triangles at the top: NaN and Inf tensors. The star and the red line: the origin."
+            "</figcaption></figure></section>"]
+
+
+def _bisection(report: Report) -> list[str]:
+    """The bisection by local float32: the verdict, the alternatives tried and the suggested fix."""
     v = report.verdict
-    if report.status != "clean" or v is not None:
-        parts += ["<section><h2>Bisection by local float32</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
-        if v is not None and v.origin_alone_fixes is not None:
-            parts.append(f"<p>The origin's module alone in float32 fixes the step: "
-                         f"<b>{'yes' if v.origin_alone_fixes else 'no'}</b>.</p>")
-        alts = c.alternatives(report)
-        if alts:
-            parts.append(_kv([(f"whole step, {k}", f'<span class="{"ok" if s == "finite" else "bad"}">{_e(s)}</span>')
-                              for k, s in alts]))
-        if v is not None and v.fix:
-            parts.append(f"<p>Suggested fix:</p><pre><code>{_pre(v.fix)}</code></pre>")
-        parts.append("</section>")
-    parts += ["<section><h2>GradScaler</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
-    env = c.environment_rows(report)
-    if env:
-        parts += ["<section><h2>Environment</h2>", _kv([(k, _e(val)) for k, val in env]), "</section>"]
-    parts.append("<section><h2>Reproduce</h2>")
+    parts = ["<section><h2>Bisection by local float32</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
+    if v is not None and v.origin_alone_fixes is not None:
+        parts.append(f"<p>The origin's module alone in float32 fixes the step: "
+                     f"<b>{'yes' if v.origin_alone_fixes else 'no'}</b>.</p>")
+    alts = c.alternatives(report)
+    if alts:
+        parts.append(_kv([(f"whole step, {k}", f'<span class="{"ok" if s == "finite" else "bad"}">{_e(s)}</span>')
+                          for k, s in alts]))
+    if v is not None and v.fix:
+        parts.append(f"<p>Suggested fix:</p><pre><code>{_pre(v.fix)}</code></pre>")
+    parts.append("</section>")
+    return parts
+
+
+def _reproduce(report: Report) -> list[str]:
+    """How to replay the step, and the op alone when a repro was written."""
+    parts = ["<section><h2>Reproduce</h2>"]
     if report.command:
         parts.append(f"<p>Replay the step:</p><pre><code>{_pre(report.command)}</code></pre>")
     rp = report.repro
@@ -220,8 +250,12 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
     elif not report.command:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")
-    if report.modules:
-        parts += ["<section><h2>Modules</h2>", _tree(report), "</section>"]
+    return parts
+
+
+def _other_origins(report: Report, occ: Occurrence | None) -> list[str]:
+    """The other origins, and the two replays of a step that did not reproduce."""
+    parts = []
     others = [o for o in report.origins if o is not occ and o != occ]
     if others:
         items = "".join(f"<li>{_occurrence(o)}</li>" for o in others)
@@ -230,7 +264,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         items = "".join(f"<li>run {i + 1}: {_occurrence(o) if o is not None else 'finite'}</li>"
                         for i, o in enumerate(report.runs))
         parts.append(f"<details open><summary>The two replays</summary><ul>{items}</ul></details>")
-    return _close(parts, report, f"nanhunt report, schema {report.schema_version}, {report.n_records} recorded tensors.")
+    return parts
 
 
 # ------------------------------------------------------------------ nanhunt compare

@@ -52,6 +52,9 @@ def _origin_label(report: Report) -> str:
     return _tex_safe(f"origin: {what} in {where} · {occ.op or occ.output.role.value}")
 
 
+_Point = tuple[int, str, float, str]
+
+
 def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figure | None:
     """The picture of ``report.timeline``; ``None`` when the report has no timeline (schema 1 files).
     A comparison report gets :func:`comparison_figure` instead."""
@@ -66,13 +69,26 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
     lo = min(logs, default=0.0)
     floor = math.floor(lo) - _FLOOR_PAD
     hi = max(logs, default=0.0)
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    top, ax, axes, nonfinite_y, split = _panels(fig, floor, hi)
+    x_lo, x_hi = _bands_and_limits(points, axes, top)
+    _magnitudes(ax, top, finite, bad, floor, nonfinite_y)
+    _origin(report, axes, top, nonfinite_y, (x_lo + x_hi) / 2)
+    ax.set_xlabel("record, in execution order")
+    ax.set_ylabel("log10 max |x|")
+    top.set_title(_tex_safe(_title(report)), fontsize=11, loc="left", pad=16)
+    _timeline_legend(fig, axes, top, split, nonfinite_y)
+    return fig
+
+
+def _panels(fig: Figure, floor: float, hi: float) -> tuple[Axes, Axes, tuple[Axes, ...], float, bool]:
+    """The axes: ``(top, ax, axes, nonfinite_y, split)``; ``top`` is ``ax`` when there is one panel."""
     fp16 = math.log10(FP16_MAX)
     bf16 = math.log10(BF16_MAX)
     # Two panels when the data stays far below the bfloat16 limit: the lower one keeps the
     # resolution where values live, the upper one holds the bfloat16 line and the non-finite row.
     low_top = max(fp16 + 1.0, hi + 0.5)
     split = low_top < bf16 - 4
-    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     if split:
         top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[1, 4])
         top.set_ylim(bf16 - 2.0, bf16 + 3.0)
@@ -91,7 +107,13 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
         ax.set_ylim(floor - 0.3, max(bf16, hi) + 3.0)
         nonfinite_y = max(bf16, hi) + 2.0
         axes = (ax,)
+    return top, ax, axes, nonfinite_y, split
 
+
+def _bands_and_limits(points: tuple[_Point, ...], axes: tuple[Axes, ...], top: Axes) -> tuple[float, float]:
+    """The x range, the phase bands (named on ``top``) and the float16/bfloat16 lines; returns the x range."""
+    fp16 = math.log10(FP16_MAX)
+    bf16 = math.log10(BF16_MAX)
     xs = [p[0] for p in points]
     x_lo, x_hi = min(xs) - 0.5, max(xs) + 0.5
     for a in axes:
@@ -109,7 +131,12 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
                 start = j
         a.axhline(fp16, color="#d62728", lw=1.2, ls="--", label="float16 max 65504", gid="limit-float16")
         a.axhline(bf16, color="#8c564b", lw=1.2, ls="-.", label="bfloat16 max 3.39e38", gid="limit-bfloat16")
+    return x_lo, x_hi
 
+
+def _magnitudes(ax: Axes, top: Axes, finite: list[tuple[int, str, float]], bad: list[tuple[int, str, str]],
+                floor: float, nonfinite_y: float) -> None:
+    """The finite magnitudes by phase (all-zero tensors on the floor) and the non-finite row on ``top``."""
     by_phase: dict[str, tuple[list[int], list[float]]] = {}
     for i, ph, m in finite:
         y = math.log10(m) if m > 0 else floor
@@ -126,20 +153,25 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
             top.scatter(kx, [nonfinite_y] * len(kx), marker=marker, s=28, color=colour, zorder=4,
                         label=f"{'NaN' if kind == 'nan' else 'Inf'} ({len(kx)})", gid=f"nonfinite-{kind}")
 
-    occ = report.first
-    if occ is not None:
-        ox = occ.output.index
-        for a in axes:
-            a.axvline(ox, color="#d62728", lw=1.5, alpha=0.8, gid="origin", zorder=2)
-        top.scatter([ox], [nonfinite_y], marker="*", s=220, color="#d62728", edgecolor="k", zorder=5,
-                    label="origin", gid="origin-marker")
-        top.annotate(_origin_label(report), xy=(ox, nonfinite_y), xytext=(8, -14), textcoords="offset points",
-                     fontsize=9, color="#b01010", ha="left" if ox < (x_lo + x_hi) / 2 else "right",
-                     gid="origin-label")
 
-    ax.set_xlabel("record, in execution order")
-    ax.set_ylabel("log10 max |x|")
-    top.set_title(_tex_safe(_title(report)), fontsize=11, loc="left", pad=16)
+def _origin(report: Report, axes: tuple[Axes, ...], top: Axes, nonfinite_y: float, x_mid: float) -> None:
+    """The origin: a line on every panel, a star in the non-finite row and its label."""
+    occ = report.first
+    if occ is None:
+        return
+    ox = occ.output.index
+    for a in axes:
+        a.axvline(ox, color="#d62728", lw=1.5, alpha=0.8, gid="origin", zorder=2)
+    top.scatter([ox], [nonfinite_y], marker="*", s=220, color="#d62728", edgecolor="k", zorder=5,
+                label="origin", gid="origin-marker")
+    top.annotate(_origin_label(report), xy=(ox, nonfinite_y), xytext=(8, -14), textcoords="offset points",
+                 fontsize=9, color="#b01010", ha="left" if ox < x_mid else "right",
+                 gid="origin-label")
+
+
+def _timeline_legend(fig: Figure, axes: tuple[Axes, ...], top: Axes, split: bool, nonfinite_y: float) -> None:
+    """One legend for all panels (each label once); the upper panel's ticks when split."""
+    bf16 = math.log10(BF16_MAX)
     handles, labels = [], []
     for a in axes:
         h, lab = a.get_legend_handles_labels()
@@ -150,7 +182,6 @@ def figure(report: Report, *, width: float = 11.0, height: float = 5.0) -> Figur
     if split:
         top.set_yticks([bf16, nonfinite_y], [f"{bf16:.1f}", "non-finite"])
     fig.legend(handles, labels, loc="outside lower center", fontsize=8, ncols=min(len(labels), 6), frameon=False)
-    return fig
 
 
 def _title(report: Report) -> str:
@@ -208,6 +239,38 @@ def comparison_figure(report: Report, *, width: float = 11.0, limit: int = _ROWS
     intro = [d.introduced if d.introduced is not None else 0.0 for d in diffs]
     outs = [d.scaled for d in diffs]
     tol = c.rtol if c.rtol > 0 else None
+    left, right, edge = _error_range(intro, outs, tol)
+    bad = [not math.isfinite(x) or not math.isfinite(o) for x, o in zip(intro, outs)]
+
+    n = len(rows)
+    fig = Figure(figsize=(width, max(2.8, 0.34 * n + 1.9)), dpi=100, layout="constrained")
+    ax = fig.subplots(1, 1)
+    ax.set_xscale("log")
+    ax.set_xlim(left, right)
+    ax.set_ylim(n - 0.5, -0.5)  # the first call at the top
+    ys = list(range(n))
+    over = [not math.isfinite(x) or (tol is not None and x > tol) for x in intro]
+    drawn = [k for k, x in enumerate(intro) if x != 0]
+    pos = [k for k, x in enumerate(outs) if x > 0 and math.isfinite(x)]
+    zero = [k for k, x in enumerate(outs) if x == 0]
+    _error_marks(ax, intro, outs, ys, left, edge, over, drawn, pos, zero)
+    if any(bad):
+        ax.axvline(edge / 10.0**0.5, color="#999999", lw=0.8, ls=":", zorder=1, gid="nonfinite-break")
+        ax.text(edge, 1.0, "non-finite", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8,
+                color=_OVER_TOL)
+        ax.scatter([edge] * sum(bad), [y for y, b in zip(ys, bad) if b], s=70, marker=">", color=_OVER_TOL,
+                   edgecolors="k", zorder=5, gid="nonfinite")
+    if tol is not None:
+        ax.axvline(tol, color="#ff7f0e", lw=1.4, ls="--", zorder=3, gid="tolerance")
+    _rank_marks(ax, c, rows, intro, outs, ys, edge)
+    _call_axes(ax, c, rows, diffs, left, edge)
+    _error_legend(fig, c, tol, [over[k] for k in drawn], bool(pos), bool(zero), any(bad))
+    return fig
+
+
+def _error_range(intro: list[float], outs: list[float], tol: float | None) -> tuple[float, float, float]:
+    """``(left, right, edge)``: the x range, whole decades around the finite errors (and rtol), wider by the
+    column of infinite errors at ``edge`` when there are any."""
     finite_pos = [x for x in (*intro, *outs, *(() if tol is None else (tol,))) if math.isfinite(x) and x > 0]
     lo = min(finite_pos, default=1e-3)
     hi = max(finite_pos, default=1.0)
@@ -217,47 +280,45 @@ def comparison_figure(report: Report, *, width: float = 11.0, limit: int = _ROWS
     edge = right * 10.0**0.5  # infinite errors: a column past the finite range
     if any(bad):
         right *= 10.0
+    return left, right, edge
 
-    n = len(rows)
-    fig = Figure(figsize=(width, max(2.8, 0.34 * n + 1.9)), dpi=100, layout="constrained")
-    ax = fig.subplots(1, 1)
-    ax.set_xscale("log")
-    ax.set_xlim(left, right)
-    ax.set_ylim(n - 0.5, -0.5)  # the first call at the top
-    ys = list(range(n))
 
-    def at(x: float) -> float:
-        return x if math.isfinite(x) else edge
+def _at(x: float, edge: float) -> float:
+    return x if math.isfinite(x) else edge
 
-    over = [not math.isfinite(x) or (tol is not None and x > tol) for x in intro]
-    drawn = [k for k, x in enumerate(intro) if x != 0]
-    bars = ax.barh([ys[k] for k in drawn], [at(intro[k]) - left for k in drawn], left=left, height=0.6,
+
+def _error_marks(ax: Axes, intro: list[float], outs: list[float], ys: list[int], left: float, edge: float,
+                 over: list[bool], drawn: list[int], pos: list[int], zero: list[int]) -> None:
+    """The bars of introduced error and the dots of output error (hollow at the left edge when zero)."""
+    bars = ax.barh([ys[k] for k in drawn], [_at(intro[k], edge) - left for k in drawn], left=left, height=0.6,
                    color=[_OVER_TOL if over[k] else _INTRODUCED for k in drawn], zorder=2)
     for patch in bars.patches:
         patch.set_gid("introduced")
-    pos = [k for k, x in enumerate(outs) if x > 0 and math.isfinite(x)]
     if pos:
         ax.scatter([outs[k] for k in pos], [ys[k] for k in pos], s=34, marker="o", color=_OUTPUT, zorder=4,
                    gid="output-error")
-    zero = [k for k, x in enumerate(outs) if x == 0]
     if zero:
         ax.scatter([left] * len(zero), [ys[k] for k in zero], s=34, marker="o", facecolors="none",
                    edgecolors="#888888", zorder=4, clip_on=False, gid="zero-error")
-    if any(bad):
-        ax.axvline(edge / 10.0**0.5, color="#999999", lw=0.8, ls=":", zorder=1, gid="nonfinite-break")
-        ax.text(edge, 1.0, "non-finite", transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=8,
-                color=_OVER_TOL)
-        ax.scatter([edge] * sum(bad), [y for y, b in zip(ys, bad) if b], s=70, marker=">", color=_OVER_TOL,
-                   edgecolors="k", zorder=5, gid="nonfinite")
-    if tol is not None:
-        ax.axvline(tol, color="#ff7f0e", lw=1.4, ls="--", zorder=3, gid="tolerance")
+
+
+def _rank_marks(ax: Axes, c: Comparison, rows: list[int], intro: list[float], outs: list[float], ys: list[int],
+                edge: float) -> None:
+    """``rank N`` beside the three calls that introduce the most error."""
     rank_of = {i: r for r, i in enumerate(c.ranking, 1)}
     for k, i in enumerate(rows):
         r = rank_of.get(i)
         if r is not None and r <= 3 and intro[k] != 0:
-            x = max(at(intro[k]), at(outs[k])) if outs[k] > 0 or not math.isfinite(outs[k]) else at(intro[k])
+            x = (max(_at(intro[k], edge), _at(outs[k], edge)) if outs[k] > 0 or not math.isfinite(outs[k])
+                 else _at(intro[k], edge))
             ax.annotate(f"rank {r}", xy=(x, ys[k]), xytext=(8, 0), textcoords="offset points", va="center",
                         fontsize=8, color="#b01010", gid=f"rank-{r}")
+
+
+def _call_axes(ax: Axes, c: Comparison, rows: list[int], diffs: list[TensorDiff], left: float, edge: float) -> None:
+    """The row labels (the first ranked call in bold red), the decade ticks and grid, the labels and title."""
+    n = len(rows)
+    ys = list(range(n))
     ax.set_yticks(ys, [_row_label(d) for d in diffs], fontsize=8.5)
     if c.ranking and c.ranking[0] in rows:
         tick = ax.get_yticklabels()[rows.index(c.ranking[0])]
@@ -274,10 +335,14 @@ def comparison_figure(report: Report, *, width: float = 11.0, limit: int = _ROWS
     ax.set_title(_tex_safe(f"error by module call: autocast {c.device_type} {c.dtype} against float32, {shown}"),
                  fontsize=11, loc="left", pad=14)
 
+
+def _error_legend(fig: Figure, c: Comparison, tol: float | None, over_drawn: list[bool], pos: bool, zero: bool,
+                  bad: bool) -> None:
+    """The legend: only the marks drawn. ``over_drawn``: for each bar, whether it is above rtol."""
     handles: list[Artist] = []
-    if any(not over[k] for k in drawn):
+    if any(not o for o in over_drawn):
         handles.append(Patch(color=_INTRODUCED, label="error the call introduces"))
-    if any(over[k] for k in drawn):
+    if any(over_drawn):
         handles.append(Patch(color=_OVER_TOL, label="introduced error above rtol" if tol is not None
                              else "introduced error, non-finite"))
     if pos:
@@ -285,13 +350,12 @@ def comparison_figure(report: Report, *, width: float = 11.0, limit: int = _ROWS
     if zero:
         handles.append(Line2D([], [], marker="o", ls="none", markerfacecolor="none", markeredgecolor="#888888",
                               label="output without error"))
-    if any(bad):
+    if bad:
         handles.append(Line2D([], [], marker=">", ls="none", color=_OVER_TOL, markeredgecolor="k",
                               label="infinite error (non-finite)"))
     if tol is not None:
         handles.append(Line2D([], [], color="#ff7f0e", ls="--", label=f"tolerance: rtol {c.rtol:g}"))
     fig.legend(handles=handles, loc="outside lower center", fontsize=8, ncols=min(len(handles), 6), frameon=False)
-    return fig
 
 
 def png(report: Report, *, dpi: int = 100) -> bytes | None:
