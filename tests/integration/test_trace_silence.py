@@ -51,8 +51,9 @@ def test_scoped_origin_that_reaches_the_loss_is_not_called_silent(no_grad: bool)
         loss.backward()
     assert math.isnan(loss.item())
     assert t.first is not None and (t.first.module, t.first.op) == ("b", "aten::log")
-    # THEN the scoped pass either measured the reach (output/loss) or says it did not (None), never "silent"
-    assert not t.first.silent
+    # THEN the scoped pass, which records neither the loss nor the output, says it did not measure the reach
+    # (None), never "silent"
+    assert t.first.reached is None and not t.first.silent
     assert "silent" not in t.first.describe()
 
 
