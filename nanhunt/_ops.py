@@ -23,6 +23,7 @@ from . import _dispatch
 from ._phases import NodeContext, PhaseTracker
 from ._records_store import EXACT_CASTS, EXACT_DTYPES, STALE, Raw, RecordStore, Source
 from ._tensors import FLOATISH, MAX_NEST, floatish, input_shapes, storage_key, tensors
+from ._tree import map_tensors
 from ._watch import OriginWatch
 from .records import Phase, Role
 
@@ -67,14 +68,19 @@ class OpRecorder:
     it looks for origins while the step runs (``stop_at_first``, ``full_stats``).
     """
 
-    __slots__ = ("busy", "scope", "last_seq", "_last_ctx", "_store", "_phases", "_watch", "_watching", "_code_skip",
-                 "_raw", "_kd", "_known", "_writes", "_index_uses", "_zoom", "_stack", "_updating", "_seqmap")
+    __slots__ = ("busy", "scope", "last_seq", "catch_at", "caught", "_last_ctx", "_store", "_phases", "_watch",
+                 "_watching", "_code_skip", "_raw", "_kd", "_known", "_writes", "_index_uses", "_zoom", "_stack",
+                 "_updating", "_seqmap")
 
     def __init__(self, store: RecordStore, phases: PhaseTracker, watch: OriginWatch, *,
                  scope: tuple[str, ...] = ()) -> None:
         self.busy = False
         self.scope = scope
         self.last_seq = -1  # the autograd sequence number after the last op seen
+        # The culprit's record index in a replay's second run: the call of the op that makes it is kept, its
+        # arguments cloned before it ran, as ``caught`` (op, (args, kwargs), phase). -1: nothing to catch.
+        self.catch_at = -1
+        self.caught: tuple[Any, tuple[tuple[Any, ...], dict[str, Any]], Phase] | None = None
         self._last_ctx: NodeContext | None = None  # the last op's
         self._store = store
         self._phases = phases
@@ -160,11 +166,33 @@ class OpRecorder:
             self._node_made(first_seq, seq, module, call, src)
         else:
             self._last_ctx = (module, call, src)
+        if self.catch_at >= 0:
+            return self._catching(func, info, args, kwargs, ins, phase, module, call, src, scalar, node)
         out = run(*args, **kwargs)
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
         self._outputs(info, args, kwargs, out, ins, phase, module, call, src, scalar, node)
+        return out
+
+    def _catching(self, func: Any, info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  ins: list[int], phase: Phase, module: str | None, call: int, src: Source | None,
+                  scalar: str | None, node: Any) -> Any:
+        """The rest of :meth:`_on_op` while a culprit is to be caught: an op whose outputs may include the
+        culprit's record has its arguments cloned before it runs (an in-place op overwrites them), and kept
+        when it did make that record."""
+        start = len(self._raw)
+        first = args[0] if args else None
+        n = 8 + (len(first) if isinstance(first, (list, tuple)) else 0)  # a fused op's outputs: one per tensor
+        saved = _cloned((args, kwargs)) if start <= self.catch_at < start + n else None
+        out = info.run(*args, **kwargs)
+        if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
+            self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
+            return out
+        self._outputs(info, args, kwargs, out, ins, phase, module, call, src, scalar, node)
+        if saved is not None and start <= self.catch_at < len(self._raw):
+            self.caught = (func, saved, phase)
+            self.catch_at = -1
         return out
 
     def _node_made(self, first: int, seq: int, module: str | None, call: int, src: Source | None) -> None:
@@ -430,3 +458,8 @@ def _written(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
             seen_ids.add(id(o))
             unique.append(o)
     return unique, [id(w) for w in written], hidden_ids
+
+
+def _cloned(obj: Any) -> Any:
+    """``obj`` with every tensor inside cloned (detached), containers kept."""
+    return map_tensors(obj, lambda t: t.detach().clone())

@@ -16,7 +16,7 @@ from ._env import environment
 from .bisect import bisect
 from .records import Occurrence, Record, Report, Repro, Role, Verdict
 from .replay import Replayed, module_status, state_notes, step_config, trace_twice
-from .repro import make_repro
+from .repro import OriginCall, make_repro, origin_call
 from .step import Step
 from .tracer import Trace
 
@@ -35,8 +35,14 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         replayed = trace_twice(step, level=level, allow=allow)
         first = replayed.final.first
         verdict = _prove(step, replayed, level, allow, progress) if prove else None
-        repro = make_repro(step, first, bundle) if bundle is not None else None
+        repro = make_repro(step, first, bundle, call=_caught_call(step, replayed)) if bundle is not None else None
     return _report(step, replayed, config, verdict, repro, command)
+
+
+def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:
+    """The culprit op's call the second run kept, when it is the reported culprit's (reproducible runs)."""
+    caught = replayed.runs[1]._caught
+    return origin_call(step, caught) if caught is not None and replayed.reproducible else None
 
 
 def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],

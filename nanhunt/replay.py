@@ -53,7 +53,9 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     zoom: frozenset[int] = frozenset()
     with step.isolated():
         for _ in range(2):
-            t = Trace._zooming(step.model, zoom, level=level, allow=allow)
+            # the second run also keeps the culprit op's call (the repro's inputs): no third run
+            catch = traces[0].first.output.index if traces and traces[0].first is not None and level == "op" else None
+            t = Trace._zooming(step.model, zoom, catch=catch, level=level, allow=allow)
             loss = step.run(within=t)
             loss_value = float(loss.detach().float())
             traces.append(t)

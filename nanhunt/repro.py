@@ -1,11 +1,10 @@
 """A verified minimal repro: the origin op alone, on its saved inputs, in a script that needs only torch.
 
-:func:`capture_origin_call` replays the step once more and catches the origin op's
-call with a dispatch mode of its own: the call of ``occurrence.op`` in the same
-phase and module call whose inputs hold no NaN (a NaN origin) or are all finite
-(an Inf origin) and whose output of the recorded dtype and shape went non-finite.
-Its arguments are cloned *before* the op runs (an in-place op overwrites them),
-exactly as the kernel received them, that is after autocast cast them.
+:func:`nanhunt.hunt.hunt` takes the origin op's call from the replay's second run: the tracer
+keeps the call of the op that makes the culprit's record, its arguments cloned *before* the op runs
+(an in-place op overwrites them), exactly as the kernel received them, that is after autocast cast
+them. :func:`capture_origin_call` does the same in one more traced run, for a caller that has only
+an occurrence.
 
 :func:`write_repro` saves them (narrowed to the smallest slice that still
 reproduces when they exceed the size cap) with a standalone ``repro.py``;
@@ -46,6 +45,7 @@ from ._files import new_file, write_file
 from .capture import split_batch
 from .records import Occurrence, Phase, Repro
 from .step import Step
+from .tracer import Trace
 
 __all__ = ["OriginCall", "capture_origin_call", "write_repro", "verify_repro", "make_repro", "DEFAULT_CAP",
            "SCRIPT", "INPUTS"]
@@ -127,100 +127,28 @@ def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: 
     return False
 
 
-class _Catch(_dispatch.Mode):
-    """Catches the first call that matches the occurrence; every other op runs untouched."""
-
-    def __init__(self, occ: Occurrence, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # untyped in torch
-        self.occ = occ
-        self.device_type = device_type
-        self.dtype = dtype
-        self.stack: list[tuple[str, int]] = []
-        self.calls: dict[str, int] = {}
-        self.forward_seen = False
-        self.backward_seen = False
-        self.ordinal = 0
-        self.found: OriginCall | None = None
-
-    def _phase(self) -> Phase:
-        if _dispatch.current_autograd_node() is not None:
-            self.backward_seen = True
-            return Phase.BACKWARD
-        if self.stack:
-            return Phase.FORWARD
-        if self.backward_seen:
-            return Phase.UPDATE
-        return Phase.LOSS if self.forward_seen else Phase.FORWARD
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if self.found is not None:
-            return func(*args, **kwargs)
-        phase = self._phase()
-        occ = self.occ
-        if func._schema.name != occ.op or not self._matches(phase):
-            return func(*args, **kwargs)
-        if not _inputs_clean(occ.kind, args, kwargs):
-            self.ordinal += 1
-            return func(*args, **kwargs)
-        saved = _clone((args, kwargs))
-        out = func(*args, **kwargs)
-        if _went(occ.kind, _outputs(func, out, args, kwargs), occ.output.dtype, tuple(occ.output.shape)):
-            low = self.dtype if phase in (Phase.FORWARD, Phase.LOSS) and self.dtype != torch.float32 else None
-            self.found = OriginCall(func, saved[0], saved[1], phase, self.device_type, low, self.ordinal)
-        else:
-            self.ordinal += 1
-        return out
-
-    def _matches(self, phase: Phase) -> bool:
-        occ = self.occ
-        if occ.module is None and occ.phase in (Phase.FORWARD, Phase.LOSS):
-            # Glue code outside every module: the tracer may call it loss or forward (between model calls).
-            return not self.stack and phase in (Phase.FORWARD, Phase.LOSS)
-        if phase is not occ.phase:
-            return False
-        if phase is not Phase.FORWARD:
-            return True  # a backward op belongs to the forward module of its node: op, kind and shape decide
-        return bool(self.stack) and self.stack[-1] == (occ.module, occ.call_index)
-
-    # module hooks, as the tracer counts calls
-    def pre(self, name: str) -> None:
-        if _dispatch.current_autograd_node() is not None:  # recomputation in backward: the same call again
-            self.stack.append((name, max(self.calls.get(name, 1) - 1, 0)))
-            return
-        self.backward_seen = False
-        call = self.calls.get(name, 0)
-        self.calls[name] = call + 1
-        self.stack.append((name, call))
-        self.forward_seen = True
-
-    def post(self, name: str) -> None:
-        if self.stack and self.stack[-1][0] == name:
-            self.stack.pop()
+def origin_call(step: Step, caught: tuple[Any, tuple[tuple[Any, ...], dict[str, Any]], Phase]) -> OriginCall:
+    """The call a trace kept (``Trace._zooming(catch=...)``) as an :class:`OriginCall` of ``step``: autocast
+    on in forward and loss (it cast the arguments the kernel received), off elsewhere."""
+    func, (args, kwargs), phase = caught
+    low = step.dtype if phase in (Phase.FORWARD, Phase.LOSS) and step.dtype != torch.float32 else None
+    return OriginCall(func, args, kwargs, phase, step.device_type, low)
 
 
 def capture_origin_call(step: Step, occurrence: Occurrence) -> OriginCall | None:
-    """Run the step again and return the origin op's call, its arguments cloned before it ran; ``None``
-    when the occurrence names no op or no call matched. The step's state is restored afterwards."""
+    """Run the step again under the tracer and return the call of the op that made the occurrence's record,
+    its arguments cloned before it ran (the mechanism of a replay's second run, which :func:`nanhunt.hunt.hunt`
+    uses without this extra run); ``None`` when the occurrence names no op or the call did not come again.
+    The occurrence must come from an op-level trace of the same step. The step's state is restored."""
     if occurrence.op is None:
         return None
-    model = step.model
-    catch = _Catch(occurrence, step.device_type, step.dtype)
-    handles: list[Any] = []
-
-    def hooks() -> None:
-        for name, mod in model.named_modules():
-            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: catch.pre(n)))
-            handles.append(mod.register_forward_hook(lambda m, a, o, n=name: catch.post(n), always_call=True))
-
-    try:
-        with step.isolated(), _dispatch.eager_only():
-            step.run(within=catch, before=hooks)
-    finally:
-        for h in handles:
-            h.remove()
-        handles.clear()
-    return catch.found
+    t = Trace._zooming(step.model, (), catch=occurrence.output.index, level="op", distributed=False)
+    with step.isolated():
+        step.run(within=t)
+    caught = t._caught
+    if caught is None or str(caught[0]._schema.name) != occurrence.op:
+        return None
+    return origin_call(step, caught)
 
 
 # ------------------------------------------------------------------ shrinking
@@ -524,16 +452,19 @@ def make_repro(
     *,
     cap_bytes: int = DEFAULT_CAP,
     verify: bool = True,
+    call: OriginCall | None = None,
 ) -> Repro | None:
     """Catch the origin op, write its repro into ``directory`` and run it in a fresh process.
 
     ``None`` when there is no op to reproduce (a clean step, or a value that entered the step
     non-finite: batch, weights, optimizer state). Otherwise a :class:`Repro`; put it in the report
-    with ``dataclasses.replace(report, repro=...)``.
+    with ``dataclasses.replace(report, repro=...)``. ``call``: the origin's call when a trace already caught
+    it (a replay's second run); otherwise the step runs once more to catch it.
     """
     if occurrence is None or occurrence.op is None:
         return None
-    call = capture_origin_call(step, occurrence)
+    if call is None:
+        call = capture_origin_call(step, occurrence)
     if call is None:
         return Repro(op=occurrence.op, device_type=step.device_type,
                      result="no call of the op matched the origin when the step ran again")

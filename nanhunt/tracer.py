@@ -36,7 +36,7 @@ from ._records_store import cast_value as _cast_value  # noqa: F401  (tests impo
 from ._scope import ScopeGate
 from ._watch import OriginWatch
 from .locate import LocateResult
-from .records import Occurrence, Record, Role
+from .records import Occurrence, Phase, Record, Role
 
 __all__ = ["trace", "Trace"]
 
@@ -112,13 +112,22 @@ class Trace:
 
     # ------------------------------------------------------------- lifecycle
     @classmethod
-    def _zooming(cls, model: nn.Module, zoom: Iterable[int], **options: Any) -> Trace:
+    def _zooming(cls, model: nn.Module, zoom: Iterable[int], *, catch: int | None = None, **options: Any) -> Trace:
         """A trace that also measures in full the records ``zoom`` names (their statistics and their inputs'
-        shapes): the second run of a replay, on the culprit the first one found. Not public API."""
+        shapes): the second run of a replay, on the culprit the first one found. With ``catch``, the call of
+        the op that makes record ``catch`` is kept, its arguments cloned before it ran (:attr:`_caught`):
+        the repro's inputs. Not public API."""
         t = cls(model, **options)
         t._store.zoom = frozenset(zoom)
         t._ops._zoom = t._store.zoom
+        if catch is not None:
+            t._ops.catch_at = catch
         return t
+
+    @property
+    def _caught(self) -> tuple[Any, tuple[tuple[Any, ...], dict[str, Any]], Phase] | None:
+        """The op call ``_zooming(catch=...)`` kept: (op, (args, kwargs) as the kernel received them, phase)."""
+        return self._ops.caught
 
     def __enter__(self) -> Trace:
         if self._state != "new":

@@ -259,3 +259,22 @@ def test_script_with_finite_inputs_exits_zero(tmp_path: Path) -> None:
     # WHEN run as a user would THEN exit 0 and it says so
     proc = subprocess.run([sys.executable, SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "NOT REPRODUCED" in proc.stdout
+
+
+def test_the_bundle_repro_comes_from_the_replay_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a step whose exp overflows, replayed with a bundle and no bisection
+    from nanhunt.hunt import hunt
+
+    kw = _step(ExpNet(), torch.float32)
+    runs: list[int] = []
+    real_run = Step.run
+
+    def counted(self: Step, **options: Any) -> torch.Tensor:
+        runs.append(1)
+        return real_run(self, **options)
+
+    monkeypatch.setattr(Step, "run", counted)
+    report = hunt(_as_step(kw), bundle=str(tmp_path))
+    # THEN the repro is verified, and its inputs came from the replay's second run: two runs of the step, no third
+    assert report.repro is not None and report.repro.verified, report.repro
+    assert len(runs) == 2
