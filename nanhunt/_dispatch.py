@@ -145,6 +145,9 @@ class OpInfo:
     collective: str | None = None
     received_args: tuple[int, ...] = ()  # a collective's arguments holding what it received
     read_args: tuple[int, ...] = ()  # a collective's arguments it sends
+    # a fused multi-tensor op (_foreach_*, _amp_foreach_*, _fused_adam_ ...): output i is made from the i-th
+    # tensor of each list argument (and the shared tensors), never from all of them
+    fused: bool = False
 
 
 OP_INFOS: dict[int, OpInfo] = {}  # id(func) -> its OpInfo, filled by op_info (OpOverload hashes in Python)
@@ -192,6 +195,7 @@ def op_info(func: Any) -> OpInfo:
         collective=None if coll is None else coll[0],
         received_args=() if coll is None else coll[1],
         read_args=() if coll is None else coll[2],
+        fused=base.startswith(("_foreach_", "_amp_foreach_", "_fused_")),
     )
     OP_INFOS[id(func)] = info
     return info

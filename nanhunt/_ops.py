@@ -262,10 +262,14 @@ class OpRecorder:
         view_version = _version(args[0]) if info.is_view and args and isinstance(args[0], torch.Tensor) else None
         kd = self._kd
         store = self._store
+        # a fused op's i-th output comes from the i-th tensors: P inputs each, not P x P (read before the
+        # outputs of an in-place one replace its inputs' records)
+        fused = _fused_inputs(args, out, kd) if info.fused else None
         for o in outs:
             oid = id(o)
             alias = copy_of if copy_of is not None and o.dtype in EXACT_DTYPES else None
-            raw = Raw(phase, module, call, info.name, Role.OUTPUT, o, inputs, src, scalar, alias)
+            own = inputs if fused is None else fused.get(oid, inputs)
+            raw = Raw(phase, module, call, info.name, Role.OUTPUT, o, own, src, scalar, alias)
             is_written = oid in written_ids
             if blank or partial:
                 raw.blank = (blank and (info.uninitialised or not is_written)) or (partial and is_written)
@@ -463,3 +467,23 @@ def _written(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
 def _cloned(obj: Any) -> Any:
     """``obj`` with every tensor inside cloned (detached), containers kept."""
     return map_tensors(obj, lambda t: t.detach().clone())
+
+
+def _fused_inputs(args: tuple[Any, ...], out: Any, kd: dict[int, Any]) -> dict[int, tuple[int, ...]]:
+    """For a fused multi-tensor op: each output tensor (by id) -> the records of the tensors at its position
+    in every list argument, and of the shared tensor arguments (a scale, found_inf). An output at no position
+    (GradScaler's found_inf) keeps all the op's inputs."""
+    def rec(t: Any) -> int | None:
+        e = kd.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return int(e[1][0]) if e is not None and e[0]() is t else None
+
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return {}
+    shared = tuple(i for i in (rec(a) for a in args if isinstance(a, torch.Tensor)) if i is not None)
+    per = [tuple(i for i in (rec(lst[k]) for lst in lists if k < len(lst)) if i is not None) + shared
+           for k in range(len(lists[0]))]
+    made = out if isinstance(out, (list, tuple)) and len(out) == len(per) else ()
+    result = {id(t): per[k] for lst in lists for k, t in enumerate(lst) if k < len(per)}  # every written list
+    result.update({id(t): per[k] for k, t in enumerate(made) if isinstance(t, torch.Tensor)})
+    return result
