@@ -15,7 +15,7 @@ from ._errors import GuardError, NanhuntError, NonFiniteError
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .capture import save_capture
+    from .capture import load_capture, save_capture
     from .compare import compare
     from .guard import Guard, GuardEvent
     from .hunt import replay
@@ -28,6 +28,7 @@ __all__ = [
     "replay",
     "compare",
     "save_capture",
+    "load_capture",
     "Guard",
     "GuardEvent",
     "GuardError",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 _WHERE = {
-    "trace": "tracer", "Trace": "tracer", "replay": "hunt", "compare": "compare", "save_capture": "capture",
+    "trace": "tracer", "Trace": "tracer", "replay": "hunt", "compare": "compare", "save_capture": "capture", "load_capture": "capture",
     "Guard": "guard", "GuardEvent": "guard", "keep_fp32": "precision", "keep_fp32_permanently": "precision",
     "Report": "records", "Verdict": "records", "Occurrence": "records", "Record": "records", "Phase": "records",
     "Role": "records", "FullStats": "records",

@@ -39,6 +39,7 @@ from .step import Step, rng_state, set_rng_state, split_batch
 
 __all__ = [
     "save_capture",
+    "load_capture",
     "unwrap_model",
     "load_file",
     "resolve",
@@ -561,6 +562,20 @@ def parse_dtype(name: str) -> torch.dtype:
         return _DTYPES[name.replace("torch.", "")]
     except KeyError:
         raise CommandError(f"unknown dtype {name!r}; use float16, bfloat16 or float32") from None
+
+
+def load_capture(checkpoint: str | os.PathLike[str], batch: str | os.PathLike[str], **options: Any) -> Step:
+    """A capture as ``nanhunt replay`` would use it, to poke at in a notebook: a :class:`~nanhunt.step.Step`
+    holding the model (weights loaded), inputs, targets, loss, optimizer, GradScaler, dtype, device and RNG.
+
+    Same safety rules and options as the command (``model_factory=``, ``loss=``, ``device=``, ``dtype=``,
+    ``no_scaler=``, ``train=``, ``trust_pickle=``). Run it as the replay does::
+
+        step = nanhunt.load_capture("nan-captures/step000003-checkpoint.pt", "nan-captures/step000003-batch.pt")
+        with step.isolated():
+            loss = step.run()
+    """
+    return load_step(os.fspath(checkpoint), os.fspath(batch), **options)
 
 
 def load_step(

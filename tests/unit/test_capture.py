@@ -69,3 +69,19 @@ def test_a_name_the_model_lacks_is_one_error_line(tmp_path: Path, capsys: pytest
     assert main(["replay", str(ck), str(bt), "--no-bisect"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fc9.weight" in err[0]
+
+
+def test_load_capture_gives_the_step_replay_would_run(tmp_path: Path) -> None:
+    # GIVEN a capture  WHEN loaded with the public loader  THEN a Step that runs as the replay runs it
+    torch.manual_seed(0)
+    model = MLP(**SIZE)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    ck, bt = tmp_path / "ck.pt", tmp_path / "bt.pt"
+    nanhunt.save_capture(ck, bt, model=model, batch=(x, y), loss_fn=F.mse_loss, model_kwargs=SIZE)
+    step = nanhunt.load_capture(ck, bt)
+    assert torch.equal(step.inputs, x) and torch.equal(step.targets, y) and step.loss_fn is F.mse_loss
+    with step.isolated():
+        loss = step.run()
+    with torch.autocast("cpu", dtype=torch.float16):  # the capture's autocast dtype (the default)
+        expected = F.mse_loss(model(x), y)
+    assert step.dtype == torch.float16 and torch.equal(loss.detach(), expected.detach())
