@@ -1,10 +1,32 @@
-"""Make ``tests/models.py`` (the fixture models) importable as ``models``."""
+"""Make ``tests/models.py`` (the fixture models) importable as ``models``; fixtures shared by every test directory."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+
+@pytest.fixture(scope="session")
+def warm_tracer() -> None:
+    """The first trace and optimizer step of a process pay a one-off set-up (~1.5 s): not any test's time."""
+    import torch
+    from torch import nn
+
+    import nanhunt
+
+    m = nn.Linear(2, 1)
+    opt = torch.optim.LBFGS(m.parameters(), max_iter=1)
+
+    def closure() -> torch.Tensor:
+        loss = m(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    with nanhunt.trace(m):
+        opt.step(closure)

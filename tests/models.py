@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanhunt import Occurrence
@@ -545,3 +546,20 @@ class HFStyle(DictOut):
     def forward(self, x: torch.Tensor) -> HFStyleOutput:  # type: ignore[override]
         h = self.body(x)
         return HFStyleOutput(logits=self.act(h), hidden_states=(h,))
+
+
+class DictModel(nn.Module):
+    """HF style: keyword inputs, labels inside the batch, returns {"logits", "loss"}; dropout."""
+
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Linear(d, 16)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(16, n)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.head(self.drop(self.emb(input_ids)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.float(), labels)
+        return out

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from torch import nn
 
 import nanhunt
 from nanhunt import Phase
-from nanhunt.records import Report
+from tests.helpers_bisect import LOSS, step_finite, verdict_of
+
 D = 8
-LOSS = "<loss>"
 
 
 # ====================================================================== helpers
@@ -52,35 +51,6 @@ class Hot(Up):
         return self.fc(x) / (D * 4e4)
 
 
-def step_finite(model: nn.Module, x: Any, y: Any, loss_fn: Callable[..., torch.Tensor], *,
-                fp32: Iterable[str] = (), dtype: torch.dtype = torch.float16, scale: float | None = None,
-                train: bool | None = None) -> bool:
-    """Ground truth, by hand, on a copy: forward + loss under autocast (``fp32`` modules and ``<loss>``
-    with autocast off), backward of ``loss * scale`` (as GradScaler multiplies: a float32 tensor);
-    True when the loss and every gradient are finite."""
-    m = copy.deepcopy(model)
-    if train is not None:
-        m.train(train)
-    fp32 = set(fp32)
-    with nanhunt.keep_fp32(m, [n for n in fp32 if n != LOSS]):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            out = m(x)
-            if LOSS in fp32:
-                with torch.autocast("cpu", enabled=False):
-                    loss = loss_fn(out.float(), y)
-            else:
-                loss = loss_fn(out, y)
-    scaled = loss if scale is None else loss * torch.full((1,), scale, dtype=torch.float32)
-    scaled.sum().backward()
-    grads = [p.grad for p in m.parameters() if p.grad is not None]
-    return bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _verdict(rep: Report) -> nanhunt.records.Verdict:
-    assert rep.verdict is not None
-    return rep.verdict
-
-
 # ====================================================================== two modules needed together
 
 
@@ -107,7 +77,7 @@ def test_pair_needed_together_neither_alone_is_found() -> None:
         assert not step_finite(m, x, y, F.mse_loss, fp32=alone)
     assert step_finite(m, x, y, F.mse_loss, fp32=["1.fc", "2.fc"])
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, bisect=True)
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert rep.first is not None and (rep.first.module, rep.first.op) == ("1.fc", "aten::addmm")
     assert (v.kind, v.culprits, v.confirmed, v.origin_alone_fixes) == ("precision", ("1.fc", "2.fc"), True, False)
 
@@ -124,7 +94,7 @@ def test_pair_of_a_module_and_the_loss_needed_together() -> None:
     assert not step_finite(m, x, y, loss_fn, fp32=["1"])
     assert not step_finite(m, x, y, loss_fn, fp32=[LOSS])
     assert step_finite(m, x, y, loss_fn, fp32=["1", LOSS])
-    v = _verdict(nanhunt.replay(m, (x, y), loss_fn=loss_fn, bisect=True))
+    v = verdict_of(nanhunt.replay(m, (x, y), loss_fn=loss_fn, bisect=True))
     assert (v.kind, v.culprits, v.confirmed) == ("precision", ("1", LOSS), True)
 
 
@@ -140,7 +110,7 @@ def test_nan_in_the_loss_also_in_float32_is_not_precision(loss_fn: Callable[...,
     x, y = torch.ones(2, D), torch.zeros(2, D)
     assert not step_finite(m, x, y, loss_fn, dtype=torch.float32)
     rep = nanhunt.replay(m, (x, y), loss_fn=loss_fn, bisect=True)
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert (v.kind, v.culprits, v.fix) == ("not-precision", (), None)
     f = v.float32_first
     assert f is not None and (f.phase.value, f.module, f.op) == ("loss", None, op)
@@ -167,7 +137,7 @@ def test_float16_model_overflow_is_not_called_not_precision(dtype: torch.dtype) 
     assert not step_finite(m, x, y, F.mse_loss, dtype=torch.float32)
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, dtype=dtype, bisect=True)
     assert rep.first is not None and rep.first.module == "hot.fc"
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert v.kind != "not-precision", v
 
 
@@ -186,7 +156,7 @@ def test_float16_loss_whose_scaled_gradient_overflows_is_scale_induced() -> None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17)
     rep = nanhunt.replay(m, (x, y), loss_fn=loss_fn, scaler=scaler, bisect=True)
     assert rep.first is not None and rep.first.phase.value == "backward"
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert (v.kind, v.culprits, v.alternatives.get("scale 1")) == ("scale-induced", (), True)
     assert scaler.get_scale() == 2.0**17
 
@@ -215,7 +185,7 @@ def test_scaled_gradient_overflow_after_a_silent_forward_origin_is_scale_induced
     # the gradients (issue 13: the headline follows the first origin that reaches a sink)
     assert rep.first is not None and not rep.first.silent and rep.first.phase.value == "backward"
     assert rep.origins[0].silent and rep.origins[0].phase.value == "forward"
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert v.alternatives.get("scale 1") is True
     assert v.kind == "scale-induced", v
 
@@ -231,7 +201,7 @@ def test_silent_only_finding_is_not_called_not_reproducible() -> None:
     a, b = rep.runs
     assert a is not None and b is not None and a.describe() == b.describe() and a.silent
     assert rep.status == "nonfinite"
-    assert _verdict(rep).kind != "not-reproducible", rep.verdict
+    assert verdict_of(rep).kind != "not-reproducible", rep.verdict
 
 
 # ====================================================================== where the culprit lives
@@ -247,7 +217,7 @@ def test_overflow_in_the_loss_blames_the_loss_not_the_layer_before() -> None:
     assert step_finite(m, x, y, loss_fn, fp32=[LOSS])
     rep = nanhunt.replay(m, (x, y), loss_fn=loss_fn, bisect=True)
     assert rep.first is not None and (rep.first.phase.value, rep.first.module, rep.first.op) == ("loss", None, "aten::pow")
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert v.kind == "precision" and v.origin_alone_fixes is True
     assert v.culprits == (LOSS,), v.culprits
 
@@ -278,7 +248,7 @@ def test_culprit_inside_an_uncalled_namespace_module() -> None:
     assert not step_finite(m, x, y, F.mse_loss)
     assert step_finite(m, x, y, F.mse_loss, fp32=["heads.b.fc"])
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, bisect=True)
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert rep.first is not None and rep.first.module == "heads.b.fc"
     assert v.kind == "precision" and v.origin_alone_fixes is True
     assert v.culprits == ("heads.b.fc",), v.culprits
@@ -310,7 +280,7 @@ def test_bisection_honours_train_flag() -> None:
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, train=True, bisect=True)
     assert rep.status == "nonfinite" and rep.first is not None and rep.first.module == "hot.fc"
     assert not m.training
-    v = _verdict(rep)
+    v = verdict_of(rep)
     assert (v.kind, v.culprits) == ("precision", ("hot.fc",)), v
 
 

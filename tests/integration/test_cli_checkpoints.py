@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +17,11 @@ from torch import nn
 import nanhunt
 from nanhunt.records import Report
 
+from tests.helpers_bisect import step_finite, verdict_of
 from tests.helpers_cli import FrozenBN, HotNet, Net, averaged
 
 ROOT = Path(__file__).resolve().parents[2]
 D = 8
-LOSS = "<loss>"
-
-
-def step_finite(model: nn.Module, x: Any, y: Any, loss_fn: Callable[..., torch.Tensor], *,
-                fp32: Iterable[str] = (), dtype: torch.dtype = torch.float16, scale: float | None = None,
-                train: bool | None = None) -> bool:
-    """Ground truth, by hand, on a copy: forward + loss under autocast (``fp32`` modules and ``<loss>``
-    with autocast off), backward of ``loss * scale`` (as GradScaler multiplies: a float32 tensor);
-    True when the loss and every gradient are finite."""
-    m = copy.deepcopy(model)
-    if train is not None:
-        m.train(train)
-    fp32 = set(fp32)
-    with nanhunt.keep_fp32(m, [n for n in fp32 if n != LOSS]):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            out = m(x)
-            if LOSS in fp32:
-                with torch.autocast("cpu", enabled=False):
-                    loss = loss_fn(out.float(), y)
-            else:
-                loss = loss_fn(out, y)
-    scaled = loss if scale is None else loss * torch.full((1,), scale, dtype=torch.float32)
-    scaled.sum().backward()
-    grads = [p.grad for p in m.parameters() if p.grad is not None]
-    return bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _verdict(rep: Report) -> nanhunt.records.Verdict:
-    assert rep.verdict is not None
-    return rep.verdict
 
 
 # ====================================================================== the CLI on foreign files
@@ -77,7 +46,7 @@ def test_capture_of_a_model_with_a_frozen_batchnorm_replays_it_frozen(tmp_path: 
     x, y = 1 + 0.1 * torch.randn(16, D), torch.zeros(16, D)
     assert not step_finite(m, x, y, F.mse_loss)  # the live step, frozen BN: 8 * 100 * 100 overflows float16
     assert step_finite(m, x, y, F.mse_loss, fp32=["fc"])
-    api = _verdict(nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, bisect=True))
+    api = verdict_of(nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, bisect=True))
     assert (api.kind, api.culprits) == ("precision", ("fc",))
     nanhunt.save_capture(tmp_path / "ck.pt", tmp_path / "batch.pt", model=m, batch=(x, y), loss_fn=F.mse_loss,
                          model_factory="tests.helpers_cli:FrozenBN")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
+from tests.models import DictModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,24 +19,7 @@ def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
 
 
-# ------------------------------------------------------------------ models (importable by name for captures)
-
-
-class DictModel(nn.Module):
-    """HF style: keyword inputs, labels inside the batch, returns {"logits", "loss"}; dropout."""
-
-    def __init__(self, d: int = 8, n: int = 3) -> None:
-        super().__init__()
-        self.emb = nn.Linear(d, 16)
-        self.drop = nn.Dropout(0.3)
-        self.head = nn.Linear(16, n)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        logits = self.head(self.drop(self.emb(input_ids)))
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits.float(), labels)
-        return out
+# ------------------------------------------------------------------ helpers
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from nanhunt.capture import load_step
 from nanhunt.cli import main as cli_main
 
 from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup
+from tests.models import DictModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,23 +26,6 @@ def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------ models (importable by name for captures)
-
-
-class DictModel(nn.Module):
-    """HF style: keyword inputs, labels inside the batch, returns {"logits", "loss"}; dropout."""
-
-    def __init__(self, d: int = 8, n: int = 3) -> None:
-        super().__init__()
-        self.emb = nn.Linear(d, 16)
-        self.drop = nn.Dropout(0.3)
-        self.head = nn.Linear(16, n)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        logits = self.head(self.drop(self.emb(input_ids)))
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits.float(), labels)
-        return out
 
 
 class DropMLP(nn.Module):

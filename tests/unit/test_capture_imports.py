@@ -7,28 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-import nanhunt
 from nanhunt._errors import CommandError
 from nanhunt.capture import resolve
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm() -> None:
-    # The first trace and optimizer step of a process pay a one-off set-up (~1.5 s): not any test's time.
-    m = nn.Linear(2, 1)
-    opt = torch.optim.LBFGS(m.parameters(), max_iter=1)
-
-    def closure() -> torch.Tensor:
-        loss = m(torch.ones(1, 2)).sum()
-        loss.backward()
-        return loss
-
-    with nanhunt.trace(m):
-        opt.step(closure)
-
 
 # ====================================================================== capture.resolve
 
