@@ -11,7 +11,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._errors import GuardError, NanhuntError, NonFiniteError
+from ._errors import GuardError, NanhuntError, NonFiniteError, Stop
 from ._version import __version__
 
 if TYPE_CHECKING:
@@ -46,6 +46,11 @@ __all__ = [
     "NonFiniteError",
     "__version__",
 ]
+
+# Where the last ``trace(stop_at_first=True)`` stopped, with its op's tensors (set by the trace; a debugger
+# reads ``nanhunt.last.inputs[0]``, ``nanhunt.last.record``). Holds those tensors until the next stop.
+# Not in __all__: read it as ``nanhunt.last`` (a name imported from here would keep an old stop).
+last: Stop | None = None
 
 _WHERE = {
     "trace": "tracer", "Trace": "tracer", "replay": "hunt", "compare": "compare", "save_capture": "capture", "load_capture": "capture",

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .records import GuardEvent, Occurrence
+    import torch
 
-__all__ = ["NanhuntError", "NonFiniteError", "GuardError", "TraceStateError", "CommandError", "visible"]
+    from .records import GuardEvent, Occurrence, Record
+
+__all__ = ["NanhuntError", "NonFiniteError", "Stop", "GuardError", "TraceStateError", "CommandError", "visible"]
 
 # C0, DEL, C1, the Unicode line and paragraph separators and the bidi controls (Trojan Source): a name read
 # from a file holding one could end a line, forge a second one, recolour a terminal or reorder what it shows.
@@ -41,12 +44,105 @@ class TraceStateError(NanhuntError, RuntimeError):
     """A trace was used out of order (results read while running, started twice, ...)."""
 
 
-class NonFiniteError(NanhuntError, FloatingPointError):
-    """Raised inside the op that created a non-finite value (``stop_at_first=True``)."""
+@dataclass(frozen=True, eq=False)
+class Stop:
+    """Where ``trace(stop_at_first=True)`` stopped, with the tensors to look at (``nanhunt.last``).
 
-    def __init__(self, occurrence: Occurrence) -> None:
-        super().__init__(occurrence.describe())
+    ``inputs``: the floating tensors the op read, in the order of ``record.inputs`` (a module-level
+    stop: the module's arguments; an in-place op's written input already holds its result);
+    ``outputs``: the floating tensors it made or wrote; ``output``: the one holding ``record``'s
+    values. All detached (they keep no autograd graph alive). ``landing``: ``file:line in function``
+    where a debugger's post-mortem starts, the user's frame that ran the op (in backward, the frame
+    that ran the backward: the forward line, ``source``, has returned by then).
+    """
+
+    occurrence: Occurrence
+    inputs: tuple[torch.Tensor, ...] = ()
+    outputs: tuple[torch.Tensor, ...] = ()
+    output: torch.Tensor | None = None
+    landing: str | None = None
+
+    @property
+    def record(self) -> Record:
+        """The record of the value that went non-finite."""
+        return self.occurrence.output
+
+    @property
+    def op(self) -> str | None:
+        return self.occurrence.op
+
+    @property
+    def source(self) -> str | None:
+        """The user's line that ran the op (a backward op: the forward line that built its node)."""
+        return self.occurrence.source
+
+    def __repr__(self) -> str:
+        return (f"Stop({self.occurrence.describe()}; source {self.source}; landing {self.landing}; "
+                f"inputs [{_shapes(self.inputs)}]; outputs [{_shapes(self.outputs)}])")
+
+
+def _shapes(ts: tuple[torch.Tensor, ...]) -> str:
+    return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in ts)
+
+
+def _stop_message(occ: Occurrence, stop: Stop | None) -> str:
+    """One line: what was born where, where a debugger lands, and what to type there."""
+    text = occ.describe()
+    backward = occ.phase.value == "backward"
+    if occ.source:
+        text += f", in the backward of {occ.source}" if backward else f" at {occ.source}"
+    if stop is None or stop.landing is None:
+        return text
+    if stop.landing == occ.source:
+        where = "that line"
+    elif backward:
+        where = f"{stop.landing}, which ran that backward"
+    elif occ.op is None and occ.output.role.value == "output":
+        where = f"{stop.landing}, which called that module"
+    elif occ.op is None:
+        where = f"{stop.landing}, where it was first read"  # a batch, weight or state entering non-finite
+    else:
+        where = stop.landing
+    look = "nanhunt.last.inputs[0].abs().max()" if stop.inputs else "nanhunt.last.output.isnan().sum()"
+    return (f"{text}; post-mortem (python -m pdb, %debug) lands on {where}: `import nanhunt`, then "
+            f"`p {look}`, `p nanhunt.last.output`, `p nanhunt.last.record`")
+
+
+class NonFiniteError(NanhuntError, FloatingPointError):
+    """Raised inside the op that created a non-finite value (``stop_at_first=True``).
+
+    Its traceback ends in the user's frame (:attr:`Stop.landing`), where ``python -m pdb``, ``%debug``
+    and ``pdb.post_mortem()`` start; ``inputs``, ``outputs``, ``record`` and ``op`` are those of
+    ``nanhunt.last`` (a :class:`Stop`).
+    """
+
+    def __init__(self, occurrence: Occurrence, stop: Stop | None = None) -> None:
+        super().__init__(_stop_message(occurrence, stop))
         self.occurrence = occurrence
+        self.stop = stop
+
+    def _landed(self, landing: str) -> None:
+        """The debugger lands on ``landing``, known only once the error reached it (a backward op run on
+        autograd's device thread, which holds no frame of the user's): say so in the message."""
+        if self.stop is not None and self.stop.landing is None:
+            self.stop = replace(self.stop, landing=landing)
+            self.args = (_stop_message(self.occurrence, self.stop),)
+
+    @property
+    def record(self) -> Record:
+        return self.occurrence.output
+
+    @property
+    def op(self) -> str | None:
+        return self.occurrence.op
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        return () if self.stop is None else self.stop.inputs
+
+    @property
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        return () if self.stop is None else self.stop.outputs
 
 
 class GuardError(NanhuntError, FloatingPointError):

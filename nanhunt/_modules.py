@@ -221,7 +221,7 @@ class ModuleHooks:
                 if is_root:
                     store.root_outputs.add(idx)
             if self.stop_at_first and module_level:
-                self._watch.check()
+                self._watch.check(((args, kwargs), output))
         finally:
             self._ops.busy = False
             gate = self._gate
@@ -253,7 +253,7 @@ class ModuleHooks:
                 idx = store.add(raw, grad)
                 store.known[grad] = (idx, ver)
                 if self.stop_at_first:
-                    self._watch.check()
+                    self._watch.check(((), grad))
             finally:
                 self._ops.busy = False
 

@@ -4,28 +4,40 @@
 While it looks mid-step, the watch keeps the tensors of the ops since its last look, so that the
 culprit op's full statistics (NaN, +/-Inf, zeros, ... counts) are measured while they are alive.
 It holds no part that calls it: nothing here keeps a finished trace's records alive.
+
+A stop (``stop_at_first``) leaves its op's tensors in ``nanhunt.last`` and on the error; :func:`land`
+cuts the error's traceback after the user's frame, where a debugger's post-mortem starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
 
-from ._errors import NonFiniteError
+import nanhunt
+
+from ._errors import NonFiniteError, Stop
 from ._records_store import RecordStore
-from ._tensors import floatish, input_shapes
+from ._tensors import floatish, input_shapes, tensors
 from .locate import LocateResult, locate
 from .records import Occurrence
 from .stats import full_stats
 
-__all__ = ["OriginWatch", "WINDOW"]
+__all__ = ["OriginWatch", "WINDOW", "land"]
 
 WINDOW = 256  # records between read-backs while the culprit's tensors are kept (trace(full_stats=True))
 
 # An op's tensors kept until the next look: (its new records, args, kwargs, outputs).
 Held = tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]
+
+# Frames that are not the user's: a debugger's post-mortem starts below them (as _ops' source lines skip them).
+_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+             os.path.dirname(os.__file__) + os.sep + "contextlib.py", "<frozen")
 
 
 class OriginWatch:
@@ -57,10 +69,12 @@ class OriginWatch:
         elif self.stop_at_first:
             self.check()
 
-    def check(self) -> None:
+    def check(self, held: tuple[Any, Any] | None = None) -> None:
         """Read back what is pending (one copy per dtype group) and look for the first origin
         among the new records. Found: measure the culprit op's full statistics while its tensors
-        are alive, stop keeping tensors, and with ``stop_at_first`` raise here, inside the op."""
+        are alive, stop keeping tensors, and with ``stop_at_first`` raise here, inside the op.
+        ``held``: (arguments, results) of the module call or hook that looks (module level), the
+        tensors a stop hands over when no op's are kept."""
         store = self._store
         raws = store.raws
         store.read_back(store.checked)
@@ -74,17 +88,52 @@ class OriginWatch:
         occ = res.first
         if occ is None:
             return
+        culprit: Held | None = None
         if window is not None:
             self.window = None  # the first origin is found: no more tensors kept, no more reads
-            for new, args, kwargs, outs in window:
+            for entry in window:
+                new, args, kwargs, outs = entry
                 if occ.output.index in new:
                     self._measure_culprit(occ.output.index, new, args, kwargs, outs)
                     occ = dataclasses.replace(occ, output=store.record(occ.output.index),
                                               inputs=tuple(store.record(i) for i in occ.output.inputs))
+                    culprit = entry
                     break
         if self.stop_at_first:
             self.stopped = occ
-            raise NonFiniteError(occ)
+            stop = self._stop(occ, culprit, window or [], held)
+            nanhunt.last = stop
+            raise NonFiniteError(occ, stop)
+
+    def _stop(self, occ: Occurrence, culprit: Held | None, window: list[Held],
+              held: tuple[Any, Any] | None) -> Stop:
+        """The stop at ``occ`` with its tensors: the culprit op's (``culprit``), else those among the
+        ops kept (``window``) or the module call's (``held``) that hold its record and its inputs'."""
+        idx = occ.output.index
+        if culprit is not None:
+            new, args, kwargs, outs = culprit
+            out_t = [o for o in outs if floatish(o)]
+            pos = new.index(idx)
+            ins = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+                   if isinstance(t, torch.Tensor) and floatish(t)]
+            output = out_t[pos] if pos < len(out_t) else None
+        else:
+            pools = [(tensors((a, k)), list(o)) for _, a, k, o in window]
+            if held is not None:
+                pools.append((tensors(held[0]), tensors(held[1])))
+            known = self._store.known
+            by_rec: dict[int, torch.Tensor] = {}  # record index -> a live tensor holding its values
+            for ins_, outs_ in pools:
+                for t in (*ins_, *outs_):
+                    if floatish(t) and (e := known.get(t)) is not None:
+                        by_rec.setdefault(e[0], t)
+            output = by_rec.get(idx)
+            out_t = [] if output is None else [output]
+            ins = [by_rec[i] for i in occ.output.inputs if i in by_rec]
+            if held is not None and occ.op is None and any(output is o for o in tensors(held[1])):
+                ins = [t for t in tensors(held[0]) if floatish(t)]  # a module call's output: its arguments
+        return Stop(occ, tuple(t.detach() for t in ins), tuple(t.detach() for t in out_t),
+                    None if output is None else output.detach(), _landing())
 
     def finish(self, *, sinks_seen: bool) -> LocateResult:
         """The step is over: read everything back and locate over all records (``sinks_seen``: the
@@ -130,3 +179,37 @@ class OriginWatch:
                     store.raws[i].full = full_stats(t)
                     store.forget(i)
         store.forget(idx)
+
+
+def _not_user(filename: str) -> bool:
+    return filename.startswith(_NOT_USER)
+
+
+def _landing() -> str | None:
+    """``file:line in function`` of the innermost frame on the stack that is the user's."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and _not_user(f.f_code.co_filename):
+        f = f.f_back
+    return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def land(exc: NonFiniteError) -> None:
+    """Cut ``exc``'s traceback after its innermost frame that is the user's (the frame of the op's
+    line; in backward, the one that ran the backward): a post-mortem debugger (``python -m pdb``,
+    ``%debug``, ``pdb.post_mortem``) starts at a traceback's last frame. Call it once the error has
+    left that frame (the trace's ``__exit__``); the frames dropped are torch's and nanhunt's."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        if not _not_user(tb.tb_frame.f_code.co_filename):
+            last = tb
+        tb = tb.tb_next
+    if last is None:
+        return
+    last.tb_next = None
+    stop = exc.stop
+    if stop is not None and stop.landing is None:  # raised where no frame was the user's (autograd's device thread)
+        code = last.tb_frame.f_code
+        exc._landed(f"{code.co_filename}:{last.tb_lineno} in {code.co_name}")
+        if nanhunt.last is stop:
+            nanhunt.last = exc.stop

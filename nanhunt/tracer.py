@@ -26,8 +26,8 @@ import torch
 import torch.optim.optimizer as _optim
 from torch import nn
 
-from . import _dispatch, _ranks
-from ._errors import NanhuntError, TraceStateError
+from . import _dispatch, _ranks, _watch
+from ._errors import NanhuntError, NonFiniteError, TraceStateError
 from ._modules import ModuleHooks
 from ._ops import OpRecorder
 from ._phases import PhaseTracker
@@ -146,6 +146,8 @@ class Trace:
         here never hides the block's exception: that one propagates unchanged, with a note (a
         warning before Python 3.11). Without one, a failed finish raises a :class:`NanhuntError`
         (an interrupt, KeyboardInterrupt or SystemExit, propagates as itself)."""
+        if isinstance(exc, NonFiniteError) and exc.occurrence is self._watch.stopped:
+            _watch.land(exc)  # a post-mortem debugger starts on the user's line, not in torch's or nanhunt's
         failure: BaseException | None = None
         try:
             self._teardown()
