@@ -33,8 +33,15 @@ memory. That is meant for one batch of a model that fits; slice the batch for la
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import datetime
+import functools
+import gc
+import hashlib
+import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,7 +58,8 @@ from .records import Comparison, Decision, Failure, Quality, Regression, Report,
 from ._env import environment
 from .step import Step, _backward, _call_model, _loss_of, split_batch
 
-__all__ = ["compare", "rule_from", "settle_rule", "default_tolerances", "top_two", "TIE_RULE", "TASKS"]
+__all__ = ["compare", "History", "HISTORY_FILE", "rule_from", "settle_rule", "default_tolerances", "top_two", "TIE_RULE",
+           "TASKS"]
 
 TASKS = ("classify", "regress", "none")
 TIE_RULE = "equal top scores go to the lowest class index, in both runs; a row holding NaN has no class (-1)"
@@ -495,19 +503,23 @@ def top_two(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return first, second, top, margin
 
 
-def _classify(ref: torch.Tensor, amp: torch.Tensor, *, rtol: float, atol: float
+def _classify(ref: torch.Tensor, amp: torch.Tensor, *, rtol: float, atol: float, nonfinite: Sequence[int] = ()
               ) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[Decision, ...]]:
+    """Samples, flips, near-boundary samples and the decisions listed (flipped, ``nonfinite``, near the
+    boundary). A sample whose autocast scores are non-finite (``nonfinite``) made no decision: it is listed as
+    such and never counted as a flip, whatever class its NaN/Inf scores would give."""
     r, a = _as_samples(ref), _as_samples(amp)
     r_cls, r_second, r_top, r_margin = top_two(r)
     a_cls, _, a_top, a_margin = top_two(a)
-    flipped = (r_cls != a_cls).tolist()
+    bad = set(nonfinite)
+    flipped = [f and i not in bad for i, f in enumerate((r_cls != a_cls).tolist())]
     # Near the boundary: the reference's own top-2 margin is within the score tolerance.
     near = (r_margin < atol + rtol * r_top.abs()).tolist()
     decisions = tuple(
         Decision(index=i, ref_class=int(r_cls[i]), amp_class=int(a_cls[i]), ref_runner_up=int(r_second[i]),
                  ref_margin=float(r_margin[i]), amp_margin=float(a_margin[i]), ref_score=float(r_top[i]),
                  amp_score=float(a_top[i]), flipped=bool(flipped[i]), near_boundary=bool(near[i]))
-        for i in range(r.shape[0]) if flipped[i] or near[i]
+        for i in range(r.shape[0]) if flipped[i] or near[i] or i in bad
     )
     return (r.shape[0], tuple(i for i, f in enumerate(flipped) if f), tuple(i for i, x in enumerate(near) if x),
             decisions)
@@ -700,8 +712,12 @@ def _user_metric(fn: Callable[..., Any], ref: torch.Tensor, amp: torch.Tensor, t
 # ------------------------------------------------------------------ judging
 
 
+_NAMED = 20  # samples a failure's message names; ``Failure.samples`` holds them all
+
+
 def _samples_text(ids: Sequence[str]) -> str:
-    return f"sample{'s' if len(ids) != 1 else ''} " + ", ".join(ids)
+    head = ", ".join(ids[:_NAMED]) + (f", ... ({len(ids) - _NAMED} more)" if len(ids) > _NAMED else "")
+    return f"sample{'s' if len(ids) != 1 else ''} {head}"
 
 
 def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, amp_rows: Sequence[str],
@@ -743,11 +759,15 @@ def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, 
     return out
 
 
-def _nonfinite_rows(ref: torch.Tensor | None, amp: torch.Tensor | None) -> list[int]:
-    """Samples whose autocast output holds a non-finite value where the reference's does not."""
+def _nonfinite_rows(ref: torch.Tensor | None, amp: torch.Tensor | None, task: str = "classify") -> list[int]:
+    """Samples whose autocast output holds a non-finite value where the reference's does not (samples as
+    ``task`` counts them: classify's rows of scores, else the output's first dimension)."""
     if ref is None or amp is None or ref.ndim == 0 or ref.shape != amp.shape:
         return []
-    r, a = _as_samples(ref), _as_samples(amp)
+    if task == "classify":
+        r, a = _as_samples(ref), _as_samples(amp)
+    else:
+        r, a = ref.reshape(ref.shape[0], -1), amp.reshape(amp.shape[0], -1)
     return [int(i) for i in torch.nonzero((~torch.isfinite(a)).any(dim=1) & torch.isfinite(r).all(dim=1)).flatten()]
 
 
@@ -804,13 +824,15 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
     if usable and task != "classify":  # the samples the quality and the failures name
         assert ref.output is not None
         n_samples = int(ref.output.shape[0])
+    nonfinite = tuple(_nonfinite_rows(ref.output, amp.output, task)) if usable else ()
     if task != "none":
         if not usable:
             raise CommandError(f"--task {task} needs the model to return its scores or predictions as a tensor with "
                                "a sample dimension (or a dict with 'logits'); this model returned none")
         assert ref.output is not None and amp.output is not None
         if task == "classify":
-            n_samples, flipped, near, decisions = _classify(ref.output, amp.output, rtol=rtol, atol=atol)
+            n_samples, flipped, near, decisions = _classify(ref.output, amp.output, rtol=rtol, atol=atol,
+                                                            nonfinite=nonfinite)
         else:
             n_samples, regression = _regress(ref.output, amp.output)
 
@@ -835,7 +857,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
 
     worse = [sample(i) for i in quality.worse] if quality is not None else []
     failures = _judge(rule, dtype=cand.name, ref_bad=None, amp_bad=amp_bad,
-                      amp_rows=[sample(i) for i in _nonfinite_rows(ref.output, amp.output)] if amp_bad else [],
+                      amp_rows=[sample(i) for i in nonfinite] if amp_bad else [],
                       flipped=[sample(i) for i in flipped], max_flips=rule.max_flips, task=task, output=output,
                       loss=loss_diff, quality=quality, worse=worse)
     allowed = [f"float32 reference: {w}" for w in ref_allowed] + [f"autocast {cand.name}: {w}" for w in amp_allowed]
@@ -843,8 +865,9 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
         **cand.header, accepted=not failures, violations=tuple(f.message for f in failures), reference_finite=True,
         amp_finite=amp_bad is None, amp_first_nonfinite=amp_bad, ref_loss=float(ref.loss.double().sum()),
         amp_loss=amp_loss, modules=tuple(modules), ranking=ranking, output=output, loss=loss_diff, grads=tuple(grads),
-        n_samples=n_samples, flipped=flipped, near_boundary=near, decisions=decisions, regression=regression,
-        unmatched=tuple(unmatched), failures=tuple(failures), quality=quality, allowed=tuple(allowed), batch=name,
+        n_samples=n_samples, flipped=flipped, near_boundary=near, nonfinite=nonfinite, decisions=decisions,
+        regression=regression, unmatched=tuple(unmatched), failures=tuple(failures), quality=quality,
+        allowed=tuple(allowed), batch=name,
     )
 
 
@@ -959,6 +982,7 @@ def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -
     losses = [b.loss for b in done if b.loss is not None]
     flipped = tuple(o + i for b, o in zip(bs, offsets) for i in b.flipped)
     near = tuple(o + i for b, o in zip(bs, offsets) for i in b.near_boundary)
+    nonfinite = tuple(o + i for b, o in zip(bs, offsets) for i in b.nonfinite)
     decisions = tuple(dataclasses.replace(d, index=o + d.index) for b, o in zip(bs, offsets) for d in b.decisions)
     regression = _total_regression([(b.regression, o) for b, o in zip(bs, offsets) if b.regression is not None])
     quality = _total_quality(cand, rule, metric_fn, done, offsets, at)
@@ -979,7 +1003,8 @@ def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -
         ref_loss=sum(loss_mean) / len(loss_mean) if loss_mean else None,
         amp_loss=sum(amp_mean) / len(amp_mean) if amp_mean else None, modules=tuple(modules), ranking=ranking,
         output=_merge(outputs) if outputs else None, loss=_merge(losses) if losses else None, grads=tuple(grads),
-        n_samples=at, flipped=flipped, near_boundary=near, decisions=decisions, regression=regression,
+        n_samples=at, flipped=flipped, near_boundary=near, nonfinite=nonfinite, decisions=decisions,
+        regression=regression,
         unmatched=tuple(f"{b.batch}: {u}" for b in bs for u in b.unmatched), quality=quality,
         allowed=tuple(f"{b.batch}: {a}" for b in bs for a in b.allowed), batches=tuple(bs),
     )
@@ -993,55 +1018,234 @@ def _sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
+_CLEAR_REFS = "/proc/self/clear_refs"
+_trim: Any = None  # glibc's malloc_trim; False where there is none
+
+
+def _status_bytes(key: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_hwm() -> None:
+    """Linux: "5" in clear_refs resets the peak resident set (VmHWM) to the current resident set."""
+    with open(_CLEAR_REFS, "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def _quiesce() -> None:
+    """Free what can be freed before a peak is measured: garbage, and the allocator's free pages (glibc)."""
+    global _trim
+    gc.collect()
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+def _peak_meter(device_type: str) -> tuple[Callable[[Callable[[], None]], int] | None, str]:
+    """A function measuring the peak memory one call adds, and how it measures (or why there is none).
+
+    CUDA: the bytes allocated above the level before the call. CPU: the growth of the process's peak resident
+    set (Linux VmHWM, reset through /proc/self/clear_refs) above its resident size before the call, after a
+    garbage collection and malloc_trim: what the step costs in RAM, allocator slack included. tracemalloc
+    would not see tensors (torch allocates outside Python's allocator)."""
+    if device_type == "cuda":
+        def cuda(run: Callable[[], None]) -> int:
+            _quiesce()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run()
+            torch.cuda.synchronize()
+            return max(0, int(torch.cuda.max_memory_allocated()) - base)
+
+        return cuda, "cuda max_memory_allocated above the level before each batch"
+    if device_type != "cpu":
+        return None, f"not measured: nanhunt has no peak memory counter for device type {device_type!r}"
+    try:
+        _reset_hwm()
+        _status_bytes("VmHWM")
+    except (OSError, KeyError, ValueError):
+        return None, (f"not measured: the peak resident set cannot be reset here ({_CLEAR_REFS} is not writable: "
+                      "not Linux, or not allowed)")
+
+    def cpu(run: Callable[[], None]) -> int:
+        _quiesce()
+        _reset_hwm()
+        base = _status_bytes("VmRSS")
+        run()
+        return max(0, _status_bytes("VmHWM") - base)
+
+    return cpu, "peak RSS growth (Linux VmHWM) above the resident size before each batch"
+
+
 def _speed(step: Step, batches: Sequence[tuple[str, Any, Any, tuple[Any, Any]]], dt: torch.dtype, *,
            repeats: int, train: bool) -> Speed:
     """The plain step over the set, float32 and autocast interleaved (alternating which goes first), with no
     hook of nanhunt's installed: the median time per pass over the set, the median and quartiles of the
-    autocast / float32 ratio per repetition, and on CUDA the peak memory allocated during a pass."""
+    autocast / float32 ratio per repetition; then one untimed pass of each to measure its peak memory (the
+    largest batch's), so the measuring never slows a timed pass."""
     model, device_type, loss_fn = step.model, step.device_type, step.loss_fn
-    cuda = device_type == "cuda"
 
-    def one_pass(amp: bool) -> tuple[float, int | None]:
-        total, peak = 0.0, None
+    def plain(ins: Any, tgts: Any, amp: bool) -> None:
+        with contextlib.ExitStack() as stack:
+            if not train:
+                stack.enter_context(torch.no_grad())
+            with torch.autocast(device_type, dtype=dt, enabled=amp):
+                loss = _loss_of(_call_model(model, ins), tgts, loss_fn)
+            if train and loss.requires_grad:
+                _backward(loss)
+
+    def one_pass(amp: bool) -> float:
+        total = 0.0
         for _, inputs, targets, ref_batch in batches:
             ins, tgts = (inputs, targets) if amp else ref_batch
             step.reset()
-            base = 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
             _sync(device_type)
             t0 = time.perf_counter()
-            with contextlib.ExitStack() as stack:
-                if not train:
-                    stack.enter_context(torch.no_grad())
-                with torch.autocast(device_type, dtype=dt, enabled=amp):
-                    loss = _loss_of(_call_model(model, ins), tgts, loss_fn)
-                if train and loss.requires_grad:
-                    _backward(loss)
+            plain(ins, tgts, amp)
             _sync(device_type)
             total += time.perf_counter() - t0
-            if cuda:
-                used = int(torch.cuda.max_memory_allocated()) - base
-                peak = used if peak is None else max(peak, used)
-        return total, peak
+        return total
 
     one_pass(False)  # warm-up: first calls allocate, pick kernels, fill caches
     one_pass(True)
     ref_t: list[float] = []
     amp_t: list[float] = []
-    peaks: dict[bool, int | None] = {False: None, True: None}
     for r in range(repeats):
         for amp in ((False, True) if r % 2 == 0 else (True, False)):
-            t, peak = one_pass(amp)
-            (amp_t if amp else ref_t).append(t)
-            if peak is not None:
-                peaks[amp] = max(peaks[amp] or 0, peak)
+            (amp_t if amp else ref_t).append(one_pass(amp))
+    meter, how = _peak_meter(device_type)
+    peaks: dict[bool, int | None] = {False: None, True: None}
+    if meter is not None:
+        for amp in (False, True):
+            for _, inputs, targets, ref_batch in batches:
+                ins, tgts = (inputs, targets) if amp else ref_batch
+                step.reset()
+                used = meter(functools.partial(plain, ins, tgts, amp))
+                peaks[amp] = max(peaks[amp] or 0, used)
     ratios = [a / r if r > 0 else math.inf for a, r in zip(amp_t, ref_t)]
     q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
     return Speed(mode="train" if train else "eval", repeats=repeats, ref_median_s=statistics.median(ref_t),
                  amp_median_s=statistics.median(amp_t), ratio_median=statistics.median(ratios), ratio_q1=q1,
-                 ratio_q3=q3, ref_peak_bytes=peaks[False], amp_peak_bytes=peaks[True])
+                 ratio_q3=q3, ref_peak_bytes=peaks[False], amp_peak_bytes=peaks[True], peak_memory=how)
+
+
+# ------------------------------------------------------------------ the rule's history
+
+
+HISTORY_FILE = "nanhunt-compare-history.jsonl"
+_WARNED = 5  # earlier rules a report names
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(functools.partial(f.read, 1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise CommandError(f"cannot read {path!r} to identify it in the compare history: {e.strerror}") from e
+    return h.hexdigest()
+
+
+def _failed_clauses(c: Comparison) -> list[str]:
+    """``clause (autocast dtype)`` for every clause a candidate failed, in order, each once."""
+    return list(dict.fromkeys(f"{f.clause} (autocast {x.dtype})" for x in c.candidates() for f in x.failures))
+
+
+@dataclass(frozen=True)
+class History:
+    """The compare runs recorded beside the reports of one directory (``nanhunt-compare-history.jsonl``, one
+    JSON object per run): which checkpoint (its sha256), under which rule (its sha256), and whether the rule
+    held. Kept so that a rule widened after a failing run shows: a report of a later run of the same
+    checkpoint under another rule says which rule failed before, and on which clause.
+
+    Example::
+
+        history = History.beside("reports/run.json", "checkpoint.pt")
+        print(history.warnings(rule.sha256()))          # before the run
+        report = history.record(nanhunt.compare(...))   # after it: the warnings in the report, the run appended
+    """
+
+    path: str
+    checkpoint: str
+    checkpoint_sha256: str
+    batches: tuple[str, ...] = ()
+    report: str = ""
+
+    @classmethod
+    def beside(cls, report_path: str, checkpoint: str, batches: Sequence[str] = ()) -> History:
+        """The history of the directory ``report_path`` is written to, for the checkpoint file ``checkpoint``."""
+        where = os.path.join(os.path.dirname(os.path.abspath(report_path)), HISTORY_FILE)
+        return cls(where, checkpoint, _file_sha256(checkpoint), tuple(batches), report_path)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The recorded runs of this checkpoint, oldest first (lines that are not a run's JSON are skipped)."""
+        out: list[dict[str, Any]] = []
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                lines = f.readlines()
+        except FileNotFoundError:
+            return out
+        except (OSError, UnicodeDecodeError) as e:
+            raise CommandError(f"cannot read the compare history {self.path!r}: {e}; move it away to start a new "
+                               "one") from e
+        for line in lines:
+            try:
+                run = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(run, dict) and run.get("checkpoint_sha256") == self.checkpoint_sha256 \
+                    and isinstance(run.get("rule_sha256"), str):
+                out.append(run)
+        return out
+
+    def warnings(self, rule_sha256: str) -> tuple[str, ...]:
+        """One line per earlier rule (newest first) under which this checkpoint failed, when it is not
+        ``rule_sha256``: the rule changed after a failing run."""
+        latest: dict[str, dict[str, Any]] = {}
+        for run in self.runs():
+            if run.get("accepted") is False and run["rule_sha256"] != rule_sha256:
+                latest.pop(run["rule_sha256"], None)
+                latest[run["rule_sha256"]] = run  # the newest failing run of each rule, in time order
+        out: list[str] = []
+        for digest, run in reversed(list(latest.items())):
+            failed = [str(x) for x in run.get("failed", ())] or ["unknown"]
+            clause = f"clause{'s' if len(failed) != 1 else ''} {', '.join(failed)}"
+            when = f"; {run['time']}" if isinstance(run.get("time"), str) else ""
+            out.append(f"the rule changed after a failing run (was {digest[:12]} failing {clause}, now "
+                       f"{rule_sha256[:12]}{when}, {HISTORY_FILE})")
+        if len(out) > _WARNED:
+            out = out[:_WARNED] + [f"... and {len(out) - _WARNED} earlier failing rules in {HISTORY_FILE}"]
+        return tuple(out)
+
+    def record(self, report: Report) -> Report:
+        """``report`` with the warnings of its rule (``comparison.rule_warnings``); this run appended."""
+        c = report.comparison
+        assert c is not None, "not a comparison report"
+        warned = self.warnings(c.rule_sha256)
+        run = {
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "checkpoint": self.checkpoint, "checkpoint_sha256": self.checkpoint_sha256, "batches": list(self.batches),
+            "dtype": ",".join(x.dtype for x in c.candidates()), "rule_sha256": c.rule_sha256,
+            "rule": c.acceptance.canonical() if c.acceptance is not None else None,
+            "accepted": all(x.accepted for x in c.candidates()), "failed": _failed_clauses(c), "report": self.report,
+        }
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(run, allow_nan=False) + "\n")
+        except OSError as e:
+            raise CommandError(f"cannot append to the compare history {self.path!r}: {e.strerror}") from e
+        return dataclasses.replace(report, comparison=dataclasses.replace(c, rule_warnings=warned))
 
 
 # ------------------------------------------------------------------ the entry point
