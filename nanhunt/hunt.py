@@ -5,7 +5,11 @@ both call :func:`hunt`."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import linecache
 import math
+import os
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -13,8 +17,10 @@ import torch
 from torch import nn
 
 from ._env import environment
+from .advice import FP16_SMALLEST_NORMAL, advise
 from .bisect import bisect
-from .records import Occurrence, Record, Report, Repro, Role, Verdict
+from .capture import capture_file
+from .records import PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 from .replay import Replayed, module_status, state_notes, step_config, trace_twice
 from .repro import OriginCall, make_repro, origin_call
 from .step import Step
@@ -36,7 +42,12 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         first = replayed.final.first
         verdict = _prove(step, replayed, level, allow, progress) if prove else None
         repro = make_repro(step, first, bundle, call=_caught_call(step, replayed)) if bundle is not None else None
-    return _report(step, replayed, config, verdict, repro, command)
+    report = _report(step, replayed, config, verdict, repro, command)
+    event, why = _guard_event(capture_file(step.model))
+    if why is not None:
+        report = dataclasses.replace(report, notes=(*report.notes, why))
+    report = dataclasses.replace(report, guard_event=event)
+    return dataclasses.replace(report, advice=advise(report))
 
 
 def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:
@@ -69,8 +80,16 @@ def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Ver
     config["grads_finite"] = all(r.finite for r in records if r.role is Role.GRAD)
     if step.scaler is not None:
         config["scaler_would_skip"] = not config["grads_finite"]
+    eps = _optimizer_eps(step.optimizer)
+    if eps is not None:
+        config["optimizer_eps"] = eps
+    underflow = _fp16_backward_underflow(records)
+    if underflow is not None:
+        config["fp16_backward_underflow"] = underflow
     if verdict is not None and verdict.silent and first is not None:
         verdict = dataclasses.replace(verdict, corrupted=_corrupted(records, first))
+    told = {id(o): _told(o, records) for o in (first, *final.origins) if o is not None}
+    first = told[id(first)] if first is not None else None
     timeline = tuple(
         (r.index, r.phase.value, r.absmax if r.finite else math.nan,
          "finite" if r.finite else ("nan" if r.has_nan else "inf"))
@@ -81,9 +100,10 @@ def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Ver
         verdict=verdict,
         status=replayed.status,
         first=first,
-        origins=tuple(final.origins),
+        origins=tuple(told[id(o)] for o in final.origins),
         path=tuple(final.path),
-        runs=(replayed.runs[0].first, replayed.runs[1].first),
+        runs=tuple(None if t.first is None else told.get(id(t.first)) or _told(t.first, t.records)
+                   for t in replayed.runs),
         loss=replayed.loss,
         config=config,
         modules=module_status(records, final.tainted, final.module_classes()),
@@ -94,6 +114,139 @@ def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Ver
         n_records=len(records),
         repro=repro,
     )
+
+
+def _optimizer_eps(optimizer: torch.optim.Optimizer | None) -> float | None:
+    """The smallest ``eps`` of the optimizer's parameter groups (Adam's, RMSprop's...), None without one."""
+    if optimizer is None:
+        return None
+    found = [float(g["eps"]) for g in optimizer.param_groups
+             if isinstance(g.get("eps"), (int, float)) and not isinstance(g.get("eps"), bool)]
+    return min(found) if found else None
+
+
+def _fp16_backward_underflow(records: Sequence[Record]) -> dict[str, Any] | None:
+    """How many float16 tensors of the backward lie wholly below float16's smallest normal (their values
+    subnormal, or flushed to 0), of how many, and the largest of them; None when there is none."""
+    backward = [r for r in records if r.phase is Phase.BACKWARD and r.dtype == "float16" and r.finite]
+    tiny = [r for r in backward if 0 < r.absmax < FP16_SMALLEST_NORMAL]
+    if not tiny:
+        return None
+    top = max(tiny, key=lambda r: r.absmax)
+    return {"tensors": len(tiny), "of": len(backward), "largest": top.absmax, "at": top.where()}
+
+
+def _told(o: Occurrence, records: Sequence[Record]) -> Occurrence:
+    """``o`` with the text of its source line and, born in backward, the forward ops it derives from."""
+    return dataclasses.replace(o, source_text=_line_text(o.source), forward_ops=_forward_ops(o, records))
+
+
+_LINE_CHARS = 300
+
+
+def _line_text(source: str | None) -> str | None:
+    """The text of ``"file:line in function"``'s line, read now; None when the file is not there."""
+    if not source:
+        return None
+    where = source.rpartition(" in ")[0]  # a function's name holds no space
+    file, _, line = where.rpartition(":")
+    if not file or not line.isdigit() or not os.path.isfile(file):
+        return None
+    linecache.checkcache(file)  # the file as it is now, not as an earlier read cached it
+    text = linecache.getline(file, int(line)).strip()
+    if len(text) > _LINE_CHARS:
+        text = text[:_LINE_CHARS] + "..."
+    return text or None
+
+
+_BACKWARD = PHASE_ORDER.index(Phase.BACKWARD)
+
+
+def _forward_ops(o: Occurrence, records: Sequence[Record], depth: int = 3) -> tuple[str, ...]:
+    """A backward origin: the ops of the nearest forward (or loss) records upstream of its inputs, what its
+    derivative was taken of (``aten::sqrt`` for the division in sqrt's backward); () elsewhere."""
+    if o.phase is not Phase.BACKWARD:
+        return ()
+    frontier = [i for i in o.output.inputs if 0 <= i < len(records)]
+    seen = set(frontier)
+    for _ in range(depth):
+        ops = [records[i].op for i in frontier if PHASE_ORDER.index(records[i].phase) < _BACKWARD]
+        found = tuple(dict.fromkeys(op for op in ops if op is not None))
+        if found:
+            return found
+        nxt = [j for i in frontier for j in records[i].inputs if 0 <= j < len(records) and j not in seen]
+        seen.update(nxt)
+        frontier = list(dict.fromkeys(nxt))
+    return ()
+
+
+_EVENT_BYTES = 64 * 1024  # a Guard's event is about 1 kB; its scale history at most 50 pairs
+_EVENT_TEXT = 500  # characters kept of its kind and detail
+
+
+def _guard_event(checkpoint: str | None) -> tuple[GuardEvent | None, str | None]:
+    """The Guard's event beside a capture (``step{N}[-rank{R}]-event.json`` next to ``-checkpoint.pt``), and a
+    note when one is there but cannot be used. The file came with the capture, so it is untrusted: bounded
+    in size, a regular file, every field used type-checked (text is escaped where it is shown)."""
+    if checkpoint is None or not checkpoint.endswith("checkpoint.pt"):
+        return None, None
+    path = checkpoint[: -len("checkpoint.pt")] + "event.json"
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None, None  # no event: not a Guard's capture
+    refused = f"the Guard event {path!r} beside the checkpoint was ignored"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{refused}: it is not a regular file"
+    if st.st_size > _EVENT_BYTES:
+        return None, f"{refused}: {st.st_size} bytes, more than a Guard writes ({_EVENT_BYTES})"
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(_EVENT_BYTES + 1).decode("utf-8"))
+        return _event_of(data), None
+    except OSError as e:
+        return None, f"{refused}: {e.strerror}"
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"{refused}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+
+
+def _event_of(d: Any) -> GuardEvent:
+    """A :class:`GuardEvent` of the fields nanhunt shows, each checked; ``ValueError`` names the first bad one."""
+    if not isinstance(d, dict):
+        raise ValueError(f"it holds a JSON {type(d).__name__}, not an object")
+
+    def count(key: str, *, optional: bool = False) -> Any:
+        v = d.get(key)
+        if v is None and (optional or key not in d):
+            return None if optional else 0
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2 ** 63:
+            raise ValueError(f"its {key!r} is not a non-negative integer")
+        return v
+
+    def text(key: str) -> str:
+        v = d.get(key)
+        if not isinstance(v, str):
+            raise ValueError(f"its {key!r} is not a string")
+        return v if len(v) <= _EVENT_TEXT else v[:_EVENT_TEXT] + "..."
+
+    if "step" not in d:
+        raise ValueError("it has no 'step'")
+    ranks = d.get("ranks", [])
+    if not isinstance(ranks, list) or len(ranks) > 4096 or not all(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2 ** 31 for r in ranks):
+        raise ValueError("its 'ranks' is not a list of ranks")
+    scale = d.get("scale")
+    if isinstance(scale, str) and scale in ("inf", "-inf", "nan"):
+        scale = float(scale)  # JSON has no Inf: nanhunt writes it as a string
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError("its 'scale' is not a number")
+    pre_update = d.get("pre_update", False)
+    if not isinstance(pre_update, bool):
+        raise ValueError("its 'pre_update' is not true or false")
+    return GuardEvent(step=count("step"), kind=text("kind"), detail=text("detail"), rank=count("rank", optional=True),
+                      ranks=tuple(ranks), captured_step=count("captured_step", optional=True), pre_update=pre_update,
+                      iterations=count("iterations"), updates=count("updates"), skipped=count("skipped"),
+                      scale=None if scale is None else float(scale))
 
 
 def _corrupted(records: Sequence[Record], origin: Occurrence) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ that each format can set them as code and escape them its own way.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..records import Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed, TensorDiff
@@ -19,7 +20,9 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "diff_cells", "diff_text", "extremes_text", "worst_text", "gradients_head", "ordered_grads",
            "module_class_text", "RULE_HASH_LABEL", "rule_hash_text", "violation_lines", "allowed_lines",
            "CANDIDATE_COLUMNS", "candidate_cells", "batch_columns", "batch_cells", "quality_text", "SPEED_COLUMNS",
-           "speed_cells", "speed_rows", "sample_list", "candidate_head"]
+           "speed_cells", "speed_rows", "sample_list", "candidate_head", "decision_categories", "decision_kind",
+           "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines",
+           "ADVICE_TITLE", "ADVICE_INTRO", "guard_rows", "guard_text"]
 
 LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
           "float64": 1.7976931348623157e308}
@@ -207,6 +210,7 @@ def birth_rows(occ: Occurrence) -> list[tuple[str, list[Span]]]:
         ("value", [Span(kind)]),
         ("output", [Span(f"{occ.output.dtype} {list(occ.output.shape)}")]),
         ("source", [Span(occ.source, True)] if occ.source else [Span("-")]),
+        *([("line", [Span(occ.source_text, True)])] if occ.source_text else []),
         ("reached", [Span(reached_text(occ))]),
     ]
 
@@ -272,6 +276,41 @@ def repro_text(report: Report) -> list[Span]:
     return out
 
 
+ADVICE_TITLE = "Suggested fixes"
+ADVICE_INTRO = "beyond float32, each with the measurement of this replay that calls for it"
+
+
+def guard_rows(report: Report) -> list[tuple[str, str]]:
+    """The Guard's event the capture came with: the failing step, the kind of detection, what it said, the
+    rank; [] when the capture came from elsewhere."""
+    e = report.guard_event
+    if e is None:
+        return []
+    rows = [("failing step", str(e.step)), ("kind", e.kind), ("detail", e.detail)]
+    if e.rank is not None:
+        seen = f" (seen first by rank(s) {', '.join(map(str, e.ranks))})" if e.ranks else ""
+        rows.append(("rank", f"{e.rank}{seen}"))
+    if e.captured_step is not None and e.captured_step != e.step:
+        rows.append(("capture", f"the last good snapshot, the start of step {e.captured_step}"))
+    elif e.captured_step is not None:
+        rows.append(("capture", f"the state step {e.step} began with" if e.pre_update else
+                     "the state with the weights already non-finite"))
+    if e.iterations:
+        rows.append(("steps run", f"{e.iterations} ({e.updates} updates, {e.skipped} skipped by GradScaler)"))
+    if e.scale is not None:
+        rows.append(("GradScaler scale", num(e.scale)))
+    return rows
+
+
+def guard_text(report: Report) -> str | None:
+    """The Guard's event in one line, or None."""
+    e = report.guard_event
+    if e is None:
+        return None
+    rank = f", rank {e.rank}" if e.rank is not None else ""
+    return f"the Guard stopped at step {e.step} ({e.kind}{rank}): {e.detail}"
+
+
 # ------------------------------------------------------------------ nanhunt compare
 #
 # The sentences and table cells of a comparison report, shared by the console, Markdown and HTML. A module
@@ -333,6 +372,11 @@ def rule_hash_text(c: Comparison) -> str | None:
     if not c.rule_sha256:
         return None
     return c.rule_sha256 + (f" of {c.acceptance.canonical()}" if c.acceptance is not None else "")
+
+
+def rule_warning_lines(c: Comparison) -> list[str]:
+    """The rules this checkpoint failed under before the current one (``nanhunt compare --report``'s history)."""
+    return list(c.rule_warnings)
 
 
 def violation_lines(c: Comparison) -> list[str]:
@@ -414,8 +458,16 @@ SPEED_COLUMNS = ("candidate", "step", "repeats", "float32 s", "autocast s", "rat
 
 def _bytes(n: int | None) -> str:
     if n is None:
-        return "-"
+        return "not measured"
     return f"{n / 2 ** 20:.1f} MiB"
+
+
+def speed_memory_lines(c: Comparison) -> list[str]:
+    """How the timed candidates' peak memory was measured, or why it was not (once per distinct way)."""
+    hows = dict.fromkeys(x.speed.peak_memory for x in c.candidates()
+                         if x.speed is not None and not x.speed.reason and x.speed.peak_memory)
+    return [f"peak memory: {h}" + ("" if h.startswith("not measured") else ", in one untimed pass per run")
+            for h in hows]
 
 
 def speed_rows(c: Comparison) -> tuple[list[tuple[str, ...]], list[str]]:
@@ -516,21 +568,71 @@ def decisions_head(c: Comparison) -> str:
 
 
 def decisions_counts(c: Comparison) -> str:
-    """How many samples, how many flipped and near the boundary, and which."""
+    """How many samples, how many flipped and near the boundary, and which; the non-finite ones (no decision,
+    never a flip) when there are any."""
     return (f"{c.n_samples} sample{'s' if c.n_samples != 1 else ''}, {len(c.flipped)} flipped"
             + (f" ({sample_list(c, c.flipped)})" if c.flipped else "")
             + f", {len(c.near_boundary)} near the boundary"
-            + (f" ({sample_list(c, c.near_boundary)})" if c.near_boundary else ""))
+            + (f" ({sample_list(c, c.near_boundary)})" if c.near_boundary else "")
+            + (f", {len(c.nonfinite)} non-finite ({sample_list(c, c.nonfinite)})" if c.nonfinite else ""))
+
+
+def decision_categories(c: Comparison) -> str:
+    """Every sample in exactly one category: same class in both runs, flipped, or no autocast decision."""
+    agree = c.n_samples - len(c.flipped) - len(c.nonfinite)
+    return (f"by category: {agree} agree (same class), {len(c.flipped)} flipped, {len(c.nonfinite)} non-finite "
+            "(autocast scores hold NaN/Inf: no decision)")
+
+
+DECISIONS_SHOWN = 10  # rows of the console's decisions table; the other formats list them all
+
+
+def decision_kind(c: Comparison, d: Decision) -> str:
+    """``nonfinite`` (no autocast decision), ``flip`` or ``near`` (near the boundary, unchanged)."""
+    return "nonfinite" if d.index in c.nonfinite else ("flip" if d.flipped else "near")
+
+
+def worst_decisions(c: Comparison, limit: int = DECISIONS_SHOWN) -> tuple[list[Decision], int]:
+    """The ``limit`` worst decisions and how many are left out: the flips first (a wrong answer that looks like
+    an answer; the most confident float32 decision first), then the non-finite samples (no decision; the
+    ``amp_finite`` violation already names them), then the unchanged near-boundary samples (the smallest float32
+    margin first); ties in sample order."""
+    bad = set(c.nonfinite)
+
+    def key(d: Decision) -> tuple[int, float, int]:
+        if d.index in bad:
+            return (1, 0.0, d.index)
+        margin = d.ref_margin if math.isfinite(d.ref_margin) else math.inf
+        return (0, -margin, d.index) if d.flipped else (2, margin, d.index)
+
+    ordered = sorted(c.decisions, key=key)
+    return ordered[:limit], max(0, len(ordered) - limit)
 
 
 def decision_columns(c: Comparison) -> tuple[str, ...]:
     return ("sample", "float32 class (runner-up)", "float32 margin", f"{c.dtype} class", f"{c.dtype} margin", "")
 
 
+_KIND_TEXT = {"nonfinite": "NON-FINITE", "flip": "FLIPPED", "near": "near the boundary, unchanged"}
+
+
+def _cells(c: Comparison, d: Decision, kind: str) -> tuple[str, ...]:
+    return (c.sample(d.index), f"{d.ref_class} ({d.ref_runner_up})", num(d.ref_margin), str(d.amp_class),
+            num(d.amp_margin), _KIND_TEXT[kind])
+
+
 def decision_cells(c: Comparison, d: Decision) -> tuple[str, ...]:
-    what = "FLIPPED" if d.flipped else "near the boundary, unchanged"
-    return (c.sample(d.index), f"{d.ref_class} ({d.ref_runner_up})", num(d.ref_margin), str(d.amp_class), num(d.amp_margin),
-            what)
+    return _cells(c, d, decision_kind(c, d))
+
+
+def decision_rows(c: Comparison, decisions: Sequence[Decision] | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """``(decision_kind, decision_cells)`` of each decision (default: all, in sample order)."""
+    bad = frozenset(c.nonfinite)
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for d in c.decisions if decisions is None else decisions:
+        kind = "nonfinite" if d.index in bad else ("flip" if d.flipped else "near")
+        out.append((kind, _cells(c, d, kind)))
+    return out
 
 
 def diff_cells(d: TensorDiff) -> tuple[str, ...]:

@@ -8,10 +8,13 @@ reads markup (table cells), through ``rich.markup.escape`` too.
 from __future__ import annotations
 
 import io
+import math
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
@@ -95,6 +98,9 @@ def render(report: Report) -> RenderableType:
         return render_comparison(report)
     colour = "green" if report.status == "clean" else "red"
     parts: list[RenderableType] = [_text(_c.sentence(report), style=f"bold {colour}")]
+    guard = _c.guard_text(report)
+    if guard is not None:
+        parts.append(_t(guard, style="bold"))
     occ = report.first
     if occ is not None:
         parts.append(_key_values(_c.birth_rows(occ)))
@@ -123,6 +129,7 @@ def render(report: Report) -> RenderableType:
             parts.append(_t("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))
         if v.fix:
             parts.append(Text("suggested fix:\n" + visible(v.fix, multiline=True), style="cyan"))
+    parts += _advice(report)
     parts.append(_t("GradScaler: " + _c.scaler_text(report.config)))
     if report.repro is not None:
         parts.append(_text([_c.Span("repro: ")] + _c.repro_text(report)))
@@ -139,13 +146,49 @@ def render(report: Report) -> RenderableType:
     return Group(*parts)
 
 
+def _advice(report: Report) -> list[RenderableType]:
+    """Each fix beyond float32: the advice, the measurement that triggered it, the code."""
+    if not report.advice:
+        return []
+    parts: list[RenderableType] = [Text(f"{_c.ADVICE_TITLE.lower()} ({_c.ADVICE_INTRO}):", style="bold")]
+    for a in report.advice:
+        parts.append(_t(f"- {a.advice}", style="bold cyan"))
+        parts.append(_t(f"  because: {a.because}", style="dim"))
+        code = "\n".join("    " + line for line in visible(a.fix, multiline=True).splitlines())
+        parts.append(Text(code, style="cyan"))
+    return parts
+
+
 def render_text(report: Report, width: int = 100) -> str:
     buf = io.StringIO()
     Console(file=buf, width=width, color_system=None, force_terminal=False).print(render(report))
     return buf.getvalue()
 
 
+def _factor(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3g}x"
+
+
+def _inspect_table(title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> Group:
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
+    for i, col in enumerate(columns):
+        # the tensor's name folds onto more lines rather than losing its end, which tells tensors apart
+        t.add_column(col, justify="left" if i < 3 else "right", overflow="fold" if i == 0 else "ellipsis",
+                     no_wrap=0 < i < 3)
+    for row in rows:
+        t.add_row(*(_m(x) for x in row))
+    return Group(Text(title, style="bold"), t)  # the title as wide as the console, not as the table
+
+
+def _min_text(x: float | None) -> str:
+    return "-" if x is None else _c.num(x)
+
+
 def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
+    """``nanhunt inspect``: the non-finite and near-overflow tensors; for the others, those closest to the dtype
+    limits (largest magnitudes with their float16 / bfloat16 headroom, values below float16's smallest normal),
+    the optimizer's second moments against eps, and what the GradScaler state means. Each tensor in one list; the
+    lists of the finite tensors only when nothing is non-finite (then the non-finite tensors are the finding)."""
     parts: list[RenderableType] = []
     bad = [t for t in found.flagged if t.nan or t.inf]
     near = [t for t in found.flagged if not (t.nan or t.inf)]
@@ -161,11 +204,41 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         parts.append(t)
         if len(found.flagged) > limit:
             parts.append(Text(f"... and {len(found.flagged) - limit} more"))
+    finite = not bad
+    rows: list[tuple[str, ...]]
+    if found.largest and finite:
+        rows = [(s.name, s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax), _factor(s.fp16_headroom),
+                 _factor(s.bf16_headroom), _min_text(s.min_nonzero)) for s in found.largest]
+        title = ("closest to the dtype limits" + (" among the other tensors" if found.flagged else "")
+                 + ": the largest magnitudes (headroom = the dtype's max / max |x|)")
+        parts.append(_inspect_table(title, ("tensor", "dtype", "shape", "max |x|", "fp16 headroom",
+                                            "bf16 headroom", "min |x|>0"), rows))
+    if found.tiniest and finite:
+        rows = [(s.name, s.dtype, str(list(s.shape)).replace(" ", ""), f"{s.below_fp16_normal} of {s.numel}",
+                 _min_text(s.min_nonzero)) for s in found.tiniest]
+        parts.append(_inspect_table("non-zero values below float16's smallest normal (6.1e-05: fewer bits of "
+                                    "precision; below 6e-08 they round to 0)",
+                                    ("tensor", "dtype", "shape", "values below", "min |x|>0"), rows))
+    if found.moments and finite:
+        rows = []
+        for s in found.moments:
+            low = None if s.min_nonzero is None else math.sqrt(s.min_nonzero)
+            rows.append((s.name, s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax),
+                         _c.num(math.sqrt(s.absmax)), _min_text(low), "-" if s.eps is None else f"{s.eps:g}",
+                         "-" if s.eps is None else f"{s.below_eps} of {s.numel}"))
+        parts.append(_inspect_table("optimizer second moments v, largest first (Adam's update is m / (sqrt(v) + "
+                                    "eps): where sqrt(v) < eps, eps sets its size)",
+                                    ("tensor", "dtype", "shape", "max v", "sqrt(max v)", "min sqrt(v)>0", "eps",
+                                     "sqrt(v)<eps"), rows))
     if found.scaler:
         line = "GradScaler: " + ", ".join(f"{k}={v}" for k, v in found.scaler.items())
         if found.scaler_nonfinite:
             line += " (non-finite scale: every loss it scales is non-finite)"
         parts.append(_t(line, style="bold red" if found.scaler_nonfinite else ""))
+        for m in found.scaler_meaning:
+            parts.append(Padding(_t(m, style="red" if found.scaler_nonfinite else ""), (0, 0, 0, 2)))
+    for n in found.notes:
+        parts.append(_t(f"note: {n}", style="yellow"))
     return Group(*parts)
 
 
@@ -186,13 +259,24 @@ def _ranking_table(c: Comparison, limit: int) -> Table:
     return t
 
 
-def _decisions_table(c: Comparison) -> Table:
-    t = Table()
-    for col in _c.decision_columns(c):
-        t.add_column(col, justify="left" if col in ("sample", "") else "right")
-    for d in c.decisions:
-        t.add_row(*(_m(x) for x in _c.decision_cells(c, d)), style="bold red" if d.flipped else "yellow")
-    return t
+_KIND_STYLE = {"nonfinite": "bold magenta", "flip": "bold red", "near": "yellow"}
+
+
+def _decisions(c: Comparison) -> list[RenderableType]:
+    """The categories, then the worst decisions only: the other formats list every one."""
+    parts: list[RenderableType] = [_t(_c.decisions_head(c), style="bold red" if c.flipped or c.nonfinite else "bold"),
+                                   _t(_c.decision_categories(c))]
+    shown, more = _c.worst_decisions(c)
+    if shown:
+        t = Table(title="worst first" if more else None, title_justify="left")
+        for col in _c.decision_columns(c):
+            t.add_column(col, justify="left" if col in ("sample", "") else "right")
+        for kind, cells in _c.decision_rows(c, shown):
+            t.add_row(*(_m(x) for x in cells), style=_KIND_STYLE[kind])
+        parts.append(t)
+    if more:
+        parts.append(Text(f"... and {more} more: the JSON, Markdown and HTML reports (--report) list every sample"))
+    return parts
 
 
 def _diff_line(what: str, d: TensorDiff) -> Text:
@@ -238,9 +322,7 @@ def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
         if d is not None:
             parts.append(_text(_c.carrier_text(d)))
     if c.task == "classify" and (c.reference_finite or c.modules):  # a non-finite reference: nothing was compared
-        parts.append(_t(_c.decisions_head(c), style="bold red" if c.flipped else "bold"))
-        if c.decisions:
-            parts.append(_decisions_table(c))
+        parts += _decisions(c)
     if c.output is not None:
         parts.append(_diff_line("model output", c.output))
     g = c.regression
@@ -272,6 +354,8 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     digest = _c.rule_hash_text(c)
     if digest is not None:
         parts.append(_t(f"{_c.RULE_HASH_LABEL}: {digest}", style="dim"))
+    for w in _c.rule_warning_lines(c):
+        parts.append(_t("warning: " + w, style="bold yellow"))
     for v in _c.violation_lines(c):
         parts.append(_t("violation: " + v, style="red"))
     for a in _c.allowed_lines(c):
@@ -287,6 +371,8 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     if rows:
         parts.append(_cells_table(_c.SPEED_COLUMNS, rows, left=2,
                                   title="speed, after validation (no nanhunt hook; ratio = autocast / float32)"))
+        for m in _c.speed_memory_lines(c):
+            parts.append(_t(m, style="dim"))
     for u in untimed:
         parts.append(_t(u, style="yellow"))
     cfg = report.config

@@ -162,6 +162,9 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
 
         png = draw_png(report)
     parts = _page_head(report)
+    guard = c.guard_rows(report)
+    if guard:
+        parts += ["<section><h2>Guard event</h2>", _kv([(k, _e(v)) for k, v in guard]), "</section>"]
     occ = report.first
     if occ is not None:
         parts += _birth_sections(occ)
@@ -174,6 +177,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         parts += ["<section><h2>Propagation path</h2>", f'<ol class="path">{items}</ol></section>']
     if report.status != "clean" or report.verdict is not None:
         parts += _bisection(report)
+    parts += _advice(report)
     parts += ["<section><h2>GradScaler</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
     env = c.environment_rows(report)
     if env:
@@ -237,6 +241,16 @@ def _bisection(report: Report) -> list[str]:
     return parts
 
 
+def _advice(report: Report) -> list[str]:
+    """Each fix beyond float32: the advice, the measurement that triggered it, the code."""
+    if not report.advice:
+        return []
+    items = "".join(f"<li><p><b>{_e(a.advice)}</b></p><p class=\"dim\">because: {_e(a.because)}</p>"
+                    f"<pre><code>{_pre(a.fix)}</code></pre></li>" for a in report.advice)
+    return [f"<section><h2>{_e(c.ADVICE_TITLE)}</h2>", f"<p>{_e(c.ADVICE_INTRO[0].upper() + c.ADVICE_INTRO[1:])}.</p>",
+            f"<ul>{items}</ul></section>"]
+
+
 def _reproduce(report: Report) -> list[str]:
     """How to replay the step, and the op alone when a repro was written."""
     parts = ["<section><h2>Reproduce</h2>"]
@@ -275,7 +289,7 @@ _LIST_SHOWN = 100
 _CMP_CSS = """
 .rule { background: #f6f8fa; border-left: 4px solid #888; padding: 8px 12px; margin: 10px 0; }
 ul.violations li { color: var(--bad); }
-tr.flip td { color: var(--bad); font-weight: 600; } tr.near td { color: var(--warn); }
+tr.flip td, tr.nonfinite td { color: var(--bad); font-weight: 600; } tr.near td { color: var(--warn); }
 tr.first td { font-weight: 600; }
 """
 
@@ -346,10 +360,9 @@ def _diff_table(named: list[tuple[str, TensorDiff]], *, names_are_code: bool = F
 
 def _decisions_table(cmp: Comparison) -> str:
     rows = []
-    for d in cmp.decisions:
-        cells = c.decision_cells(cmp, d)
+    for kind, cells in c.decision_rows(cmp):
         body = "".join(f"<td>{_e(x)}</td>" if i in (0, 5) else _num_cell(x) for i, x in enumerate(cells))
-        rows.append(f'<tr class="{"flip" if d.flipped else "near"}">{body}</tr>')
+        rows.append(f'<tr class="{kind}">{body}</tr>')
     head = _head_row(c.decision_columns(cmp), (0, 5))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -361,6 +374,8 @@ def _compare_badges(cmp: Comparison) -> str:
         out += f'<span class="badge b-bad">{_e(cmp.dtype)} non-finite</span>'
     if cmp.flipped:
         out += f'<span class="badge b-bad">{len(cmp.flipped)} flipped</span>'
+    if cmp.nonfinite:
+        out += f'<span class="badge b-bad">{len(cmp.nonfinite)} non-finite samples</span>'
     if cmp.near_boundary:
         out += f'<span class="badge b-warn">{len(cmp.near_boundary)} near the boundary</span>'
     return out
@@ -423,7 +438,10 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
                      f"{_calls_table(cmp)}</details></section>")
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
         parts += ["<section><h2>Decisions</h2>",
-                  f'<p class="{"bad" if cmp.flipped else ""}"><b>{_e(c.decisions_counts(cmp))}.</b></p>']
+                  f'<p class="{"bad" if cmp.flipped or cmp.nonfinite else ""}"><b>{_e(c.decisions_counts(cmp))}.</b></p>']
+        if cmp.nonfinite:
+            cats = c.decision_categories(cmp)
+            parts.append(f"<p>{_e(cats[0].upper() + cats[1:])}.</p>")
         if cmp.decisions:
             parts.append(_decisions_table(cmp))
         parts.append("</section>")
@@ -473,6 +491,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         canonical = f" of <code>{_e(cmp.acceptance.canonical())}</code>" if cmp.acceptance is not None else ""
         parts.append(f'<p class="dim"><b>{_e(c.RULE_HASH_LABEL.capitalize())}:</b> <code>{_e(cmp.rule_sha256)}'
                      f"</code>{canonical}</p>")
+    parts += [f'<p class="warn"><b>Warning:</b> {_e(w)}.</p>' for w in c.rule_warning_lines(cmp)]
     violations = c.violation_lines(cmp)
     if violations:
         items = "".join(f"<li>{_e(v)}</li>" for v in violations)
@@ -498,6 +517,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
                   "float32 time per repetition (below 1: autocast is faster).</p>"]
         if rows:
             parts.append(_plain_table(c.SPEED_COLUMNS, rows, text_columns=(0, 1)))
+            parts += [f"<p>{_e(m[0].upper() + m[1:])}.</p>" for m in c.speed_memory_lines(cmp)]
         parts += [f'<p class="warn">{_e(u[0].upper() + u[1:])}.</p>' for u in untimed]
         parts.append("</section>")
     cfg = [(k, _e(v)) for k, v in report.config.items() if v is not None]

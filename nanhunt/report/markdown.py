@@ -89,6 +89,9 @@ def render(report: Report) -> str:
         detail = f"a fresh process reproduced the {'NaN' if rp.result == 'nan' else 'Inf'}" if rp.verified \
             else (rp.result or "not run")
         out += ["", f"{mark}: {escape(detail)} with {code(rp.command)} (see *Reproduce*)."]
+    guard = c.guard_rows(report)
+    if guard:
+        out += ["", "#### Guard event", ""] + [f"- **{escape(k)}:** {escape(v)}" for k, v in guard]
     occ = report.first
     if occ is not None:
         out += ["", "#### Where it was born", ""]
@@ -111,6 +114,11 @@ def render(report: Report) -> str:
             out += ["", "Whole step instead: " + "; ".join(f"{escape(k)}: {escape(s)}" for k, s in alts) + "."]
         if v is not None and v.fix:
             out += ["", "Suggested fix:", "", fence(v.fix, "python")]
+    if report.advice:
+        out += ["", f"#### {c.ADVICE_TITLE}", "", escape(c.ADVICE_INTRO[0].upper() + c.ADVICE_INTRO[1:]) + "."]
+        for a in report.advice:
+            out += ["", f"- **{escape(a.advice)}**", "", f"  because: {escape(a.because)}", "",
+                    "\n".join("  " + line for line in fence(a.fix, "python").splitlines())]
     out += ["", "#### GradScaler", "", escape(c.scaler_text(report.config))]
     env = c.environment_rows(report)
     if env:
@@ -216,8 +224,11 @@ def _candidate(cmp: Comparison) -> list[str]:
         out += ["", _details(f"All {len(cmp.modules)} module calls, in the order they started", _calls_table(cmp))]
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
         out += ["", "#### Decisions", "", f"**{escape(c.decisions_counts(cmp))}.**"]
+        if cmp.nonfinite:
+            cats = c.decision_categories(cmp)
+            out += ["", escape(cats[0].upper() + cats[1:]) + "."]
         if cmp.decisions:
-            rows = [tuple(escape(x) for x in c.decision_cells(cmp, d)) for d in cmp.decisions]
+            rows = [tuple(escape(x) for x in cells) for _, cells in c.decision_rows(cmp)]
             out += ["", _cells_table(c.decision_columns(cmp), rows)]
     named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
     if named or cmp.regression is not None:
@@ -250,6 +261,9 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
     if cmp.rule_sha256:
         canonical = f" of {code(cmp.acceptance.canonical())}" if cmp.acceptance is not None else ""
         out += ["", f"**{escape(c.RULE_HASH_LABEL.capitalize())}:** {code(cmp.rule_sha256)}{canonical}"]
+    warnings = c.rule_warning_lines(cmp)
+    if warnings:
+        out += [""] + [f"**Warning:** {escape(w)}." for w in warnings]
     violations = c.violation_lines(cmp)
     if violations:
         out += ["", "Violations:", ""] + [f"- {escape(v)}" for v in violations]
@@ -271,6 +285,7 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
                 "float32 time per repetition (below 1: autocast is faster)."]
         if rows:
             out += ["", _cells_table(c.SPEED_COLUMNS, [tuple(escape(v) for v in r) for r in rows], right_from=2)]
+            out += [f"\n{escape(m[0].upper() + m[1:])}." for m in c.speed_memory_lines(cmp)]
         out += ["", *(f"- {escape(u[0].upper() + u[1:])}." for u in untimed)] if untimed else []
     cfg = [(k, str(v)) for k, v in report.config.items() if v is not None]
     env = c.environment_rows(dataclasses.replace(report, config={}))
