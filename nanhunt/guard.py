@@ -7,27 +7,33 @@ plain Python) and the capture writer (``_guard_capture.CaptureWriter``). :class:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, overload
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._dispatch import tensor_version
 from ._errors import GuardError
-from ._guard_capture import CaptureWriter, StepEntry
+from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
+from ._interrupt import atomic
 from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, seen
 from ._skip_policy import SkipPolicy
 from .capture import rng_state
 from .records import GuardEvent
+from .step import set_rng_state
 
 __all__ = ["Guard", "GuardEvent", "GuardWarning"]
 
-OnFail = Literal["raise", "dump", "warn"]
+OnFail = Literal["raise", "dump", "warn", "rollback"]
 _T = TypeVar("_T")
 
 
@@ -47,6 +53,27 @@ class _Step(StepEntry):
     update_ran: bool = False
     scale: float | None = None
     tripped: bool = False
+    # on_fail="rollback": the guard dropped the gradients before optimizer.step() (``held``), the parameters'
+    # versions then, and whether the optimizer wrote them all the same (a custom one that ignores .grad)
+    held: bool = False
+    versions: list[int] | None = None
+    wrote: bool = False
+
+    @property
+    def updated(self) -> bool:
+        """The optimizer changed this rank's parameters in this step."""
+        return self.update_ran and not self.local_skip and (not self.held or self.wrote)
+
+
+@dataclass
+class _Plan:
+    """What rolling back the last detection means: back to the state step ``target`` began with (the failing
+    update's). ``live``: at the detection, the live weights and optimizer state were that state."""
+
+    event: GuardEvent
+    entry: _Step
+    target: int
+    live: bool
 
 
 class _Part(Generic[_T]):
@@ -108,15 +135,42 @@ class Guard:
     holds the poisoned weights and says so (``event.pre_update`` is False).
 
     Counters: ``iterations`` (guard steps), ``updates`` (optimizer updates that
-    really ran), ``skipped`` (GradScaler skips), ``stepped`` (the last step
-    updated the weights), ``scale_history`` ((step, scale) whenever the scale in
-    use changed), ``events``.
+    really ran and stand), ``skipped`` (GradScaler skips), ``rollbacks``,
+    ``stepped`` (the last step updated the weights), ``scale_history`` ((step,
+    scale) whenever the scale in use changed), ``events``.
+
+    Rollback: after a detection, :meth:`rollback` (or ``on_fail="rollback"``, at
+    the end of the failing step, with a :class:`GuardWarning`) puts the model's
+    parameters and persistent buffers, the optimizer's state and hyper-parameters,
+    the GradScaler's scale and growth tracker and torch's RNG back to the state the
+    failing update began with, bit for bit, into the same tensor objects, and drops
+    every ``.grad``. The loop then simply goes on with its next batch: the bad one
+    is skipped. A detection before the update (a loss or gradient check) needs no
+    copy: the live weights are still those, and the guard puts back what the step
+    did change (the buffers its forward wrote, the GradScaler's backoff, the RNG).
+    Weights an update already wrote non-finite need the ``snapshot_every`` copy
+    (with N>1 the steps since it are undone too); without it the rollback refuses.
+    A rolled-back step is no update and no skip: ``updates`` and ``skipped`` go back
+    to what they were at the restored state, ``stepped`` is False, ``iterations``
+    still counts it. Under ``on_fail="rollback"`` the guard also drops the
+    gradients before an ``optimizer.step()`` that a detection already condemned
+    (so without a GradScaler the update never happens), and keeps Python's and
+    NumPy's generators too (85 us a step). Every rollback is an event (kind
+    ``"rollback"``, naming the detection and its capture) in ``events`` and in
+    ``dump_dir/rollbacks.jsonl``, with the changes of policy made before resuming:
+    :meth:`note_change`, ``rollback(change=...)``, and float32 regions
+    (``nanhunt.keep_fp32_permanently``) or an autocast dtype that differ when the
+    loop resumes, found by the guard (kind ``"change"``). More than
+    ``max_rollbacks`` rollbacks in a run raise :class:`nanhunt.GuardError`.
 
     Under ``torch.distributed`` the flags of every rank are summed with one
     ``all_reduce`` per check, so all ranks decide alike and stop at the same step
     (no rank is left waiting in a collective); the event names the rank(s) that
     saw the problem, and those ranks write their captures (every rank with
-    ``dump_all_ranks=True``). A skip counts towards the policy when any rank skipped.
+    ``dump_all_ranks=True``). Under FSDP2 (DTensor weights) every rank writes its
+    part of one capture directory ``step{N}/`` instead (DCP shards, each rank's
+    batch, ``manifest.json``; ``nanhunt replay DIR``), nothing gathered onto one rank.
+    A skip counts towards the policy when any rank skipped.
 
     Clean-path cost per step: at entry the RNG state, two scalar copies (the
     GradScaler's scale and growth tracker) and one fused copy of the model's
@@ -153,7 +207,8 @@ class Guard:
             ``model_kwargs``) or ``model_factory="package.module:callable"``;
             ``loss_fn`` an ``nn.Module`` loss or a module-level function (``None``:
             the model returns its loss). Checked here, not at the first failure.
-        on_fail: ``"raise"`` (default), ``"dump"`` or ``"warn"``.
+        on_fail: ``"raise"`` (default), ``"dump"``, ``"warn"`` or ``"rollback"``.
+        max_rollbacks: rollbacks allowed in the run; the next one raises instead.
         max_consecutive_skips: trip at this many GradScaler skips in a row (None: never).
         skip_window: ``(window, max_rate)``: trip when more than ``max_rate *
             window`` of the last ``window`` steps were skipped (None: never).
@@ -182,6 +237,7 @@ class Guard:
         model_factory: str | None = None,
         model_kwargs: Mapping[str, Any] | None = None,
         on_fail: OnFail = "raise",
+        max_rollbacks: int = 3,
         max_consecutive_skips: int | None = 10,
         skip_window: tuple[int, float] | None = (1000, 0.05),
         snapshot_every: int | None = None,
@@ -192,8 +248,10 @@ class Guard:
         dtype: torch.dtype | None = None,
         process_group: Any = None,
     ) -> None:
-        if on_fail not in ("raise", "dump", "warn"):
-            raise ValueError(f"on_fail must be 'raise', 'dump' or 'warn', not {on_fail!r}")
+        if on_fail not in ("raise", "dump", "warn", "rollback"):
+            raise ValueError(f"on_fail must be 'raise', 'dump', 'warn' or 'rollback', not {on_fail!r}")
+        if max_rollbacks < 0:
+            raise ValueError("max_rollbacks must be >= 0")
         self._policy = SkipPolicy(max_consecutive_skips, skip_window)
         self.model = model
         self.optimizer = optimizer
@@ -210,7 +268,14 @@ class Guard:
         self.iterations = 0
         self.updates = 0
         self.skipped = 0
+        self.rollbacks = 0
+        self.max_rollbacks = max_rollbacks
         self.stepped = False
+        self._plan: _Plan | None = None  # the last step's detection, until the next step begins
+        self._changes: list[str] = []  # changes of policy noted, not yet in an event
+        self._regions = _fp32_regions(self._capture.module)  # float32 regions as last looked at
+        self._resumed: _Step | None = None  # the step rolled back, until the loop resumes (changes are looked for)
+        self._watch_dtype: _Step | None = None  # ... and until the resumed step's forward (its autocast dtype)
         self.scale_history: list[tuple[int, float]] = []
         self.events: list[GuardEvent] = []
         self._cur: _Step | None = None
@@ -299,6 +364,31 @@ class Guard:
             self._trip(cur, kind, detail, ranks, per_rank, live=True, stacklevel=3)
         return cur.grads_ok
 
+    def note_change(self, text: str) -> None:
+        """Record a change of policy made before the loop resumes (a float32 region, another dtype, a lower
+        learning rate), in a line of its own: it goes into the next rollback's event, or into a ``"change"``
+        event when the next step begins. A change is an experiment to judge, not a fix."""
+        self._changes.append(" ".join(str(text).split()))
+
+    def rollback(self, change: str | None = None) -> GuardEvent:
+        """Undo the last step's detection: back to the last good pre-update state (see the class docstring).
+
+        Call it after the ``with guard.step(batch):`` block that saw the detection (``on_fail="dump"`` or
+        ``"warn"``, or where :class:`nanhunt.GuardError` was caught) and before the next one; then go on with
+        the next batch. ``change``: a change of policy made before resuming (as :meth:`note_change`). Returns
+        the rollback's event. Raises :class:`nanhunt.GuardError`, having restored nothing, when it cannot: no
+        snapshot holds the state before an update that wrote non-finite weights, or ``max_rollbacks`` reached.
+        """
+        if self._cur is not None:
+            raise RuntimeError("guard.rollback() must be called after the `with guard.step(batch):` block that "
+                               "saw the detection, not inside it")
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("nothing to roll back: the last guard step saw no detection, or was rolled back already")
+        if change is not None:
+            self.note_change(change)
+        return self._roll(plan)
+
     @property
     def skip_rate(self) -> float:
         """Fraction of skipped steps among the last ``skip_window[0]`` steps."""
@@ -325,6 +415,8 @@ class Guard:
             cur.forward_seen = True
             if torch.is_autocast_enabled(self.device_type):
                 cur.autocast = torch.get_autocast_dtype(self.device_type)
+            if self._watch_dtype is not None:
+                self._dtype_after_rollback(cur)
 
     def _pre_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # Without a GradScaler nothing stops a non-finite update: check before it writes the weights. Not when
@@ -334,17 +426,28 @@ class Guard:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
         if cur is not None and not cur.checked and not self._scaling() and closure is None:
             self.check_grads()
+        if cur is not None and cur.tripped and self.on_fail == "rollback" and not cur.held and closure is None:
+            # The step is condemned: no update. Dropping the gradients makes the optimizer skip every parameter
+            # (a custom one that writes them all the same is noticed after, and rolled back from the snapshot).
+            cur.held, cur.versions = True, [tensor_version(p) for p in self._detect.params]
+            for p in self._detect.params:
+                p.grad = None
 
     def _post_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._cur is not None:
-            self._cur.update_ran = True
+        cur = self._cur
+        if cur is not None:
+            cur.update_ran = True
+            if cur.held and cur.versions is not None:
+                cur.wrote = cur.wrote or any(tensor_version(p) != v for p, v in zip(self._detect.params, cur.versions))
 
     # ------------------------------------------------------------ the step
     def _enter(self, batch: Any, index: int | None = None) -> Guard:
         if self._cur is not None:
             raise RuntimeError("guard.step() is already active: steps do not nest")
         try:
-            return self._open(_Step(self.iterations if index is None else index, batch, rng_state()))
+            host = _host_rng() if self.on_fail == "rollback" else None
+            return self._open(_Step(self.iterations if index is None else index, batch, rng_state(),
+                                    counts=(self.updates, self.skipped), host_rng=host))
         except BaseException:
             # Interrupted (Ctrl-C) before the with-block began: its __exit__ never runs, so the step is
             # closed here, not counted, and the next guard.step() starts afresh.
@@ -361,7 +464,9 @@ class Guard:
                 cur.scale_before = self.scaler._scale.detach().clone()
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
         self._capture.begin(cur, first=self.iterations == 0)
-        self._cur = cur
+        if self._resumed is not None or self._changes:
+            self._changes_at_resume(cur)
+        self._cur, self._plan = cur, None  # a detection can be rolled back only until the next step begins
         return self
 
     def _exit(self, failed: bool, exc: BaseException | None = None) -> None:
@@ -377,11 +482,15 @@ class Guard:
             raise
         finally:
             self._close(cur, failed)
+        plan = self._plan
+        if self.on_fail == "rollback" and plan is not None and plan.entry is cur:
+            # The step ended normally (a step that raised keeps its detection for guard.rollback()).
+            self._roll(plan)
 
     def _close(self, cur: _Step, failed: bool) -> None:
         """Count the step and end it. One assignment: interrupted, every counter is as it was or all are
         updated (``_StepContext.__exit__`` ends the step in any case)."""
-        stepped = cur.update_ran and not cur.local_skip
+        stepped = cur.updated
         skipped = bool(cur.local_skip) and not failed  # an aborted step attempted nothing
         self._cur, self.iterations, self.stepped, self.updates, self.skipped = (
             None, self.iterations + 1, stepped, self.updates + stepped, self.skipped + skipped)
@@ -495,14 +604,18 @@ class Guard:
                 live, bad_update = False, (self._capture.poisoned_at or cur.index) - 1
         rank = self._detect.rank
         written = self._capture.capture(cur, seen_here=self._detect.world == 1 or bool(self._detect.own(per_rank)),
-                                        live=live, began=began, bad_update=bad_update, scaler_before=scaler_before)
+                                        live=live, began=began, bad_update=bad_update, scaler_before=scaler_before,
+                                        ranks=ranks, group=self._detect._pg)  # FSDP2: every rank writes
+        replay_args, replay_notes = self._capture.replay_args() if written.checkpoint is not None else ((), ())
         event = GuardEvent(
             step=cur.index, kind=kind, detail=detail, rank=rank, ranks=ranks if rank is not None else (),
             checkpoint=written.checkpoint, batch=written.batch, captured_step=written.captured_step,
             pre_update=written.pre_update, capture_error=written.error,
             iterations=self.iterations, updates=self.updates, skipped=self.skipped, scale=cur.scale,
+            replay_args=replay_args, replay_notes=replay_notes,
         )
         self.events.append(event)
+        self._plan = _Plan(event, cur, bad_update, live)
         if written.checkpoint is not None:
             self._capture.write_event(event, self.scale_history)
         if self.on_fail == "raise" and propagate:
@@ -510,6 +623,111 @@ class Guard:
         if self.on_fail == "warn":
             warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
         return event
+
+    # ------------------------------------------------------------- rollback
+    def _roll(self, plan: _Plan) -> GuardEvent:
+        """Roll back ``plan``'s detection, or record why not and raise :class:`GuardError` (nothing restored).
+
+        No collective: under torch.distributed every rank saw the same detection at the same step (one
+        all_reduce) and decides from the same configuration, so all ranks roll back together."""
+        cur = plan.entry
+        snap = None
+        reason: str | None = None
+        if self.rollbacks >= self.max_rollbacks:
+            reason = f"max_rollbacks={self.max_rollbacks} reached (pass a larger max_rollbacks to nanhunt.Guard)"
+        else:
+            live = plan.live and plan.target == cur.index and not cur.updated
+            lost = self._capture.unrestorable_buffers(cur) if live else []
+            if not live or lost:
+                snap = self._capture.snapshot
+                if snap is None or snap.step > plan.target:
+                    why = (f"buffer {lost[0]} was first changed by step {cur.index}, which kept no copy of it" if lost
+                           else f"the update of step {plan.target} wrote the weights and no snapshot holds them "
+                                f"from before it")
+                    reason = f"{why}: pass snapshot_every=1 to nanhunt.Guard"
+                else:
+                    reason = self._capture.snapshot_problem(snap)
+        if reason is not None:
+            event = dataclasses.replace(plan.event, kind="rollback", rollback_error=reason, rollbacks=self.rollbacks,
+                                        iterations=self.iterations, updates=self.updates, skipped=self.skipped)
+            self._record(event)
+            raise GuardError(event)
+        event = self._restore(plan, snap)
+        if self.on_fail == "rollback":
+            warnings.warn(event.describe(), GuardWarning, stacklevel=4)
+        return event
+
+    @atomic
+    def _restore(self, plan: _Plan, snap: _Snapshot | None) -> GuardEvent:
+        """Put the state back, count, record: runs to its end despite Ctrl-C (a SIGINT waits until all is done)."""
+        cur = plan.entry
+        if snap is None:  # the live weights and optimizer state are the target's: the rest is the step's
+            self._capture.restore_buffers(cur)
+            scale, tracker, unset = cur.scale_before, cur.tracker_before, cur.scaler_unset
+            rng, host, counts, restored = cur.rng, cur.host_rng, cur.counts, cur.index
+        else:
+            self._capture.restore_snapshot(snap)
+            saved = snap.scaler or {}
+            scale, tracker, unset = saved.get("scale"), saved.get("_growth_tracker"), snap.scaler_unset
+            rng, host, counts, restored = snap.rng, snap.host_rng, snap.counts, snap.step
+        if self._scaling():
+            assert self.scaler is not None
+            restore_scaler(self.scaler, scale, tracker, unset)
+        for p in (*self._capture.module.parameters(), *self._detect.params):
+            p.grad = None
+        set_rng_state(rng)
+        if host is not None:
+            set_rng_state(host)
+        scale_now = None if unset or scale is None else float(scale)
+        if scale_now is not None and (not self.scale_history or self.scale_history[-1][1] != scale_now):
+            self.scale_history.append((self.iterations, scale_now))
+        event = dataclasses.replace(
+            plan.event, kind="rollback", restored_step=restored, changes=self._take_changes(),
+            rollbacks=self.rollbacks + 1, iterations=self.iterations, updates=counts[0], skipped=counts[1],
+            scale=scale_now)
+        self.updates, self.skipped, self.stepped, self.rollbacks, self._plan = (
+            counts[0], counts[1], False, self.rollbacks + 1, None)
+        self._capture.poisoned_at = None  # the weights are good again: snapshots resume
+        self._resumed = self._watch_dtype = cur
+        self._record(event)
+        return event
+
+    def _take_changes(self) -> tuple[str, ...]:
+        """The changes noted, and the float32 regions added or removed since last looked at."""
+        regions = _fp32_regions(self._capture.module)
+        found = [f"float32 region added: {n} (nanhunt.keep_fp32_permanently)" for n in regions if n not in self._regions]
+        found += [f"float32 region removed: {n}" for n in self._regions if n not in regions]
+        changes = (*self._changes, *found)
+        self._changes, self._regions = [], regions
+        return changes
+
+    def _changes_at_resume(self, cur: _Step) -> None:
+        """The first step after a rollback (or after a note): record the changes made before it."""
+        self._resumed = None
+        changes = self._take_changes()
+        if changes:
+            self._record(self._change_event(cur, changes))
+
+    def _dtype_after_rollback(self, cur: _Step) -> None:
+        was, self._watch_dtype = self._watch_dtype, None
+        if was is not None and was is not cur and was.forward_seen and was.autocast != cur.autocast:
+            self._record(self._change_event(cur, (f"autocast dtype {_dtype_name(was.autocast)} -> "
+                                                  f"{_dtype_name(cur.autocast)}",)))
+
+    def _change_event(self, cur: _Step, changes: tuple[str, ...]) -> GuardEvent:
+        rank = self._detect.rank
+        return GuardEvent(step=cur.index, kind="change", detail="changes of policy before resuming", rank=rank,
+                          changes=changes, iterations=self.iterations, updates=self.updates, skipped=self.skipped,
+                          rollbacks=self.rollbacks)
+
+    def _record(self, event: GuardEvent) -> None:
+        """Append ``event`` to ``events`` and to ``dump_dir/rollbacks.jsonl`` (a failed write warns)."""
+        self.events.append(event)
+        try:
+            self._capture.write_log(event)
+        except OSError as e:
+            warnings.warn(f"nanhunt.Guard: could not append to the rollback log in {self.dump_dir}: {e}", GuardWarning,
+                          stacklevel=2)
 
 
 class _StepContext:
@@ -531,3 +749,18 @@ class _StepContext:
             # Ended here too: a Ctrl-C inside _exit before its own try/finally, or inside that finally,
             # must not leave a step open (every later guard.step() would raise "steps do not nest").
             self._guard._cur = None
+
+
+def _host_rng() -> dict[str, Any]:
+    """Python's and NumPy's global generators (torch's is in every step entry already)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _fp32_regions(model: nn.Module) -> tuple[str, ...]:
+    """The submodules ``nanhunt.keep_fp32_permanently`` (or an open ``keep_fp32``) runs in float32 now."""
+    return tuple(name for name, m in model.named_modules()
+                 if getattr(m.__dict__.get("forward"), "__nanhunt_fp32__", False))
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "float32 (no autocast)" if dtype is None else str(dtype).replace("torch.", "")

@@ -23,6 +23,9 @@ def check_options(dump_dir: str | os.PathLike[str], options: dict[str, Any]) -> 
     unknown = [k for k in options if k not in params or k in ("model", "optimizer", "scaler", "dump_dir")]
     if unknown:
         raise TypeError(f"NanhuntCallback got options nanhunt.Guard does not take: {', '.join(unknown)}")
+    if options.get("on_fail") == "rollback":
+        raise ValueError("on_fail='rollback' is not available in NanhuntCallback: the framework owns the training "
+                         "loop, so the guard cannot skip the batch and go on; use 'raise', 'dump' or 'warn'")
     if options.get("on_fail", "raise") not in ("raise", "dump", "warn"):
         raise ValueError(f"on_fail must be 'raise', 'dump' or 'warn', not {options['on_fail']!r}")
     os.fspath(dump_dir)  # a TypeError now for something that is no path
