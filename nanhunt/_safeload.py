@@ -49,6 +49,9 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False) -> Any:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # the weights-only unpickler runs no code from the file: any error means a bad file
+        dtensor = _dtensor_line(path, name, is_zip, e)
+        if dtensor is not None:  # one rank's shards: no flag loads them into something a replay can use
+            raise CommandError(dtensor) from e
         if not (trust_pickle and _pickled_objects(path, is_zip, e)):
             raise CommandError(_explain(path, name, is_zip, e)) from e
         warnings.warn(f"nanhunt: loading {path} with weights_only=False (--trust-pickle): this runs code from "
@@ -66,6 +69,15 @@ def _check_path(path: str, name: str) -> int:
     if not os.path.exists(path):
         raise CommandError(f"{name} does not exist; check the path")
     if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "manifest.json")):
+            raise CommandError(f"{name} is a nanhunt capture directory (written by the Guard under FSDP2), not a "
+                               f"file; replay it alone: nanhunt replay {path} [--rank R]")
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            raise CommandError(f"{name} is a torch.distributed.checkpoint (DCP) directory, not a file; the Guard's "
+                               "capture directory holds one beside its batches (nanhunt replay DIR), or convert it "
+                               "with python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR model.pt "
+                               "and give that file with --model (it unpickles the directory's metadata: only "
+                               "for one you trust)")
         raise CommandError(f"{name} is a directory; give the .pt file")
     if not os.access(path, os.R_OK):
         raise CommandError(f"{name} is not readable; check its permissions")
@@ -316,6 +328,23 @@ def _pickled_objects(path: str, is_zip: bool, e: Exception) -> bool:
     return isinstance(e, pickle.UnpicklingError) and _pickles(path, is_zip)[1] is None
 
 
+def _dtensor_line(path: str, name: str, is_zip: bool, e: Exception) -> str | None:
+    """The line for a file of DTensor shards (``state_dict()`` of an FSDP2 model saved on one rank), or None."""
+    if not isinstance(e, pickle.UnpicklingError):
+        return None
+    names, damaged = _pickles(path, is_zip)
+    if damaged is not None or not any(n.startswith("torch.distributed.") and n.endswith(".DTensor") for n in names):
+        return None
+    return _dtensor_message(name)
+
+
+def _dtensor_message(name: str) -> str:
+    return (f"{name} holds DTensor shards (one rank's piece of an FSDP2 / tensor-parallel model), not full tensors: "
+            "nanhunt cannot put the pieces together from one file; replay the capture directory nanhunt.Guard "
+            "writes under FSDP2 (nanhunt replay DIR), or save full tensors (get_model_state_dict with "
+            "StateDictOptions(full_state_dict=True))")
+
+
 def _explain(path: str, name: str, is_zip: bool, e: Exception) -> str:
     names, damaged = _pickles(path, is_zip)
     if damaged is not None:
@@ -375,6 +404,8 @@ def _check_loaded(obj: Any, name: str) -> None:
 
 
 def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None:
+    if type(t).__module__.startswith("torch.distributed."):  # a DTensor: torch loads it weights-only once
+        raise CommandError(_dtensor_message(name))  # torch.distributed.tensor is imported
     if t.is_meta or t.layout != torch.strided or t.is_nested:
         kind = "a meta tensor (no data)" if t.is_meta else f"a {t.layout} tensor".replace("torch.", "")
         raise CommandError(f"{name} holds {kind} at {_at(where)}; nanhunt reads dense tensors only")

@@ -43,11 +43,14 @@ def _print(renderable: Any) -> None:
 
 class ReplayCommand:
     name = "replay"
-    help = "replay one step from a checkpoint and a batch; name the op where NaN/Inf was born"
+    help = "replay one step from a checkpoint and a batch (or a capture directory); name the op where NaN/Inf was born"
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("checkpoint", help="checkpoint.pt: a nanhunt capture, a state_dict, {'model': ...} or Lightning's")
-        p.add_argument("batch", help="batch.pt: a nanhunt capture, a tensor, (inputs, targets) or a dict")
+        p.add_argument("checkpoint", help="checkpoint.pt: a nanhunt capture, a state_dict, {'model': ...} or "
+                       "Lightning's; or a capture directory the Guard wrote under FSDP2 (DIR, alone)")
+        p.add_argument("batch", nargs="?", help="batch.pt: a nanhunt capture, a tensor, (inputs, targets) or a dict")
+        p.add_argument("--rank", type=int, metavar="R", help="with a capture directory: replay rank R's batch "
+                       "(default: the first rank that saw the failure)")
         p.add_argument("--model", metavar="PKG.MOD:FACTORY", help="how to build the model (required for plain state_dicts)")
         p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
         p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="autocast dtype (default: the capture's, else float16)")
@@ -66,7 +69,7 @@ class ReplayCommand:
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from .capture import load_step
+        from .capture import load_capture_dir, load_step
         from .hunt import hunt
         from .report import renderer_for, write, write_bundle
         from .report.console import render
@@ -78,12 +81,18 @@ class ReplayCommand:
         if args.trust_pickle:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
-        step = load_step(
-            args.checkpoint, args.batch, model_factory=args.model, loss=args.loss, device=args.device,
-            dtype=args.dtype, no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle,
-        )
-        for n in step.notes:
-            print(visible(f"warning: {n}"), file=sys.stderr)
+        options = dict(model_factory=args.model, loss=args.loss, device=args.device, dtype=args.dtype,
+                       no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
+        directory = args.batch is None
+        if directory:  # a capture directory; its first note says which rank's batch is replayed
+            step = load_capture_dir(args.checkpoint, rank=args.rank, **options)
+        elif args.rank is not None:
+            raise CommandError("--rank picks a batch of a capture directory; with a checkpoint and a batch file, "
+                               "leave it out")
+        else:
+            step = load_step(args.checkpoint, args.batch, **options)
+        for i, n in enumerate(step.notes):
+            print(visible(n if directory and i == 0 else f"warning: {n}"), file=sys.stderr)
         try:
             with _Progress() as progress:
                 report = hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
@@ -242,18 +251,22 @@ class CompareCommand:
                                "own code, <input>: the batch) are explained, if they reach neither loss nor gradient")
         p.add_argument("--speed", type=int, nargs="?", const=10, metavar="N",
                        help="after validation, time the plain step (no nanhunt hook) of each passing candidate against "
-                            "float32, N interleaved repetitions (default 10); peak memory on CUDA")
+                            "float32, N interleaved repetitions (default 10); peak memory (CUDA: allocated bytes, "
+                            "Linux CPU: peak RSS growth) in one more untimed pass each")
         p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default cpu)")
         mode = p.add_mutually_exclusive_group()
         mode.add_argument("--train", dest="train", action="store_const", const=True, help="run in train mode")
         mode.add_argument("--eval", dest="train", action="store_const", const=False,
                           help="run in eval mode (--speed then times inference: forward and loss, no gradients)")
-        p.add_argument("--report", metavar="PATH", help="also write the report (.json, .md, .html + .png beside, .txt)")
+        p.add_argument("--report", metavar="PATH",
+                       help="also write the report (.json, .md, .html + .png beside, .txt); each run is recorded in "
+                            "nanhunt-compare-history.jsonl beside it, and a rule changed after a failing run of the "
+                            "same checkpoint is a warning in the report")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
         from .capture import load_step
-        from .compare import compare, settle_rule
+        from .compare import History, compare, settle_rule
         from .report import renderer_for, write
         from .report.console import render_comparison
 
@@ -280,6 +293,9 @@ class CompareCommand:
         # Fixed before the run: printed (stderr: stdout starts with the verdict) and hashed into the report.
         print(visible(f"rule (fixed before the run): {rule.canonical()}"), file=sys.stderr)
         print(f"rule sha256: {rule.sha256()}", file=sys.stderr)
+        history = History.beside(args.report, args.checkpoint, [n for n, _ in files]) if args.report else None
+        for w in history.warnings(rule.sha256()) if history is not None else ():
+            print(visible(f"warning: {w}"), file=sys.stderr)
         try:
             report = compare(
                 step.model, None if is_set else (step.inputs, step.targets), batches=batches, loss_fn=step.loss_fn,
@@ -290,6 +306,8 @@ class CompareCommand:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
             raise _step_failed("running the step", e) from e
+        if history is not None:
+            report = history.record(report)
         _print(render_comparison(report))
         if args.report:
             write(report, args.report)

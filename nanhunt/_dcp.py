@@ -1,0 +1,462 @@
+"""Private: the Guard's capture directory for a sharded (FSDP2) model, and reading it back in one process.
+
+A capture directory holds ``state/`` (``torch.distributed.checkpoint``: every rank writes its own shards of the
+model and optimizer state, nothing is gathered onto one rank), each rank's batch and RNG (``batch-rank{R}.pt``,
+the format of a ``batch.pt``) and ``manifest.json``, written last: a directory without it is no capture.
+
+Reading consolidates the shards into full tensors without ``torch.distributed``. DCP's own reader unpickles
+``state/.metadata`` with ``pickle.load`` (any global the file names, code included) and its non-tensor entries
+with ``torch.load(weights_only=False)``; here the metadata is unpickled by an unpickler that builds only DCP's
+metadata classes, and every entry is read with ``torch.load(weights_only=True)``, so a hostile directory runs
+no code, and the memory it can make nanhunt allocate is bounded by the bytes of its shard files.
+
+Everything of ``torch.distributed`` is imported inside the functions: ``import nanhunt`` stays light.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import sys
+from collections.abc import Mapping
+from contextlib import suppress
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import CommandError
+
+__all__ = ["MANIFEST", "STATE", "sharded", "batch_file", "is_capture_dir", "write_capture_dir", "read_manifest",
+           "pick_rank", "load_state", "optimizer_by_index"]
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+STATE = "state"
+WRAPPERS = ("fsdp2", "ddp")
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest holds names and flags: a model with a million modules fits
+MAX_WORLD = 1 << 20
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file in state/, never a path
+
+
+# ------------------------------------------------------------------- writing
+def sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism)."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made in this process
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def user_class(module: nn.Module) -> type:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass made on the fly."""
+    if "torch.distributed.fsdp" in sys.modules:
+        from torch.distributed.fsdp import FSDPModule
+
+        for cls in type(module).__mro__:
+            if not issubclass(cls, FSDPModule):
+                return cls
+    return type(module)
+
+
+def batch_file(rank: int) -> str:
+    return f"batch-rank{rank}.pt"
+
+
+def is_capture_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                  buffers: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state, by fully qualified name (no collective, nothing
+    gathered); ``buffers`` replace the live ones (the copies a step began with)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_sd: dict[str, Any] = dict(get_model_state_dict(module))
+    for name, t in buffers.items():
+        live = model_sd.get(name)
+        if isinstance(live, torch.Tensor) and live.shape == t.shape:
+            model_sd[name] = t
+    return {"model": model_sd, "optimizer": get_optimizer_state_dict(module, optimizer)}
+
+
+def write_capture_dir(path: str, *, state: Any, fields: Mapping[str, Any], batch: Mapping[str, Any],
+                      ranks_seen: tuple[int, ...], step: int, wrapper: str, group: Any = None) -> str | None:
+    """Write the capture directory; every rank of ``group`` must call it (each step is agreed by one small
+    ``all_reduce``, so a rank that failed never leaves the others waiting). ``state``: this rank's state, or
+    an exception raised making it (the others then write nothing). Returns None, or why there is no capture."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = _comm_device(group)
+    error: str | None = f"{type(state).__name__}: {state}" if isinstance(state, BaseException) else None
+    manifest = {"nanhunt_capture_dir": FORMAT, "world_size": world, "wrapper": wrapper,
+                "ranks_seen": sorted(ranks_seen), "step": step, **fields}
+    if error is None:
+        try:
+            text = json.dumps(manifest, indent=1, allow_nan=False)  # model_kwargs that JSON cannot say: no capture
+            if rank == 0:
+                _clear(path)  # a capture of this step written earlier; its manifest goes first
+            os.makedirs(path, exist_ok=True)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    if not _agree(error is None, device, group):
+        return error or "another rank could not prepare its part of the capture"
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        save(state, checkpoint_id=os.path.join(path, STATE), process_group=group)  # raises on every rank
+        _save_atomic(batch, os.path.join(path, batch_file(rank)))
+    except Exception as e:
+        error = f"{type(e).__name__}: {_first_line(e)}"
+    if not _agree(error is None, device, group):
+        return error or "another rank could not write its part of the capture"
+    if rank == 0:
+        try:
+            tmp = os.path.join(path, MANIFEST + ".partial")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(path, MANIFEST))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    if not _agree(error is None, device, group):
+        return error or "rank 0 could not write the capture's manifest"
+    return None
+
+
+def _comm_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(ok: bool, device: torch.device, group: Any) -> bool:
+    """Whether every rank is ``ok`` (one all_reduce of one number)."""
+    import torch.distributed as dist
+
+    failed = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(failed, group=group)
+    return float(failed) == 0.0
+
+
+def _clear(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.remove(os.path.join(path, MANIFEST))
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _save_atomic(obj: Any, path: str) -> None:
+    tmp = path + ".partial"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+# ------------------------------------------------------------------- reading
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest, its own fields checked (the capture's fields are checked where a checkpoint's are)."""
+    where = f"capture directory {path!r}"
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        if os.path.isfile(os.path.join(path, STATE, ".metadata")):
+            raise CommandError(f"{where} has no {MANIFEST}: the job died while writing it, so the capture is not "
+                               "whole; use an earlier capture")
+        raise CommandError(f"{where} is not a nanhunt capture directory (no {MANIFEST}); give a capture directory "
+                           "the Guard wrote, or a checkpoint and a batch file")
+    if os.path.getsize(file) > MAX_MANIFEST_BYTES:
+        raise CommandError(f"{where}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no capture "
+                           "writes; nanhunt refuses it")
+    try:
+        with open(file, encoding="utf-8") as f:
+            man = json.load(f)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise CommandError(f"{where}: {MANIFEST} is not valid JSON ({_first_line(e)}); the capture is damaged") from e
+    if not isinstance(man, dict) or man.get("nanhunt_capture_dir") != FORMAT:
+        raise CommandError(f"{where}: {MANIFEST} is not a nanhunt manifest of format {FORMAT}; write the capture "
+                           "again with this nanhunt")
+
+    def bad(name: str, expected: str) -> CommandError:
+        return CommandError(f"{where} is not a valid nanhunt capture: {MANIFEST} field {name!r} is "
+                            f"{_short(man.get(name))}, expected {expected}")
+
+    world = man.get("world_size")
+    if type(world) is not int or not 1 <= world <= MAX_WORLD:
+        raise bad("world_size", f"an integer from 1 to {MAX_WORLD}")
+    if man.get("wrapper") not in WRAPPERS:
+        raise bad("wrapper", " or ".join(repr(w) for w in WRAPPERS))
+    seen = man.get("ranks_seen")
+    if not isinstance(seen, list) or not all(type(r) is int and 0 <= r < world for r in seen):
+        raise bad("ranks_seen", f"a list of ranks from 0 to {world - 1}")
+    if type(man.get("step")) is not int or man["step"] < 0:
+        raise bad("step", "a step index (an integer >= 0)")
+    return man
+
+
+def pick_rank(man: Mapping[str, Any], rank: int | None, path: str) -> int:
+    """``--rank`` checked against the capture, or the first rank that saw the failure (0 if none did)."""
+    world = int(man["world_size"])
+    if rank is None:
+        return min(man["ranks_seen"], default=0)
+    if not 0 <= rank < world:
+        raise CommandError(f"--rank {rank} is out of range: capture directory {path!r} was written by {world} "
+                           f"rank(s), 0 to {world - 1}; pick one of them")
+    return rank
+
+
+def load_state(path: str) -> dict[str, Any]:
+    """The DCP checkpoint at ``path`` consolidated into full CPU tensors, nested as it was saved."""
+    where = f"the capture's state {path!r}"
+    meta = _read_metadata(path, where)
+    storage = _storage_index(meta, path, where)
+    entries = meta.state_dict_metadata
+    planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    _check_budget(entries, storage, path, where)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    for fqn, md in entries.items():
+        if isinstance(md, TensorStorageMetadata):
+            value: Any = _read_tensor(fqn, md, storage, path, where)
+        else:
+            value = _load(path, storage[(fqn, None)], where, fqn)
+        keys = planner.get(fqn, (fqn,))
+        if not (isinstance(keys, tuple) and keys and all(type(k) in (str, int) for k in keys)):
+            raise CommandError(f"{where} is damaged: the place of {fqn!r} in the state is {_short(keys)}")
+        _set_nested(out, keys, value, where)
+    return {k: _lists(v) for k, v in out.items()}
+
+
+def optimizer_by_index(osd: Any, where: str) -> tuple[dict[str, Any], list[list[str]]]:
+    """A state dict of ``get_optimizer_state_dict`` (keyed by parameter name) as ``Optimizer.state_dict()``
+    numbers it, and each group's parameter names (what ``save_capture`` records as ``optimizer_params``)."""
+    fix = "the capture is damaged; use an earlier one"
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    state = osd.get("state", {}) if isinstance(osd, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(state, Mapping) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+            and all(isinstance(n, str) for n in g["params"]) for g in groups):
+        raise CommandError(f"{where}: its optimizer state has no parameter groups naming their parameters; {fix}")
+    names = [list(g["params"]) for g in groups]
+    index = {n: i for i, n in enumerate(n for g in names for n in g)}
+    unknown = [str(k) for k in state if k not in index]
+    if unknown:
+        raise CommandError(f"{where}: its optimizer state names parameters no group holds ({_few(unknown)}); {fix}")
+    sd = {"state": {index[k]: v for k, v in state.items()},
+          "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
+    return sd, names
+
+
+# ---------------------------------------------------------- DCP's metadata
+def _layout(name: str) -> torch.layout:
+    """A layout from its name, as DCP pickles one; only torch's own."""
+    found = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if name not in found:
+        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    return found[name]
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout,
+        ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # checkpoint_id: kept as a name, never opened
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+        ("collections", "OrderedDict"): dict,
+    }
+    for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = getattr(filesystem, "_StorageInfo")
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.memory_format)):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses and nothing else: any other global is refused, never imported."""
+
+    def __init__(self, file: io.BufferedIOBase) -> None:
+        super().__init__(file)
+        self._allowed = _allowed_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return found
+
+
+def _read_metadata(path: str, where: str) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = os.path.join(path, ".metadata")
+    if not os.path.isfile(file):
+        raise CommandError(f"{where} has no .metadata: it is not a whole torch.distributed.checkpoint; the capture "
+                           "is damaged")
+    try:
+        with open(file, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CommandError(f"{where}: its .metadata names {_short(str(e))}, which is not part of a DCP checkpoint's "
+                           "metadata and would run code if unpickled; nanhunt refuses it") from e
+    except Exception as e:  # the unpickler builds only dataclasses: any error means a damaged file
+        raise CommandError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
+        raise CommandError(f"{where}: its .metadata holds a {type(meta).__name__}, not DCP metadata")
+    return meta
+
+
+def _storage_index(meta: Any, path: str, where: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """Where each entry's bytes are: ``(fqn, chunk offsets)`` -> storage info, each checked to lie in a
+    shard file of ``path`` (a plain name, no path) and to be read by the default torch.save format."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    data = meta.storage_data
+    if not isinstance(data, dict):
+        raise CommandError(f"{where}: its .metadata says nowhere where the data is; the capture is damaged")
+    sizes: dict[str, int] = {}
+    out: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for key, info in data.items():
+        rel = getattr(info, "relative_path", None)
+        off, n = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(key, MetadataIndex) or not isinstance(rel, str) or not _SHARD_NAME.fullmatch(rel) \
+                or type(off) is not int or type(n) is not int or off < 0 or n <= 0:
+            raise CommandError(f"{where}: its .metadata places data at {_short(rel)}, which is not a shard file "
+                               "of the checkpoint; nanhunt refuses it")
+        if getattr(info, "transform_descriptors", None):
+            raise CommandError(f"{where}: its shards are stored transformed ({_short(info.transform_descriptors)}), "
+                               "which nanhunt does not read; save without storage extensions")
+        if rel not in sizes:
+            file = os.path.join(path, rel)
+            if not os.path.isfile(file) or os.path.islink(file):
+                raise CommandError(f"{where}: its shard file {rel!r} is missing; copy the whole capture directory")
+            sizes[rel] = os.path.getsize(file)
+        if off + n > sizes[rel]:
+            raise CommandError(f"{where}: its shard file {rel!r} is truncated; copy the whole capture directory")
+        offset = None if key.offset is None else tuple(int(i) for i in key.offset)
+        out[(str(key.fqn), offset)] = info
+    return out
+
+
+def _check_budget(entries: Mapping[str, Any], storage: Mapping[Any, Any], path: str, where: str) -> None:
+    """Every tensor is made of chunks that tile it exactly, each stored once: then the full tensors take no
+    more bytes than the shard files hold."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    used: set[tuple[str, int]] = set()
+    for fqn, md in entries.items():
+        if not isinstance(fqn, str):
+            raise CommandError(f"{where}: its .metadata names an entry {_short(fqn)}, not a name")
+        if not isinstance(md, TensorStorageMetadata):
+            if (fqn, None) not in storage:
+                raise CommandError(f"{where}: the data of {fqn!r} is not stored; the capture is damaged")
+            continue
+        dtype = getattr(md.properties, "dtype", None)
+        size = md.size
+        if not isinstance(dtype, torch.dtype) or not isinstance(size, torch.Size) or any(s < 0 for s in size):
+            raise CommandError(f"{where}: {fqn!r} has no valid dtype and shape in its .metadata")
+        chunks = md.chunks if isinstance(md.chunks, list) else []
+        boxes = []
+        for c in chunks:
+            off, sz = tuple(c.offsets), tuple(c.sizes)
+            if len(off) != len(size) or len(sz) != len(size) or any(
+                    o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, size)):
+                raise CommandError(f"{where}: a chunk of {fqn!r} lies outside its shape {tuple(size)}")
+            info = storage.get((fqn, off))
+            if info is None:
+                raise CommandError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
+            place = (info.relative_path, info.offset)
+            if place in used or math.prod(sz) * dtype.itemsize > info.length:
+                raise CommandError(f"{where}: a chunk of {fqn!r} claims more bytes than are stored for it; "
+                                   "nanhunt refuses it")
+            used.add(place)
+            boxes.append((off, sz))
+        overlap = any(all(a < c + w and c < a + v for a, v, c, w in zip(o1, s1, o2, s2))
+                      for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:]
+                      if math.prod(s1) and math.prod(s2))
+        if overlap or sum(math.prod(s) for _, s in boxes) != math.prod(size):
+            raise CommandError(f"{where}: the chunks of {fqn!r} do not tile its shape {tuple(size)}; the capture "
+                               "is damaged")
+
+
+def _load(path: str, info: Any, where: str, fqn: str) -> Any:
+    """One stored entry, read with torch's weights-only unpickler."""
+    with open(os.path.join(path, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CommandError(f"{where}: the data of {fqn!r} cannot be read with weights_only=True "
+                           f"({_first_line(e)}); the capture is damaged or hostile") from e
+
+
+def _read_tensor(fqn: str, md: Any, storage: Mapping[Any, Any], path: str, where: str) -> torch.Tensor:
+    full = torch.empty(md.size, dtype=md.properties.dtype)
+    for c in md.chunks:
+        off, sz = tuple(c.offsets), tuple(c.sizes)
+        t = _load(path, storage[(fqn, off)], where, fqn)
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta or tuple(t.shape) != sz \
+                or t.dtype != full.dtype or t.untyped_storage().nbytes() < t.numel() * t.element_size():
+            what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)}"
+            raise CommandError(f"{where}: a chunk of {fqn!r} holds {what}, not the {full.dtype} {sz} its .metadata "
+                               "says; the capture is damaged")
+        full[tuple(slice(o, o + s) for o, s in zip(off, sz))] = t
+    return full
+
+
+def _set_nested(out: dict[Any, Any], keys: tuple[Any, ...], value: Any, where: str) -> None:
+    node = out
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise CommandError(f"{where} is damaged: two entries claim the same place in the state")
+    node[keys[-1]] = value
+
+
+def _lists(obj: Any) -> Any:
+    """DCP flattens lists into integer keys (``param_groups.0``): make them lists again."""
+    if not isinstance(obj, dict):
+        return obj
+    if obj and all(type(k) is int for k in obj) and sorted(obj) == list(range(len(obj))):
+        return [_lists(obj[i]) for i in range(len(obj))]
+    return {k: _lists(v) for k, v in obj.items()}
+
+
+# ------------------------------------------------------------------- words
+def _short(value: Any, n: int = 80) -> str:
+    s = repr(value).encode("unicode_escape").decode("ascii")
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    shown = ", ".join(_short(i, 60) for i in items[:n])
+    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"

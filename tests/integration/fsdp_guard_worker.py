@@ -1,0 +1,81 @@
+"""One rank of a 2-process gloo FSDP2 training loop watched by ``nanhunt.Guard`` (bfloat16 autocast, no
+GradScaler, a tiny MLP on the CPU). Only rank ``bad_rank``'s batch at ``bad_step`` overflows: inputs of 3e38
+(finite in bfloat16) summed by fc1, whose weights are made positive, pass bfloat16's 3.4e38. Writes
+``rank{R}.json``; rank 1 also saves its ``state_dict()`` as a plain .pt file (DTensor shards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import nanhunt
+from fixtures.models import MLP
+
+D_IN = 64
+BIG = 3e38
+
+
+def batch(rank: int, i: int, *, big: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    x = torch.rand(4, D_IN, generator=g)
+    y = torch.randn(4, 4, generator=g)
+    return (torch.full_like(x, BIG) if big else x), y
+
+
+def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, bad_step: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {"rank": rank, "stopped_at": None}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = MLP(d_in=D_IN)
+        with torch.no_grad():
+            model.fc1.weight.abs_()
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+        fully_shard(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        guard = nanhunt.Guard(model, opt, None, dump_dir=dump, loss_fn=F.mse_loss, model_kwargs={"d_in": D_IN})
+        for i in range(5):
+            x, y = batch(rank, i, big=rank == bad_rank and i == bad_step)
+            try:
+                with guard.step((x, y)):
+                    opt.zero_grad(set_to_none=True)
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = guard.loss(F.mse_loss(model(x), y))
+                    loss.backward()
+                    guard.check_grads()
+                    opt.step()
+            except nanhunt.GuardError as e:
+                res["stopped_at"] = i
+                res["event"] = e.event.to_dict()
+                res["describe"] = e.event.describe()
+                # the pre-update state gathered whole (a collective), for the test to compare with the capture's
+                full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                if rank == 0:
+                    torch.save(full, os.path.join(out, "full-state.pt"))
+                break
+        res["iterations"] = guard.iterations
+        if rank == 1:  # what a user saving one rank's state_dict gets: DTensor shards
+            torch.save(model.state_dict(), os.path.join(out, "rank1-state.pt"))
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # a rank that had not stopped would leave the other waiting here
+        res["after"] = float(flag)
+        guard.close()
+    except BaseException as e:  # reported to the test, which fails on it
+        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump(res, fh)
+        if dist.is_initialized():
+            dist.destroy_process_group()
