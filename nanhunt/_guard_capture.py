@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -13,13 +14,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import _dispatch
+from . import _dcp, _dispatch
 from ._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
-from .capture import callable_path, save_capture, unwrap_model
+from ._names import capture_name, confirmations
+from .capture import _hf_model_spec, capture_record, resolve, save_capture, unwrap_model
 from .records import GuardEvent
 
-__all__ = ["StepEntry", "Written", "EntryBuffers", "CaptureWriter"]
+__all__ = ["StepEntry", "Written", "EntryBuffers", "CaptureWriter", "restore_scaler"]
 
 
 @dataclass
@@ -36,6 +38,8 @@ class StepEntry:
     buffers: dict[int, torch.Tensor] | None = None  # entry copies of the buffers a step changes (EntryBuffers' index)
     autocast: torch.dtype | None = None
     forward_seen: bool = False
+    counts: tuple[int, int] = (0, 0)  # the guard's (updates, skipped) as the step began: what a rollback restores
+    host_rng: dict[str, Any] | None = None  # Python's and NumPy's generators (kept for on_fail="rollback" only)
 
 
 class Written(NamedTuple):
@@ -56,6 +60,9 @@ class _Snapshot:
     scaler: dict[str, Any] | None
     batch: Any
     rng: dict[str, Any]
+    counts: tuple[int, int] = (0, 0)
+    host_rng: dict[str, Any] | None = None
+    scaler_unset: bool = False
 
 
 class EntryBuffers:
@@ -69,7 +76,7 @@ class EntryBuffers:
         # Only buffers that change are copied at entry after the first step (a causal-mask buffer that
         # never changes costs nothing): normalisation statistics (their kernels write them without
         # bumping the version counter) and any buffer whose version moved since the last entry.
-        self._versions = [tensor_version(b) for _, b in self.named]
+        self.versions = [tensor_version(b) for _, b in self.named]  # as the last step began
         self._moves = [keeps_running_stats(module.get_submodule(name.rpartition(".")[0])) for name, _ in self.named]
         self.copies: dict[int, torch.Tensor] = {}
 
@@ -82,8 +89,8 @@ class EntryBuffers:
         want: list[int] = []
         for k, (_, b) in enumerate(self.named):
             v = tensor_version(b)
-            if v != self._versions[k]:
-                self._versions[k], self._moves[k] = v, True
+            if v != self.versions[k]:
+                self.versions[k], self._moves[k] = v, True
             if first or self._moves[k]:
                 want.append(k)
         old = self.copies
@@ -101,7 +108,8 @@ class EntryBuffers:
 class CaptureWriter:
     """Writes ``step{N}[-rank{R}]-checkpoint.pt``, ``-batch.pt`` and ``-event.json`` into ``dump_dir``: the live
     state (with the buffers and scaler state the step began with) or the last-good snapshot, taken every
-    ``snapshot_every`` steps until the weights are first seen non-finite (``poisoned_at``)."""
+    ``snapshot_every`` steps until the weights are first seen non-finite (``poisoned_at``). Under FSDP2, a capture
+    directory ``step{N}/`` that every rank writes (``_dcp``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, *,
                  dump_dir: str | os.PathLike[str], loss_fn: Any, model_factory: str | None,
@@ -111,12 +119,12 @@ class CaptureWriter:
             raise ValueError("snapshot_every must be >= 1 or None")
         self.module = unwrap_model(model)
         # Fail now rather than at the first bad step, when nothing could be saved.
-        self.model_factory = model_factory or callable_path(self.module)
+        self.model_factory = model_factory or capture_name(_dcp.user_class(self.module))  # FSDP2: your class
         if self.model_factory is None:
             raise ValueError("cannot name the model's class for the capture: "
                              "pass model_factory='package.module:callable'")
-        if loss_fn is not None and callable_path(loss_fn) is None:
-            raise ValueError("loss_fn must be importable by name (a module-level function or an nn.Module loss)")
+        if loss_fn is not None and capture_name(loss_fn) is None:
+            raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
         self.optimizer, self.scaler = optimizer, scaler
         self.dump_dir = os.fspath(dump_dir)
         self.loss_fn = loss_fn
@@ -130,9 +138,33 @@ class CaptureWriter:
         self.snapshot: _Snapshot | None = None
         # First step at whose start the weights were seen non-finite: no snapshot is taken from then on.
         self.poisoned_at: int | None = None
+        # Judged here, not on the failure path: a step's exit runs the same code at every detection.
+        self._confirm = self._confirmations()
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
+
+    def replay_args(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The ``--model`` / ``--loss`` confirmations the printed replay command needs to work as printed (run
+        from this directory), and notes for names no flag confirms."""
+        return self._confirm
+
+    def _confirmations(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        named: list[tuple[str, str | None, Any]] = []
+        cls = _dcp.user_class(self.module)
+        own = capture_name(cls)
+        if not (self.model_factory == own and _hf_model_spec(self.module) is not None):
+            factory: Any = cls
+            if self.model_factory is not None and self.model_factory != own:
+                try:
+                    factory = resolve(self.model_factory, what="model factory", trusted=True)
+                except Exception:
+                    factory = None  # judged unrecognised: the command confirms it
+            named.append(("model factory", self.model_factory, factory))
+        if self.loss_fn is not None:
+            named.append(("loss function", capture_name(self.loss_fn), self.loss_fn))
+        args, notes = confirmations(named)
+        return tuple(args), tuple(notes)
 
     # ------------------------------------------------------------ a step begins
     def begin(self, entry: StepEntry, *, first: bool) -> None:
@@ -159,18 +191,25 @@ class CaptureWriter:
             self.poison(entry.index)  # and keep the last good copy
             return
         self.snapshot = _Snapshot(step=entry.index, model=model, optimizer=_cpu_copy(self.optimizer.state_dict()),
-                                  scaler=scaler, batch=entry.batch, rng=entry.rng)
+                                  scaler=scaler, batch=entry.batch, rng=entry.rng, counts=entry.counts,
+                                  host_rng=entry.host_rng, scaler_unset=entry.scaler_unset)
 
     # --------------------------------------------------------------- the files
     def capture(self, entry: StepEntry, *, seen_here: bool, live: bool, began: bool, bad_update: int,
-                scaler_before: bool) -> Written:
+                scaler_before: bool, ranks: tuple[int, ...] = (), group: Any = None) -> Written:
         """Write this rank's capture of a detection (if it saw it, or every rank's with ``dump_all_ranks``).
 
         ``live``: the live weights are those the step began with (nothing updated them yet); else the snapshot,
         if any. ``began``: the live buffers are to be replaced by the entry copies. ``bad_update``: the step
         whose update the capture should hold the state before. ``scaler_before``: save the scaler state the
         step began with. A failure to write is reported in ``error``, never raised (the detection matters more).
+        ``ranks`` saw the failure first; ``group``: the process group whose ranks stop together.
         """
+        # ---- FSDP2 (DTensor weights): one capture directory that every rank of ``group`` writes (_dcp.py)
+        if _dcp.sharded(self.module):
+            return self._capture_dir(entry, live=live, began=began, scaler_before=scaler_before, ranks=ranks,
+                                     group=group)
+        # ----
         if not (seen_here or self.dump_all_ranks):
             return Written(None, None, None, False, "another rank saw it; its capture holds the step")
         if self.captures >= self.max_captures:
@@ -189,9 +228,42 @@ class CaptureWriter:
             return Written(None, None, None, False, f"{type(e).__name__}: {e}")
         return Written(ck, bt, captured, pre_update, None)
 
+    def _capture_dir(self, entry: StepEntry, *, live: bool, began: bool, scaler_before: bool,
+                     ranks: tuple[int, ...], group: Any) -> Written:
+        """``step{N}/``: DCP shards of the live state, each rank's batch, a manifest (``_dcp``). Every rank takes
+        part, whether or not it saw the failure: DCP's save is a collective. No snapshot: an update that wrote
+        non-finite weights is captured with them (``pre_update`` False)."""
+        if self.captures >= self.max_captures:  # every rank counts alike: all of them write every capture
+            return Written(None, None, None, False, f"max_captures={self.max_captures} already written")
+        state: Any
+        fields: dict[str, Any] = {}
+        batch: dict[str, Any] = {}
+        try:
+            scaler = self.scaler if self._scaling() else None
+            scaler_state = None
+            if scaler is not None and scaler_before:
+                scaler_state = _scaler_state(scaler, entry.scale_before, entry.tracker_before)
+            fields, batch = capture_record(model=self.module, model_state={}, optimizer=self.optimizer,
+                                           optimizer_state={}, batch=entry.batch, scaler=scaler,
+                                           scaler_state=scaler_state, rng=entry.rng, **self._save_kwargs(entry))
+            buffers = {self.buffers.named[k][0]: c for k, c in (entry.buffers or {}).items()} if began else {}
+            state = _dcp.sharded_state(self.module, self.optimizer, buffers)
+        except Exception as e:  # said to the other ranks, which then write nothing either
+            state = e
+        for k in ("nanhunt_capture", "model", "optimizer", "optimizer_params"):
+            fields.pop(k, None)  # the tensors and the parameter names are in the shards
+        path = os.path.join(self.dump_dir, f"step{entry.index:06d}")
+        error = _dcp.write_capture_dir(path, state=state, fields=fields, batch=batch, ranks_seen=ranks,
+                                       step=entry.index, wrapper="fsdp2", group=group)
+        self.captures += 1
+        if error is not None:
+            return Written(None, None, None, False, error)
+        return Written(path, None, entry.index, live, None)
+
     def write_event(self, event: GuardEvent, scale_history: list[tuple[int, float]]) -> None:
         assert event.checkpoint is not None
-        path = event.checkpoint[: -len("checkpoint.pt")] + "event.json"
+        path = (os.path.join(event.checkpoint, f"event-rank{self.rank}.json") if event.batch is None  # a directory
+                else event.checkpoint[: -len("checkpoint.pt")] + "event.json")
         data = {**event.to_dict(), "describe": event.describe(), "scale_history": scale_history[-50:]}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
@@ -238,6 +310,114 @@ class CaptureWriter:
         save_capture(ck, bt, model=self.module, model_state=snap.model, batch=snap.batch, optimizer=self.optimizer,
                      optimizer_state=snap.optimizer, scaler_state=snap.scaler, rng=snap.rng,
                      **self._save_kwargs(entry))
+
+    # --------------------------------------------------------------- rollback
+    def unrestorable_buffers(self, entry: StepEntry) -> list[str]:
+        """Buffers the step wrote that have no entry copy (their first change in this guard's life): the live
+        state cannot give them back, only a snapshot can."""
+        copies = entry.buffers or {}
+        versions = self.buffers.versions
+        return [name for k, (name, b) in enumerate(self.buffers.named)
+                if k not in copies and tensor_version(b) != versions[k]]
+
+    def restore_buffers(self, entry: StepEntry) -> None:
+        """Write the entry copies back into the buffers the step's forward changed (BatchNorm statistics)."""
+        pairs = [(self.buffers.named[k][1], c) for k, c in (entry.buffers or {}).items()
+                 if c.shape == self.buffers.named[k][1].shape]
+        if pairs:
+            with torch.no_grad():
+                _dispatch.foreach_copy([live for live, _ in pairs], [c for _, c in pairs])
+
+    def snapshot_problem(self, snap: _Snapshot) -> str | None:
+        """Why ``snap`` cannot be written back into the live model and optimizer (None: it can)."""
+        live = self.module.state_dict(keep_vars=True)
+        if live.keys() != snap.model.keys():
+            return "the model's state_dict keys changed since the snapshot"
+        moved = [k for k, v in live.items() if v.shape != snap.model[k].shape or v.dtype != snap.model[k].dtype]
+        if moved:
+            return f"{moved[0]} changed shape or dtype since the snapshot"
+        ids = {id(t) for t in live.values()}
+        outside = sum(id(p) not in ids for g in self.optimizer.param_groups for p in g["params"])
+        if outside:
+            return f"the optimizer updates {outside} tensor(s) outside the model, which the snapshot does not hold"
+        groups = (snap.optimizer or {}).get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
+            return "the optimizer's parameter groups changed since the snapshot"
+        return None
+
+    def restore_snapshot(self, snap: _Snapshot) -> None:
+        """The model's parameters and buffers and the optimizer's state and hyper-parameters as ``snap`` holds
+        them, written into the live tensors: the optimizer and the user keep their references."""
+        with torch.no_grad():
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                t.copy_(snap.model[name])
+        assert snap.optimizer is not None
+        _restore_optimizer(self.optimizer, snap.optimizer)
+
+    def write_log(self, event: GuardEvent) -> str:
+        """Append ``event`` to ``dump_dir/rollbacks[-rank{R}].jsonl``, one JSON object a line; returns the path."""
+        os.makedirs(self.dump_dir, exist_ok=True)
+        name = "rollbacks" + (f"-rank{self.rank}" if self.rank is not None else "") + ".jsonl"
+        path = os.path.join(self.dump_dir, name)
+        line = json.dumps({**event.to_dict(), "describe": event.describe()})
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        return path
+
+
+def restore_scaler(scaler: torch.amp.GradScaler, scale: torch.Tensor | float | None,
+                   tracker: torch.Tensor | int | None, unset: bool) -> None:
+    """The GradScaler as a step began: its scale and growth tracker written into its own tensors (or not yet
+    created again, ``unset``), and no optimizer marked as unscaled or stepped, as ``update()`` leaves it."""
+    if unset:
+        scaler._scale, scaler._growth_tracker = None, None
+    elif scale is not None and tracker is not None and scaler._scale is not None \
+            and scaler._growth_tracker is not None:
+        for live, value in ((scaler._scale, scale), (scaler._growth_tracker, tracker)):
+            if isinstance(value, torch.Tensor):
+                live.copy_(value)
+            else:
+                live.fill_(value)
+    scaler._per_optimizer_states.clear()  # a defaultdict: each optimizer starts afresh at its next unscale_
+
+
+def _restore_optimizer(opt: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """``opt.load_state_dict(saved)`` in place: state tensors copied into the live ones, keys and groups as saved."""
+    params: dict[int, Any] = {}
+    for g, sg in zip(opt.param_groups, saved["param_groups"]):
+        params.update(zip(sg["params"], g["params"]))
+    states = saved["state"]
+    with torch.no_grad():
+        for idx, p in params.items():
+            want = states.get(idx)
+            if want is None:
+                opt.state.pop(p, None)  # no state yet at the snapshot: the optimizer creates it afresh
+                continue
+            cur = opt.state.get(p)
+            if cur is None:
+                cur = opt.state[p] = {}
+            for k in [k for k in cur if k not in want]:
+                del cur[k]
+            for k, v in want.items():
+                old = cur.get(k)
+                if isinstance(v, torch.Tensor):
+                    if isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                        old.copy_(v)
+                    else:  # Adam's "step" stays on the CPU, as the optimizer keeps it
+                        cur[k] = v.clone() if k == "step" else v.to(p.device, copy=True)
+                else:
+                    cur[k] = copy.deepcopy(v)
+        for g, sg in zip(opt.param_groups, saved["param_groups"]):
+            for k in [k for k in g if k != "params" and k not in sg]:
+                del g[k]
+            for k, v in sg.items():
+                old = g.get(k)
+                if k == "params":
+                    continue
+                if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape:
+                    old.copy_(v)
+                else:
+                    g[k] = copy.deepcopy(v)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import random
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _dcp, _names
+from ._names import loaded_from as _loaded_from, recognised as _allowed
 from ._errors import CommandError
 from ._safeload import load_file
 from ._tree import map_tensors
@@ -40,6 +43,7 @@ from .step import Step, rng_state, set_rng_state, split_batch
 __all__ = [
     "save_capture",
     "load_capture",
+    "load_capture_dir",
     "unwrap_model",
     "load_file",
     "resolve",
@@ -76,6 +80,12 @@ def resolve(path: str, *, what: str, trusted: bool) -> Any:
     attribute, its module found on disk outside the current directory."""
     if not isinstance(path, str):
         raise CommandError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
+    if _names.is_script(path):
+        return _from_script(path, what=what, trusted=trusted)
+    if _names.is_session(path):
+        raise CommandError(f"{what} {path!r} was defined in a notebook or interactive session, which cannot be "
+                           f"imported; put it in a module and pass {_FLAGS.get(what, '--model')} "
+                           f"package.module:{path.partition(':')[2]}")
     mod_name, sep, qual = path.partition(":")
     if not sep or not _dotted(mod_name) or not _dotted(qual):
         raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
@@ -101,21 +111,37 @@ def resolve(path: str, *, what: str, trusted: bool) -> Any:
         fix = (f"if you trust it, pass {flag} {path} to confirm" if own and flag else
                f"pass {flag} package.module:{'factory' if flag == '--model' else 'fn'} with your own"
                if flag else "rebuild it yourself")
-        raise CommandError(f"the file names {what} {path!r}, which is {_kind(what)}: nanhunt does not call it "
-                           f"unconfirmed; {fix}")
+        message = (f"the file names {what} {path!r}, which is {_kind(what)}: nanhunt does not call it "
+                   f"unconfirmed; {fix}")
+        if own and flag:
+            raise _names.NeedsConfirmation(message, what=what, path=path)
+        raise CommandError(message)
     return obj
 
 
-_FLAGS = {"model factory": "--model", "loss function": "--loss"}
-# torch.nn.functional's losses: the only functions a file may name (the loss is called on the model's
-# output and the file's targets; torch.save, torch.from_file and the like would act on them too)
-_LOSS_NAMES = (
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss", "cross_entropy",
-    "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss", "kl_div", "l1_loss",
-    "margin_ranking_loss", "mse_loss", "multi_margin_loss", "multilabel_margin_loss",
-    "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss", "smooth_l1_loss", "soft_margin_loss",
-    "triplet_margin_loss", "triplet_margin_with_distance_loss",
-)
+def _from_script(path: str, *, what: str, trusted: bool) -> Any:
+    """A name recorded by the path of the script that defined it (``/dir/train.py:my_loss``)."""
+    file, _, qual = path.rpartition(":")
+    flag = _FLAGS.get(what, "--model")
+    if not trusted:
+        raise _names.NeedsConfirmation(
+            f"the file names {what} {path!r}, defined in a script: nanhunt runs the script's imports and "
+            f"definitions (never its loops or main block) only if you trust it; pass {flag} {path} to confirm",
+            what=what, path=path)
+    if not _dotted(qual):
+        raise CommandError(f"{what} {path!r} is not of the form /path/script.py:name")
+    obj: Any = _names.load_script(file)
+    for part in qual.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise CommandError(f"{what} {path!r}: script {file!r} defines no {part!r} at its top level") from e
+    if not callable(obj):
+        raise CommandError(f"{what} {path!r} is not callable")
+    return obj
+
+
+_FLAGS = _names.FLAGS
 
 
 def _dotted(name: str) -> bool:
@@ -174,18 +200,6 @@ def _find(mod_name: str) -> ModuleSpec | None:
     return spec
 
 
-def _allowed(obj: Any, what: str) -> bool:
-    """What a name read from an untrusted file may resolve to: a model class, an optimizer
-    class, or a loss (an ``nn.Module`` class or one of torch.nn.functional's loss functions)."""
-    if what == "optimizer class":
-        return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
-    if inspect.isclass(obj):
-        return issubclass(obj, nn.Module)
-    if what == "loss function":
-        return any(obj is getattr(F, n, None) for n in _LOSS_NAMES)
-    return False
-
-
 def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
     """Import ``mod_name``. A name you gave is looked up in the current directory too; a name read
     from a file only where Python finds installed code (site-packages, PYTHONPATH): importing a
@@ -196,9 +210,9 @@ def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
     cwd = os.path.realpath(os.getcwd())
     top = mod_name.partition(".")[0]
     flag = {"model factory": "--model", "loss function": "--loss"}.get(what, "--model")
-    refused = CommandError(f"the file names {what} {path!r}, whose module is in the current directory, not "
-                           f"installed: importing it runs that code; pass {flag} {path} to confirm you trust it, "
-                           "or install its package")
+    refused = _names.NeedsConfirmation(
+        f"the file names {what} {path!r}, whose module is in the current directory, not installed: importing it "
+        f"runs that code; pass {flag} {path} to confirm you trust it, or install its package", what=what, path=path)
     if trusted:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
@@ -227,19 +241,6 @@ def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
             sys.path[:] = saved
 
 
-def _loaded_from(module: Any) -> str | None:
-    """The sys.path entry a top-level module or package was imported from (real path)."""
-    if module is None:
-        return None
-    file: str | None = getattr(module, "__file__", None)
-    if file:
-        where = os.path.dirname(os.path.realpath(file))
-        return os.path.dirname(where) if os.path.basename(file).startswith("__init__.") else where
-    paths = list(getattr(module, "__path__", []) or [])  # a namespace package
-    return os.path.dirname(os.path.realpath(paths[0])) if paths else None
-
-
-# ------------------------------------------------------------------- saving
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module to save: without DDP/FSDP-style ``.module`` and torch.compile's ``_orig_mod``."""
     for _ in range(4):
@@ -291,11 +292,39 @@ def save_capture(
     rebuilds it from that config, no ``--model`` needed. ``step_call="training_step"`` (Lightning): the
     step's loss is ``model.training_step(*inputs)``, not ``model(*inputs)``.
     """
+    ckpt, bfile = capture_record(
+        model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, model_factory=model_factory,
+        model_kwargs=model_kwargs, device_type=device_type, dtype=dtype, rng=rng, model_state=model_state,
+        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call)
+    torch.save(ckpt, os.fspath(checkpoint_path))
+    torch.save(bfile, os.fspath(batch_path))
+
+
+def capture_record(
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    model_factory: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    device_type: str | None = None,
+    dtype: torch.dtype | None = None,
+    rng: Mapping[str, Any] | None = None,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    scaler_state: Mapping[str, Any] | None = None,
+    step_call: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What :func:`save_capture` writes: the checkpoint's and the batch file's contents (the Guard's capture
+    directory writes the same fields, the tensors as DCP shards)."""
     model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     ckpt: dict[str, Any] = {
         "nanhunt_capture": CAPTURE_FORMAT,
-        "model": {k: v.detach().cpu() for k, v in (model_state or model.state_dict()).items()},
+        "model": {k: v.detach().cpu()
+                  for k, v in (model.state_dict() if model_state is None else model_state).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
@@ -325,8 +354,7 @@ def save_capture(
         "targets": _to_cpu(targets),
         "rng": dict(rng) if rng is not None else rng_state(),
     }
-    torch.save(ckpt, os.fspath(checkpoint_path))
-    torch.save(bfile, os.fspath(batch_path))
+    return ckpt, bfile
 
 
 def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
@@ -335,12 +363,12 @@ def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
     if step_call not in (None, "training_step"):
         raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
     model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
-    factory = model_factory or callable_path(model)
+    factory = model_factory or _names.capture_name(model)
     if factory is None:
         raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
     loss_path = None
     if loss_fn is not None:
-        loss_path = callable_path(loss_fn)
+        loss_path = _names.capture_name(loss_fn)
         if loss_path is None:
             raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
     return model, factory, loss_path
@@ -591,15 +619,79 @@ def load_step(
     trust_pickle: bool = False,
 ) -> Step:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
-    notes: list[str] = []
     dev = _parse_device(device) if device else None
     ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, checkpoint, batch)
+    step = _step_of(ck, bt, checkpoint, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
+                    no_scaler=no_scaler, train=train, notes=[])
+    _CAPTURED[step.model] = checkpoint
+    return step
 
+
+# The checkpoint file each model load_step built came from: the replay's report reads the Guard's event
+# written beside it (nanhunt.hunt). Weak: the entry goes with the model.
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def capture_file(model: nn.Module) -> str | None:
+    """The checkpoint file :func:`load_step` built ``model`` from (None: not built from a file)."""
+    return _CAPTURED.get(model)
+
+
+def load_capture_dir(
+    path: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    model_factory: str | None = None,
+    loss: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    no_scaler: bool = False,
+    train: bool | None = None,
+    trust_pickle: bool = False,
+) -> Step:
+    """A capture directory written by :class:`nanhunt.Guard` under FSDP2 (``manifest.json``, DCP shards in
+    ``state/``, ``batch-rank{R}.pt``) as one process replays it: the shards consolidated into the full model
+    and optimizer state of the unwrapped model, and rank ``rank``'s batch (default: the first rank that saw the
+    failure). The same checks and options as :func:`load_capture`; the shards are always read weights-only
+    (``trust_pickle`` concerns the batch file only)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CommandError(f"{path!r} is not a capture directory" + (
+            "; a checkpoint file needs its batch file too: nanhunt replay CHECKPOINT BATCH" if os.path.isfile(path)
+            else ": it does not exist; check the path"))
+    man = _dcp.read_manifest(path)
+    r = _dcp.pick_rank(man, rank, path)
+    dev = _parse_device(device) if device else None
+    _confirm_all(man, model_factory=model_factory, loss=loss)  # before reading megabytes of shards
+    where = f"capture directory {path!r}"
+    state = _dcp.load_state(os.path.join(path, _dcp.STATE))
+    model_sd = state.get("model")
+    if not isinstance(model_sd, dict) or not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
+        raise CommandError(f"{where}: its state holds no model state_dict; the capture is damaged")
+    ck: dict[str, Any] = {k: v for k, v in man.items() if k not in ("model", "optimizer", "optimizer_params")}
+    ck.update(nanhunt_capture=CAPTURE_FORMAT, model=model_sd, optimizer=None, optimizer_params=None)
+    if state.get("optimizer") is not None:
+        ck["optimizer"], ck["optimizer_params"] = _dcp.optimizer_by_index(state["optimizer"], where)
+    batch = os.path.join(path, _dcp.batch_file(r))
+    bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
+    _check_not_batch(ck, bt, path, batch)
+    seen = man["ranks_seen"]
+    why = ("the first rank that saw the failure" if seen and r == min(seen) else
+           f"the failure was seen by rank(s) {', '.join(map(str, seen))}" if seen else "no rank saw it")
+    note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
+    return _step_of(ck, bt, path, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
+                    no_scaler=no_scaler, train=train, notes=[note])
+
+
+def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, model_factory: str | None,
+             loss: str | None, dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str]) -> Step:
+    """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory)."""
     if isinstance(ck, nn.Module):
         got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
+        _confirm_all(ck, model_factory=model_factory, loss=loss)
         got = _read_capture(ck, checkpoint, model_factory=model_factory, loss=loss, dev=dev, notes=notes)
     elif isinstance(ck, Mapping):
         got = _read_plain_checkpoint(ck, loss)
@@ -647,6 +739,33 @@ class _Loaded:
     saved_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def _confirm_all(ck: Mapping[str, Any], *, model_factory: str | None, loss: str | None) -> None:
+    """Every name of the file that the replay will use unconfirmed, judged before any is called: one error
+    naming all the confirmations they need, not one per run."""
+    names: list[tuple[str, Any]] = []
+    if model_factory is None and not isinstance(ck.get("hf_model"), Mapping):
+        names.append(("model factory", ck.get("model_factory")))
+    if loss is None:
+        names.append(("loss function", ck.get("loss_fn")))
+    pending: list[_names.NeedsConfirmation] = []
+    for what, name in names:
+        if isinstance(name, str):
+            try:
+                resolve(name, what=what, trusted=False)
+            except _names.NeedsConfirmation as e:
+                pending.append(e)
+            except CommandError:
+                pass  # refused outright, or not importable: said when the step is built
+    if len(pending) == 1:
+        raise pending[0]
+    if pending:
+        listed = " and ".join(f"{e.what} {e.path!r}" for e in pending)
+        flags = " ".join(f"{e.flag} {e.path}" for e in pending)
+        raise CommandError(f"the file names {listed}, which nanhunt imports and calls only if you confirm them "
+                           f"(your own code, not installed, or not a class or loss it recognises); if you trust "
+                           f"them, pass {flags}")
+
+
 def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
     """Refuse a nanhunt batch file given as the checkpoint (or the two files swapped)."""
     if _is_batch_file(ck) and isinstance(bt, Mapping) and "nanhunt_capture" in bt:
@@ -682,7 +801,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str 
                            f"{got.step_call!r}, expected 'training_step' or null; {again}")
     if model_factory is not None:  # a factory you named is called with the file's arguments if it is the file's
         kwargs = ck.get("model_kwargs")
-        if model_factory == ck.get("model_factory") and isinstance(kwargs, Mapping):
+        if _same_name(model_factory, ck.get("model_factory")) and isinstance(kwargs, Mapping):
             got.saved_kwargs = dict(kwargs)
     else:
         factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
@@ -699,6 +818,18 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str 
     if torch_v and torch_v != torch.__version__:
         notes.append(f"captured with torch {torch_v}, replayed with {torch.__version__}")
     return got
+
+
+def _same_name(given: str, saved: Any) -> bool:
+    """``--model`` names the file's factory: the same name, or the same module (by file stem) and qualname
+    (``model:Net`` recorded, ``/dir/model.py:Net`` confirmed)."""
+    if not isinstance(saved, str):
+        return False
+    if given == saved:
+        return True
+    (gm, _, gq), (sm, _, sq) = given.rpartition(":"), saved.rpartition(":")
+    stem = os.path.splitext(os.path.basename(gm))[0] if gm.endswith(".py") else gm.rpartition(".")[2]
+    return gq == sq and stem == sm.rpartition(".")[2]
 
 
 def _read_plain_checkpoint(ck: Mapping[str, Any], loss: str | None) -> _Loaded:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 from . import _serial
 from ._serial import JSONData, absent
 
-__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
+__all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Advice", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
            "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent", "Rule",
            "Quality", "Failure", "Speed", "CLAUSES"]
 
@@ -207,6 +208,11 @@ class Occurrence(JSONData):
     path: tuple[int, ...] = field(default=())
     harmless: bool = False  # its values fed only integer / index / boolean results (never the culprit)
     absorbed: tuple[int, ...] = ()  # the first finite records that took its non-finite values in
+    # The text of the source line (``source``'s file and line), read when the report was made; None: no file.
+    source_text: str | None = None
+    # A backward origin: the ops of the nearest forward records its inputs came from, what its derivative
+    # was taken of (``aten::sqrt`` for the division in sqrt's backward).
+    forward_ops: tuple[str, ...] = ()
 
     @property
     def silent(self) -> bool:
@@ -221,6 +227,18 @@ class Occurrence(JSONData):
         tail = (" [harmless: it fed only integer / index / boolean results]" if self.harmless else
                 " [silent: absorbed before the loss and gradients]" if self.silent else "")
         return f"{what} born in phase {self.phase.value}, {where}, {op}{tail}"
+
+
+@dataclass(frozen=True)
+class Advice(JSONData):
+    """A fix beyond float32 for a known pattern (:mod:`nanhunt.advice`): ``pattern`` its id, ``advice`` one
+    line, ``fix`` the idiomatic code as a short snippet, ``because`` the measurement of this run that
+    triggered it (op, kind, phase, dtype, the inputs' values, the scaler, the optimizer's eps)."""
+
+    pattern: str = field(metadata=absent(""))
+    advice: str = ""
+    fix: str = ""
+    because: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,10 +257,12 @@ class Report(JSONData):
     (module -> "finite" / "nan in backward" ...), ``module_classes``,
     ``environment``, ``command``, ``notes``, ``n_records``, ``verdict``,
     ``timeline`` (``[index, phase, max |x| or "nan", "finite"|"nan"|"inf"]``
-    per record) and, from version 2, ``repro``. An occurrence holds ``phase``,
-    ``module``, ``module_class``, ``call_index``, ``op``, ``kind``, ``source``,
-    ``output`` and ``inputs`` (records), ``reached``, ``allowed``, ``path``; a
-    record the fields of :class:`Record`.
+    per record) and, from version 2, ``repro``; ``advice`` and ``guard_event`` only
+    when present (optional keys: an older file without them reads as none). An
+    occurrence holds ``phase``, ``module``, ``module_class``, ``call_index``, ``op``,
+    ``kind``, ``source``, ``output`` and ``inputs`` (records), ``reached``,
+    ``allowed``, ``path``, ``source_text``, ``forward_ops``; a record the fields of
+    :class:`Record`.
     """
 
     status: str = field(metadata=absent("clean"))
@@ -266,11 +286,19 @@ class Report(JSONData):
     # ``nanhunt compare``: float32 reference vs autocast. Written under "comparison" only when present, so the
     # JSON of a replay is unchanged; read back with ``.get`` (absent in older files).
     comparison: Comparison | None = None
+    # Fixes beyond float32 derived from the measured origins (``nanhunt.advice``), and the Guard's event when
+    # the capture came from a Guard (read from the ``-event.json`` beside it: the failing step, kind, detail,
+    # rank). Written only when present, like ``comparison``.
+    advice: tuple[Advice, ...] = ()
+    guard_event: GuardEvent | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = _serial.to_dict(self)
-        if self.comparison is None:
-            del d["comparison"]
+        for key in ("comparison", "guard_event"):
+            if d[key] is None:
+                del d[key]
+        if not d["advice"]:
+            del d["advice"]
         return {"schema_version": d.pop("schema_version"), **d}  # first, as every version wrote it
 
     @classmethod
@@ -304,21 +332,40 @@ class TensorSummary:
     nan: int
     inf: int
     absmax: float  # largest finite magnitude
+    min_nonzero: float | None = None  # smallest finite non-zero magnitude; None: there is none
+    below_fp16_normal: int = 0  # finite non-zero values below float16's smallest normal (6.1e-05)
+    numel: int = 0
+    eps: float | None = None  # an optimizer second moment: the eps of its parameter group, when the state has one
+    below_eps: int = 0  # a second moment v with eps: elements with sqrt(v) < eps (eps sets the update's size there)
 
     @property
     def fp16_headroom(self) -> float:
         return math.inf if self.absmax == 0 else 65504.0 / self.absmax
 
+    @property
+    def bf16_headroom(self) -> float:
+        return math.inf if self.absmax == 0 else 3.3895313892515355e38 / self.absmax  # bfloat16's max
+
 
 @dataclass(frozen=True)
 class Inspection:
-    """What ``nanhunt inspect`` found in a checkpoint."""
+    """What ``nanhunt inspect`` found in a checkpoint.
+
+    ``flagged``: non-finite, or within 16x of the float16 max. For a checkpoint that holds none (and beside the
+    ones it holds), ``largest`` are the other tensors closest to the dtype limits (largest magnitude first),
+    ``tiniest`` those holding non-zero values below float16's smallest normal (most first), ``moments`` the
+    optimizer's second moments (Adam's ``exp_avg_sq``...) with their eps, largest first; each at most 10."""
 
     path: str
     n_tensors: int
-    flagged: tuple[TensorSummary, ...]  # non-finite, or within 16x of the float16 max
+    flagged: tuple[TensorSummary, ...]
     scaler: dict[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    largest: tuple[TensorSummary, ...] = ()
+    tiniest: tuple[TensorSummary, ...] = ()
+    moments: tuple[TensorSummary, ...] = ()
+    n_elements: int = 0
+    scaler_meaning: tuple[str, ...] = ()  # what the GradScaler state means for the next steps, one sentence each
 
     @property
     def scaler_nonfinite(self) -> bool:
@@ -552,8 +599,10 @@ class Speed(JSONData):
     """``--speed``: the plain step (``mode`` ``"train"``: forward, loss, backward; ``"eval"``: forward and loss
     without gradients) timed with no nanhunt hook, float32 and autocast interleaved ``repeats`` times over the
     whole set. ``ratio_*``: autocast time / float32 time per repetition (below 1: autocast is faster), its
-    median and quartiles. Peak memory (bytes allocated) is measured on CUDA only (None elsewhere).
-    ``reason`` says why nothing was measured (a candidate that failed the rule is never timed)."""
+    median and quartiles. Peak memory, per pass over the set (the largest batch): on CUDA the bytes allocated
+    above the level before the batch; on CPU the growth of the process's peak resident set (Linux VmHWM, reset
+    through /proc/self/clear_refs) above its resident size before the batch; None where it cannot be measured
+    (``peak_memory`` says how, or why not). ``reason`` says why nothing was measured (a candidate that failed the rule is never timed)."""
 
     mode: str = "train"
     repeats: int = 0
@@ -565,6 +614,9 @@ class Speed(JSONData):
     ref_peak_bytes: int | None = None
     amp_peak_bytes: int | None = None
     reason: str = ""
+    # How the peaks were measured ("cuda max_memory_allocated", "peak RSS growth (VmHWM)"), or why they were not
+    # ("not measured: ..."); each peak comes from one extra pass per run after the timed ones.
+    peak_memory: str = ""
 
 
 @dataclass(frozen=True)
@@ -616,12 +668,17 @@ class Comparison(JSONData):
     n_samples: int = 0
     flipped: tuple[int, ...] = ()
     near_boundary: tuple[int, ...] = ()
-    decisions: tuple[Decision, ...] = ()  # the flipped and near-boundary samples, by index
+    # Samples whose autocast output holds a NaN/Inf where the reference's is finite: no decision, never a flip.
+    nonfinite: tuple[int, ...] = ()
+    decisions: tuple[Decision, ...] = ()  # the flipped, non-finite and near-boundary samples, by index
     regression: Regression | None = None
     unmatched: tuple[str, ...] = ()  # module calls or gradients present in one run only
     # The rule as data and the sha256 of its canonical JSON (absent from reports written before them).
     acceptance: Rule | None = None
     rule_sha256: str = ""
+    # The same checkpoint compared earlier under another rule that failed (``nanhunt compare --report``'s
+    # history): one line each, "the rule changed after a failing run (was <hash> failing clause X, now <hash>)".
+    rule_warnings: tuple[str, ...] = ()
     failures: tuple[Failure, ...] = ()  # the failed clauses, one per violation, in the same order
     quality: Quality | None = None
     allowed: tuple[str, ...] = ()  # non-finite values the rule allowed: where, in which run
@@ -686,10 +743,16 @@ class GuardEvent(JSONData):
     step whose starting state the capture holds: the failing step itself, or an
     earlier last-good snapshot. ``pre_update`` is True when the capture's weights
     are those the failing step started from.
+
+    :meth:`nanhunt.Guard.rollback` appends events of two more kinds. ``"rollback"``: the detection of ``step``
+    (its ``detail`` and capture) was undone, back to the state ``restored_step`` began with, ``rollbacks`` so
+    far; or, with ``rollback_error``, it could not be. ``"change"``: ``changes`` of policy made before the
+    loop resumed at ``step`` (a float32 region, the autocast dtype, a note), an experiment to judge, not a fix.
+    ``updates`` and ``skipped`` are then the counters after the rollback.
     """
 
     step: int
-    kind: str  # "loss", "grads", "params" or "skips"
+    kind: str  # "loss", "grads", "params" or "skips"; "rollback" or "change"
     detail: str
     rank: int | None = None
     ranks: tuple[int, ...] = ()
@@ -702,21 +765,53 @@ class GuardEvent(JSONData):
     updates: int = 0
     skipped: int = 0
     scale: float | None = None
+    # what `nanhunt replay` needs besides the two files to work as printed: --model / --loss confirmations of
+    # the user's own code, and notes for names no flag confirms (defined in a notebook)
+    replay_args: tuple[str, ...] = ()
+    replay_notes: tuple[str, ...] = ()
+    restored_step: int | None = None  # "rollback": the step whose starting state was restored
+    changes: tuple[str, ...] = ()  # "rollback", "change": changes of policy recorded before resuming
+    rollbacks: int = 0  # "rollback": rollbacks done so far, this one included
+    rollback_error: str | None = None  # "rollback": why it was refused (nothing was restored)
+
+    def replay_command(self) -> str | None:
+        """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
+        A capture directory (FSDP2: ``batch`` is None) is replayed alone: ``nanhunt replay DIR``."""
+        if not self.checkpoint:
+            return None
+        files = (self.checkpoint,) if self.batch is None else (self.checkpoint, self.batch)
+        return " ".join(shlex.quote(a) for a in ("nanhunt", "replay", *files, *self.replay_args))
 
     def describe(self) -> str:
         where = f"step {self.step}"
         if self.rank is not None:
             seen = ", ".join(map(str, self.ranks)) or "none"
             where += f" (rank {self.rank}; seen first by rank(s) {seen})"
+        if self.kind == "change":
+            return f"nanhunt.Guard: change of policy before {where} (an experiment): {'; '.join(self.changes)}"
         text = f"nanhunt.Guard: {self.detail} at {where}"
-        if self.checkpoint and self.batch:
+        if self.kind == "rollback":
+            if self.rollback_error is not None:
+                text += f"; cannot roll back: {self.rollback_error}"
+            else:
+                first = self.step if self.restored_step is None else self.restored_step
+                undone = f"step {first}" if first == self.step else f"steps {first} to {self.step}"
+                text += (f"; rolled back (#{self.rollbacks}) to the state step {first} began with, "
+                         f"{undone} undone and skipped")
+                if self.changes:
+                    text += f"; changes before resuming (an experiment): {'; '.join(self.changes)}"
+            if self.checkpoint:
+                text += f"; capture: {self.replay_command()}"
+            return text
+        if self.checkpoint:
             what = "the pre-update state"
             if self.captured_step is not None and self.captured_step != self.step:
                 what = f"the last good snapshot (start of step {self.captured_step}"
                 what += ", before the update that wrote them)" if self.pre_update else f"; re-run to step {self.step})"
             elif not self.pre_update:
                 what = "the state with the weights already non-finite (pass snapshot_every=1 for the state before)"
-            text += f"; capture of {what}: nanhunt replay {self.checkpoint} {self.batch}"
+            text += f"; capture of {what}: {self.replay_command()}"
+            text += "".join(f" ({n})" for n in self.replay_notes)
         elif self.capture_error:
             text += f"; no capture: {self.capture_error}"
         return text

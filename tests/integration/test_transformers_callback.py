@@ -193,8 +193,13 @@ def test_two_processes_stop_together_and_the_rank_that_saw_it_writes(tmp_path: P
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).with_name("ddp_trainer_worker.py")), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # WHEN it trains (bounded: a rank left waiting in a collective would hang)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    # WHEN it trains (bounded: a rank left waiting in a collective would hang; about 20 s on an idle machine,
+    # several times that when the 2 cores are shared, so the bound is wide and a timeout shows what each rank said)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired as e:
+        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # THEN both ranks stop at step 3 (their update not run), both know rank 1 saw it, and only rank 1 writes

@@ -63,7 +63,7 @@ def test_entry_buffers_copy_all_at_first_then_only_those_that_change() -> None:
 def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="snapshot_every"):
         _writer(tmp_path, snapshot_every=0)
-    with pytest.raises(ValueError, match="loss_fn must be importable"):
+    with pytest.raises(ValueError, match="loss_fn must be a named function"):
         _writer(tmp_path, loss_fn=lambda a, b: a)
 
 

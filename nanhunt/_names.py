@@ -1,0 +1,207 @@
+"""Names of the user's own code in a capture: what the file records, and what its replay needs confirmed.
+
+A model class or loss function defined in the script that trains (``__main__``) has no importable name. The
+capture records it by the script's absolute path (``/home/me/train.py:my_loss``); the replay imports it only
+when you confirm that name (``--loss /home/me/train.py:my_loss``) and then runs only the script's imports,
+definitions and assignments, never its loops, ``with`` blocks, bare calls or ``if __name__ == "__main__":``
+block, so confirming the name does not train again. A name defined in a notebook or an interactive session
+cannot be imported at all: it is recorded as ``__main__:name`` and the replay asks for your own module's.
+
+:func:`confirmations` tells, when the capture is written, which of its names a replay run from the same
+directory will refuse unconfirmed: the Guard prints its replay command with those ``--model`` / ``--loss``
+flags, so that the command works as printed.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._errors import CommandError
+
+__all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
+           "loaded_from", "FLAGS"]
+
+FLAGS = {"model factory": "--model", "loss function": "--loss"}
+# torch.nn.functional's losses: the only functions a file may name (the loss is called on the model's
+# output and the file's targets; torch.save, torch.from_file and the like would act on them too)
+_LOSS_NAMES = (
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss", "cross_entropy",
+    "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss", "kl_div", "l1_loss",
+    "margin_ranking_loss", "mse_loss", "multi_margin_loss", "multilabel_margin_loss",
+    "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss", "smooth_l1_loss", "soft_margin_loss",
+    "triplet_margin_loss", "triplet_margin_with_distance_loss",
+)
+
+
+class NeedsConfirmation(CommandError):
+    """A name read from a file that nanhunt imports only when you pass it as ``flag`` (you trust it)."""
+
+    def __init__(self, message: str, *, what: str, path: str) -> None:
+        super().__init__(message)
+        self.what, self.path = what, path
+        self.flag = FLAGS.get(what, "--model")
+
+
+def is_script(path: str) -> bool:
+    """``/dir/train.py:name``: a name defined in a script, recorded by the script's path."""
+    where, sep, _ = path.rpartition(":")
+    return bool(sep) and where.endswith(".py")
+
+
+def is_session(path: str) -> bool:
+    """``__main__:name``: a name defined in a notebook or interactive session (no file to import)."""
+    return path.partition(":")[0] == "__main__"
+
+
+def capture_name(obj: Any) -> str | None:
+    """How a capture names a class or function (or an instance's class): ``package.module:qualname``; for one
+    defined in the running script, the script's absolute path; in a notebook, ``__main__:qualname``."""
+    target = obj if (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)) else type(obj)
+    mod = getattr(target, "__module__", None)
+    qual = getattr(target, "__qualname__", None)
+    if not mod or not qual or "<" in qual:
+        return None
+    if mod != "__main__":
+        return f"{mod}:{qual}"
+    file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(file, str) and file.endswith(".py") and os.path.isfile(file):
+        return f"{os.path.abspath(file)}:{qual}"
+    return f"__main__:{qual}"
+
+
+def _is_main_block(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``"""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    t = node.test
+    sides = [t.left, *t.comparators]
+    return (len(sides) == 2 and any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
+
+
+_SKIPPED = (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)
+
+
+def _definitions(tree: ast.Module) -> ast.Module:
+    """The statements of a script that define things: imports, functions, classes, assignments, ``try`` and
+    ``if`` blocks (kept whole); its loops, ``with`` blocks, bare calls and main block are left out."""
+    kept: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, _SKIPPED) or _is_main_block(node):
+            continue
+        if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Constant):
+            continue  # train(model), trainer.fit(...), print(...): not a definition
+        kept.append(node)
+    return ast.Module(body=kept, type_ignores=[])
+
+
+def load_script(file: str) -> types.ModuleType:
+    """The definitions of the script ``file`` as a module (see the module docstring); loaded once per path.
+
+    Only for a name you confirmed: its imports and definitions run."""
+    path = os.path.abspath(file)
+    name = "_nanhunt_script_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return loaded
+    if not os.path.isfile(path):
+        raise CommandError(f"script {file!r} does not exist; run from where it was captured or pass the "
+                           "name as package.module:name")
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise CommandError(f"cannot read script {file!r} ({type(e).__name__}: {e})") from e
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=path)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = path
+    where = os.path.dirname(path)
+    saved = list(sys.path)
+    sys.path.insert(0, where)  # the script's own imports (a model.py beside it), as when it ran
+    sys.modules[name] = module  # dataclasses and pickling look their module up by name
+    try:
+        exec(compile(_definitions(tree), path, "exec"), module.__dict__)
+    except Exception as e:
+        del sys.modules[name]
+        raise CommandError(f"running the definitions of script {file!r} raised {type(e).__name__}: {e}") from e
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], list[str]]:
+    """For ``(what, name, obj)`` (the capture's names and the live objects they name): the ``--flag name``
+    arguments a replay run from this directory needs for the file's names to be used, and notes for names
+    no flag can confirm (defined in a notebook)."""
+    args: list[str] = []
+    notes: list[str] = []
+    cwd = os.path.realpath(os.getcwd())
+    explicit = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)}
+    for what, name, obj in named:
+        if name is None:
+            continue
+        flag = FLAGS[what]
+        if is_session(name):
+            notes.append(f"{name.partition(':')[2]} is defined in this session (a notebook?): put it in a module "
+                         f"and pass {flag} module:{name.partition(':')[2]}")
+            continue
+        if is_script(name):
+            args += [flag, name]
+            continue
+        mod = name.partition(":")[0]
+        where = loaded_from(sys.modules.get(mod.partition(".")[0]))
+        if where is not None and where not in explicit and where == _script_dir() != cwd and "." not in mod:
+            # beside the script, not here: only its file finds it from this directory
+            file = getattr(sys.modules.get(mod), "__file__", None)
+            if isinstance(file, str) and file.endswith(".py"):
+                args += [flag, f"{os.path.abspath(file)}:{name.partition(':')[2]}"]
+                continue
+        local = where is not None and where not in explicit and where == cwd
+        kind = obj if obj is None or inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
+        if local or not recognised(kind, what):
+            args += [flag, name]
+    return args, notes
+
+
+def recognised(obj: Any, what: str) -> bool:
+    """What a name read from an untrusted file may resolve to: a model class, an optimizer
+    class, or a loss (an ``nn.Module`` class or one of torch.nn.functional's loss functions)."""
+    if what == "optimizer class":
+        return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer)
+    if inspect.isclass(obj):
+        return issubclass(obj, nn.Module)
+    if what == "loss function":
+        return any(obj is getattr(F, n, None) for n in _LOSS_NAMES)
+    return False
+
+
+def loaded_from(module: Any) -> str | None:
+    """The sys.path entry a top-level module or package was imported from (real path)."""
+    if module is None:
+        return None
+    file: str | None = getattr(module, "__file__", None)
+    if file:
+        where = os.path.dirname(os.path.realpath(file))
+        return os.path.dirname(where) if os.path.basename(file).startswith("__init__.") else where
+    paths = list(getattr(module, "__path__", []) or [])  # a namespace package
+    return os.path.dirname(os.path.realpath(paths[0])) if paths else None
+
+
+# ------------------------------------------------------------------- saving
+
+
+def _script_dir() -> str | None:
+    file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.dirname(os.path.realpath(file)) if isinstance(file, str) else None
