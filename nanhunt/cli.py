@@ -508,7 +508,11 @@ _ARGV: list[str] = []  # the arguments main() was given (not sys.argv: main(["re
 
 
 def _command_line() -> str:
-    return "nanhunt " + " ".join(shlex.quote(a) for a in _ARGV)
+    """The command as given; when it names files by relative paths, run from the directory it ran in
+    (``cd DIR && nanhunt ...``): a report or bundle is read elsewhere."""
+    command = "nanhunt " + " ".join(shlex.quote(a) for a in _ARGV)
+    relative = any(a and not a.startswith("-") and not os.path.isabs(a) and os.path.exists(a) for a in _ARGV)
+    return f"cd {shlex.quote(os.getcwd())} && {command}" if relative else command
 
 
 def _version() -> str:

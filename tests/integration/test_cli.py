@@ -344,3 +344,24 @@ def test_the_reproduce_command_is_the_one_main_was_given(tmp_path: Path) -> None
     # THEN the report's command is that replay, not pytest's arguments
     rep = Report.from_json(out.read_text())
     assert rep.command is not None and rep.command.startswith("nanhunt replay ") and "--no-bisect" in rep.command
+
+
+def test_a_bundle_s_replay_command_works_from_the_bundle_directory(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a replay run from a project directory with relative paths, writing a bundle elsewhere
+    project = tmp_path / "project"
+    project.mkdir()
+    for f in ("checkpoint.pt", "batch.pt"):
+        (project / f).write_bytes((FIX / "nan_weight" / f).read_bytes())
+    monkeypatch.chdir(project)
+    main(["replay", "checkpoint.pt", "batch.pt", "--no-bisect", "--report", str(tmp_path / "r.json")])
+    rep = Report.from_json((tmp_path / "r.json").read_text())
+    # THEN the command says where it ran
+    assert rep.command == f"cd {project} && nanhunt replay checkpoint.pt batch.pt --no-bisect --report {tmp_path}/r.json"
+    # AND run as written from another directory (the command's nanhunt is this checkout's), it replays the step
+    shell = rep.command.replace("nanhunt replay", f"{sys.executable} -m nanhunt replay", 1).replace(
+        f"--report {tmp_path}/r.json", "")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(shell, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "NaN born in phase weights, in fc2 (Linear, call 0) (param).", proc.stdout
