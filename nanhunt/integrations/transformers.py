@@ -85,8 +85,11 @@ class NanhuntCallback(TrainerCallback):
                  model.register_forward_hook(self._forward_ends)]
         if "dtype" not in options:
             # accelerate enters autocast inside the forward it wraps, after the model's own pre-hooks: its
-            # first child sees the dtype the forward really runs in (none for fp16 on the CPU)
-            child = next(model.children(), None)
+            # first child sees the dtype the forward really runs in (none for fp16 on the CPU). A PEFT model's
+            # forward may call its base model directly, skipping its first child (the tuner): the base's is probed
+            get_base: Any = getattr(model, "get_base_model", None)
+            base = get_base() if callable(get_base) else model
+            child = next((base if isinstance(base, nn.Module) else model).children(), None)
             if child is not None:
                 self._probe = child.register_forward_pre_hook(self._autocast_seen)
                 hooks.append(self._probe)

@@ -222,7 +222,7 @@ def test_an_option_the_guard_does_not_take_fails_when_the_callback_is_made(tmp_p
 def test_importing_nanhunt_imports_no_framework() -> None:
     # GIVEN a fresh interpreter  WHEN nanhunt, its Guard, capture code and the integrations package are imported
     code = ("import sys, nanhunt, nanhunt.guard, nanhunt.capture, nanhunt.integrations; "
-            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') "
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate', 'peft') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     # THEN none of the frameworks is imported
