@@ -12,6 +12,8 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import itertools
+import operator
 import random
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._dispatch import foreach_copy
 from ._errors import CommandError
 from ._interrupt import atomic, deferred_interrupts
 from .precision import LOSS_REGION, UPDATE_REGION, float32_master, float32_weights, fp32_call, keep_fp32, to_fp32
@@ -85,7 +88,8 @@ class Step:
     ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``). ``rng`` is the
     generator state the step starts from (default: the state when it is isolated); ``train`` sets the
     model's mode for every run (default: as it is). A ``torch.compile``'d model is replayed through its
-    eager original (``compiled`` says so).
+    eager original (``compiled`` says so). ``host_snapshot``: where the snapshot of the weights and optimizer
+    state lives (see :class:`StepState`; ``None``: in host memory when they are on an accelerator).
 
     Example::
 
@@ -106,6 +110,7 @@ class Step:
     train: bool | None = None
     compiled: bool = False
     notes: tuple[str, ...] = ()
+    host_snapshot: bool | None = None
     _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
     _start_rng: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -136,7 +141,7 @@ class Step:
         if self._state is not None:
             yield self._state
             return
-        state = StepState(self.model, self.optimizer, self.scaler)
+        state = StepState(self.model, self.optimizer, self.scaler, host=self.host_snapshot)
         with state:
             self._state, self._start_rng = state, dict(self.rng) if self.rng is not None else state.rng
             try:
@@ -200,11 +205,18 @@ class StepState:
 
         with StepState(model, optimizer, scaler) as state:
             ...  # run steps; state.reset() between them
+
+    One copy of each parameter, buffer and optimizer state tensor is kept, and restored in place
+    (``copy_`` into the live tensor). ``host``: keep those copies in host memory, pinned under CUDA, so a
+    replay needs no more device memory than the step (``None``: for tensors on an accelerator, not for CPU
+    ones, where host and device are the same memory). The GradScaler's two scalars stay on the device.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, *, host: bool | None = None) -> None:
         self.model = model
+        self.host = host
+        self._pinned: set[torch.device] = set()  # devices copying into pinned memory: synchronised before use
         self.optimizer = optimizer
         self.scaler = scaler
         self.grad_enabled = torch.is_grad_enabled()
@@ -212,14 +224,18 @@ class StepState:
         self.modules = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in model.modules()]
         # Hooks and plain attributes a forward may add or change (a counter, a cache, a hook it registers).
         self.hooks = [(d, dict(d)) for m in model.modules() for d in _hook_dicts(m)]
+        self._hook_dicts = [d for d, _ in self.hooks]
+        self._hook_sizes = [len(saved) for _, saved in self.hooks]
+        self._hooked = [(d, saved) for d, saved in self.hooks if saved]
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}) for m in model.modules()]
+        self.homes: dict[int, torch.device] = {}  # id of a host copy -> the device of the tensor it copies
         self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for _, params, buffers, _ in self.modules:
             for t in (*params.values(), *buffers.values()):
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
-                    self.values.append((t, t.detach().clone()))
+                    self.values.append((t, self._save(t)))
         self.params: list[torch.Tensor] = [p for p in model.parameters()]
         if optimizer is not None:
             known = {id(p) for p in self.params}
@@ -230,19 +246,48 @@ class StepState:
                         self.params.append(p)
                         if id(p) not in seen:
                             seen.add(id(p))
-                            self.values.append((p, p.detach().clone()))
+                            self.values.append((p, self._save(p)))
+        self._targets = [t for t, _ in self.values]
+        self._saved = [saved for _, saved in self.values]
         self.param_hooks = [(p, _param_hooks(p)) for p in self.params]
         self.grads = [p.grad for p in self.params]
         self.requires_grad = [p.requires_grad for p in self.params]
         self.opt_state: dict[Any, dict[str, Any]] | None = None
         self.opt_groups: list[dict[str, Any]] | None = None
         if optimizer is not None:
-            self.opt_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+            self.opt_state = {p: {k: self._save(v) for k, v in s.items()} for p, s in optimizer.state.items()}
             self.opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self.scaler_dict: dict[str, Any] | None = None
         if scaler is not None:
             self.scaler_dict = {k: _clone(v) for k, v in vars(scaler).items()}
+        for device in self._pinned:
+            torch.cuda.synchronize(device)  # the copies into pinned memory were asynchronous
         self._interrupts: deferred_interrupts | None = None
+
+    def _save(self, v: Any) -> Any:
+        """One value's copy: a tensor on the host when asked (or on an accelerator), else where it is."""
+        if not isinstance(v, torch.Tensor):
+            return copy.deepcopy(v)
+        t = v.detach()
+        to_host = self.host if self.host is not None else t.device.type not in ("cpu", "meta")
+        # a tensor subclass (a DTensor shard) is copied as it is: its copy_ takes no plain host tensor
+        if not to_host or t.__class__ is not torch.Tensor or t.device.type == "meta":
+            return t.clone()
+        pin = t.device.type == "cuda"
+        saved = torch.empty_like(t, device="cpu", pin_memory=pin)  # the same strides, as clone() keeps them
+        saved.copy_(t, non_blocking=pin)
+        if pin:
+            self._pinned.add(t.device)
+        self.homes[id(saved)] = t.device
+        return saved
+
+    def _back(self, v: Any) -> Any:
+        """A new tensor from a saved value, on the device it was taken from (a state entry the step
+        deleted or replaced by one of another shape)."""
+        if isinstance(v, torch.Tensor):
+            home = self.homes.get(id(v))
+            return v.detach().clone() if home is None else v.to(home, copy=True)
+        return copy.deepcopy(v)
 
     def __enter__(self) -> StepState:
         if self._interrupts is not None:
@@ -273,10 +318,13 @@ class StepState:
 
     @atomic
     def restore(self) -> None:
-        for d, saved_hooks in self.hooks:
-            if d.keys() != saved_hooks.keys():
-                d.clear()
-                d.update(saved_hooks)
+        # unchanged (the common case) when every registry has its old size and the non-empty ones their old keys
+        if list(map(len, self._hook_dicts)) != self._hook_sizes or any(
+                d.keys() != saved.keys() for d, saved in self._hooked):
+            for d, saved_hooks in self.hooks:
+                if d.keys() != saved_hooks.keys():
+                    d.clear()
+                    d.update(saved_hooks)
         for param, registries in self.param_hooks:
             for name, (obj, content) in registries.items():
                 if obj is None:
@@ -289,20 +337,21 @@ class StepState:
                         setattr(param, name, obj)
         for m, attrs in self.attrs:
             current = vars(m)
-            for k in [k for k in current if k not in attrs and k not in _MODULE_INTERNALS]:
-                del current[k]
-            for k, v in attrs.items():
-                if current.get(k, _MISSING) is not v:
-                    current[k] = v
+            if len(current) != len(attrs) + _N_INTERNALS or not all(map(_is, map(current.get, attrs, _MISSINGS), attrs.values())):
+                for k in [k for k in current if k not in attrs and k not in _MODULE_INTERNALS]:
+                    del current[k]
+                for k, v in attrs.items():
+                    if current.get(k, _MISSING) is not v:
+                        current[k] = v
         for m, params, buffers, training in self.modules:
             m._parameters.clear()
             m._parameters.update(params)
             m._buffers.clear()
             m._buffers.update(buffers)
-            m.training = training
-        with torch.no_grad():
-            for t, saved in self.values:
-                t.data.copy_(saved)
+            if m.training is not training:
+                m.training = training
+        dst = [t.data for t in self._targets]  # .data: a restore is no write the tracer or autograd sees
+        src = list(self._saved)
         for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
             param.grad = grad
             param.requires_grad_(rg)
@@ -314,7 +363,7 @@ class StepState:
             for p, saved_state in self.opt_state.items():
                 cur = opt.state.get(p)
                 if cur is None:
-                    opt.state[p] = {k: _clone(v) for k, v in saved_state.items()}
+                    opt.state[p] = {k: self._back(v) for k, v in saved_state.items()}
                     continue
                 for k in list(cur):
                     if k not in saved_state:
@@ -322,14 +371,16 @@ class StepState:
                 for k, v in saved_state.items():
                     old = cur.get(k)
                     if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
-                        old.data.copy_(v)
+                        dst.append(old.data)
+                        src.append(v)
                     else:
-                        cur[k] = _clone(v)
+                        cur[k] = self._back(v)
             for g, saved_group in zip(opt.param_groups, self.opt_groups):
                 for k in list(g):
                     if k != "params" and k not in saved_group:
                         del g[k]
                 g.update(copy.deepcopy(saved_group))
+        _copy_into(dst, src)
         if self.scaler is not None and self.scaler_dict is not None:
             for k, v in self.scaler_dict.items():
                 cur = getattr(self.scaler, k, None)
@@ -345,6 +396,9 @@ _MISSING = object()
 # A module's own bookkeeping, restored separately (parameters, buffers, training) or never
 # changed by a forward (the submodules).
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_N_INTERNALS = len(_MODULE_INTERNALS)  # every module has them all (nn.Module.__init__ sets them)
+_is = operator.is_
+_MISSINGS = itertools.repeat(_MISSING)
 _HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -363,6 +417,21 @@ def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict
         d = getattr(p, name, None)
         out[name] = (d, dict(d)) if isinstance(d, dict) else (None, {})
     return out
+
+
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i: plain tensors on one device in one fused call (a model of a
+    thousand tensors: one call, not a thousand), the rest (a host copy, a tensor subclass) one by one."""
+    same: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            if d.__class__ is torch.Tensor and s.__class__ is torch.Tensor and d.device == s.device:
+                same[0].append(d)
+                same[1].append(s)
+            else:
+                d.copy_(s, non_blocking=True)  # a host copy is pinned or on the CPU and never changes
+        if same[0]:
+            foreach_copy(*same)
 
 
 def _clone(v: Any) -> Any:

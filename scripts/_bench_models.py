@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Workload", "GPT", "ConvNet", "make_gpt", "make_convnet", "make_chain", "WORKLOADS"]
+__all__ = ["Workload", "GPT", "ConvNet", "make_gpt", "make_convnet", "make_chain", "WORKLOADS", "TrainStep",
+           "make_blocks", "make_wide", "make_gpt2", "GPT2_SIZES", "OVERFLOW_GAIN"]
 
 
 # --------------------------------------------------------------------------- GPT
@@ -221,3 +222,165 @@ def make_chain(n_modules: int, device: str = "cpu") -> Workload:
                  F.mse_loss, torch.float16, device)
     w.culprit = f"cells.{culprit}"  # type: ignore[attr-defined]
     return w
+
+
+# ------------------------------------------------------ replay at scale (issue 20)
+class _ResBlock(nn.Module):
+    """``norm(x + tanh(fc(x * gain)))``: a culprit block's gain pushes its matmul past the step's number format."""
+
+    def __init__(self, d: int, gain: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.tanh(self.fc(x * self.gain)))
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int, culprit: int, gain: float, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(_ResBlock(d, gain if i == culprit else 1.0) for i in range(n)))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+# float16 overflows past 65504, float32 past 3.4e38: the planted gain overflows the step's own format
+# (under float32 the culprit's overflow is no precision problem: the float32 control fails too).
+OVERFLOW_GAIN = {torch.float16: 1e6, torch.float32: 1e39}
+
+
+@dataclass
+class TrainStep:
+    """A whole training step as a user's loop runs it: ``zero_grad``, forward and loss under autocast
+    (``dtype``; float32: no autocast), GradScaler-scaled backward, ``scaler.step(optimizer)`` (AdamW) and
+    ``scaler.update()``. ``batch`` is ``(x, y)`` with ``loss_fn`` or a dict of keyword arguments whose
+    model output has ``.loss`` (transformers)."""
+
+    name: str
+    desc: str
+    model: nn.Module
+    batch: object
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    dtype: torch.dtype
+    culprit: str
+    device: str = "cpu"
+    plant: Callable[[], None] | None = None  # puts the culprit in (after prime)
+
+    def __post_init__(self) -> None:
+        self.device_type = torch.device(self.device).type
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.scaler = torch.amp.GradScaler(self.device_type)
+
+    def forward_loss(self) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            if isinstance(self.batch, dict):
+                return self.model(**self.batch).loss  # type: ignore[no-any-return]
+            assert self.loss_fn is not None
+            x, y = self.batch  # type: ignore[misc]
+            return self.loss_fn(self.model(x), y)
+
+    def step(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_loss()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def forward_backward(self) -> torch.Tensor:
+        """The step without the update (the op-level cost figures: the same work every repetition)."""
+        self.model.zero_grad(set_to_none=True)
+        loss = self.forward_loss()
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def prime(self) -> TrainStep:
+        """Optimizer state as mid-training (steps until two updated, the GradScaler's scale settled), then
+        the culprit planted and no ``.grad``: the replay snapshots and restores moments as large as the
+        weights, and only the culprit makes the step non-finite."""
+        updated = 0
+        for _ in range(20):
+            scale = self.scaler.get_scale()
+            self.step()
+            updated += self.scaler.get_scale() >= scale  # the scale shrinks when a step is skipped
+            if updated == 2:
+                break
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.plant is not None:
+            self.plant()
+        return self
+
+
+def make_blocks(n: int, device: str = "cpu", dtype: torch.dtype = torch.float16, d: int = 32, batch: int = 4) -> TrainStep:
+    """N residual blocks, a culprit at two thirds of the depth whose gain overflows ``dtype``."""
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    culprit = (2 * n) // 3
+    model = Blocks(n, culprit, 1.0, d).to(device).train()
+    x = torch.randn(batch, d, generator=g).to(device)
+    y = torch.randn(batch, d, generator=g).to(device)
+    return TrainStep(f"blocks{n}", f"{n} residual blocks (Linear {d}x{d} + LayerNorm), batch {batch}, culprit "
+                     f"blocks.{culprit} (gain {OVERFLOW_GAIN[dtype]:g})", model, (x, y), F.mse_loss, dtype,
+                     f"blocks.{culprit}", device, _gain(model.blocks[culprit], OVERFLOW_GAIN[dtype]))
+
+
+def _gain(block: nn.Module, gain: float) -> Callable[[], None]:
+    def plant() -> None:
+        block.gain = gain
+
+    return plant
+
+
+def make_wide(device: str = "cpu", dtype: torch.dtype = torch.float32, layers: int = 8, d: int = 2048) -> TrainStep:
+    """The parameter-heavy model of issue 20: ``layers`` x Linear(d, d), batch 4; weights and AdamW
+    moments are most of the footprint, activations almost nothing."""
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(4)
+    culprit = layers - 3
+    model = Blocks(layers, culprit, 1.0, d).to(device).train()
+    x = torch.randn(4, d, generator=g).to(device)
+    y = torch.randn(4, d, generator=g).to(device)
+    return TrainStep(f"wide{layers}x{d}", f"{layers} x Linear({d}, {d}) residual blocks, batch 4, culprit "
+                     f"blocks.{culprit}", model, (x, y), F.mse_loss, dtype, f"blocks.{culprit}", device,
+                     _gain(model.blocks[culprit], OVERFLOW_GAIN[dtype]))
+
+
+GPT2_SIZES = {
+    # name: (config, batch, seq)
+    "tiny": (dict(vocab_size=1024, n_positions=64, n_embd=64, n_layer=2, n_head=2), 8, 64),
+    "23M": (dict(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8), 2, 64),
+}
+
+
+def make_gpt2(size: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+              culprit: bool = False) -> TrainStep:
+    """transformers' GPT2LMHeadModel from a config built here (nothing downloaded), eager attention,
+    dropout as configured by default. ``culprit``: block 1's MLP input projection scaled (1e6; float32:
+    1e39) so that its matmul overflows ``dtype``."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # type: ignore[import-not-found]
+    from transformers.utils import logging as hf_logging  # type: ignore[import-not-found]
+
+    hf_logging.set_verbosity_error()
+    cfg_kw, batch, seq = GPT2_SIZES[size]
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+    cfg = GPT2Config(**cfg_kw, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = GPT2LMHeadModel(cfg).to(device).train()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    name = "transformer.h.1.mlp.c_fc"
+
+    def plant() -> None:
+        with torch.no_grad():
+            w = model.get_submodule(name).weight
+            # float32: 1e39 is past float32's range as a scalar itself; two steps keep the weights finite
+            w.mul_(1e6) if dtype != torch.float32 else w.mul_(1e20).mul_(1e19)
+
+    n = sum(p.numel() for p in model.parameters())
+    desc = (f"transformers GPT-2 {size} ({n / 1e6:.2f} M params, {cfg.n_layer} layers, d{cfg.n_embd}), batch {batch}, "
+            f"seq {seq}" + (f", culprit {name} weight scaled" if culprit else ""))
+    return TrainStep(f"gpt2-{size}", desc, model, {"input_ids": ids, "labels": ids}, None, dtype, name, device,
+                     plant if culprit else None)

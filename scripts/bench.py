@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What nanhunt costs, side by side with what users turn on today.
 
-    ./.venv/bin/python scripts/bench.py            # full run, < 5 min on a 2-core CPU
-    ./.venv/bin/python scripts/bench.py --quick    # smoke run, < 1 min
+    ./.venv/bin/python scripts/bench.py            # full run, about 12 min on a 2-core CPU
+    ./.venv/bin/python scripts/bench.py --quick    # smoke run, < 2 min
+    ./.venv/bin/python scripts/bench.py --only replay --threads 1   # the replay-at-scale section alone
     ./.venv/bin/python scripts/bench.py --reps 60 --workloads gpt
     ./.venv/bin/python scripts/bench.py --profile nanhunt-op --workloads gpt   # cProfile one variant
     ./.venv/bin/python scripts/bench.py --threads 1 --clock thread --busy-cores 1.5   # busy machine
@@ -61,6 +62,14 @@ subprocess per variant reading ru_maxrss. CUDA: torch.cuda.max_memory_allocated.
 RSS is what the user pays, allocator fragmentation included: keeping ~1000
 0-dim result tensors alive through a step raises the CPU peak by ~50 MiB on the
 GPT workload although they hold a few KiB.
+
+Replay at scale (first, ``--only replay`` alone, ``--no-replay`` skips it): ``nanhunt.replay(...,
+bisect=True)`` on a failing training step with one planted culprit (N = 128, 512, 2048 residual
+blocks; a transformers GPT-2 from a tiny config; 8 x Linear(2048, 2048), the memory case), each case
+in a subprocess: replays, wall time as a multiple of the plain step, dataflow-graph edges, peak RSS
+against the plain step's; then the op-level trace cost on the tiny and a ~23 M-parameter GPT-2. A
+case that does not fit in what is left of ``--scale-cap-s`` says "skipped: over cap". --quick runs
+N = 128, the GPT-2 case and the tiny GPT-2's op-level cost only. See the section's comment.
 
 Results: a table on stdout and ``bench-results.json`` (``--json PATH``).
 """
@@ -667,102 +676,212 @@ print(json.dumps(out))
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-# ============================================== replay + bisection (future)
-# >>> REPLAY/BISECTION HOOK ---------------------------------------------------
-# Replay (+ bisection, once it exists) on a chain of N cells with one culprit
-# (N = 16, 64, 256; scripts/_bench_models.make_chain, float16 autocast, the
-# culprit cell scales its input past float16's range). Skipped while
-# ``nanhunt.replay`` does not exist. ``_replay_bisect`` is the only place that
-# knows nanhunt's API: when bisection lands (``nanhunt.bisect`` or a replay
-# option), make it run the bisection and return how many step re-executions it
-# needed ("replays") and its verdict; timing, JSON and table are already wired.
-# Expect replays to grow like log2(N) and wall time like replays x step time.
+# ===================================================== replay at scale (issue 20)
+# One training step as a loop runs it (zero_grad, forward and loss under autocast, GradScaler-scaled
+# backward, scaler.step(AdamW), scaler.update()) with one planted culprit, then nanhunt.replay(...,
+# bisect=True) on it: two traced runs, the bisection's trials, the float32 control. Each case runs in a
+# subprocess of its own (a clean RSS high-water mark, no state left from the previous case):
+#   blocks N   N residual blocks (Linear 32x32, LayerNorm), N = 128, 512, 2048
+#   gpt2-tiny  transformers GPT-2 from a tiny config, block 1's MLP input weight scaled
+#   wide       8 x Linear(2048, 2048) with AdamW: weights and moments are the footprint (memory case)
+# Per case: replays (bisection trials), wall time of the replay as a multiple of the plain step timed in
+# the same process, dataflow-graph edges of one traced failing step (graph.nonfinite_graph), and the peak
+# RSS of the replay against the plain step's (each measured alone after a VmHWM reset, above the RSS the
+# process had before the model existed). float16 steps where this CPU runs them at most 2x slower than
+# float32; else a float32 step with an overflow injected (gain 1e39): the table says which ran.
+# The op-level trace cost (level="op" / plain, forward + backward, bfloat16 autocast) on the tiny and a
+# ~23 M-parameter GPT-2 runs in this process, interleaved like the workloads above.
 
-REPLAY_NS = (16, 64, 256)
-
-
-def _replay_bisect(w: models.Workload) -> dict[str, Any]:
-    """Returns {"replays": int | None, "culprit": str, "verdict": str, ...}. ADAPT when the API changes."""
-    kw: dict[str, Any] = {}
-    if "bisect" in inspect.signature(nanhunt.replay).parameters:  # type: ignore[attr-defined]
-        kw["bisect"] = True
-    rep = nanhunt.replay(  # type: ignore[attr-defined]
-        w.model, (w.x, w.y), loss_fn=w.loss_fn, dtype=w.dtype, device_type=w.device_type, scaler=w.scaler, **kw,
-    )
-    first = getattr(rep, "first", None)
-    v = getattr(rep, "verdict", None)
-    traced_runs = len(getattr(rep, "runs", ()) or ())  # replay() traces the step twice (check + zoom)
-    out: dict[str, Any] = {
-        "traced_runs": traced_runs,
-        "first": None if first is None else f"{first.module} {first.op}",
-        "status": getattr(rep, "status", None),
-        "records": getattr(rep, "n_records", None),
-    }
-    if v is None:
-        out.update(replays=traced_runs or None, culprit=out["first"], verdict=out["status"],
-                   bisect="nanhunt.replay has no bisection yet")
-    else:
-        out.update(replays=getattr(v, "replays", None), bisect_s=getattr(v, "seconds", None),
-                   culprit=",".join(getattr(v, "culprits", ()) or ()) or None, verdict=getattr(v, "kind", None),
-                   confirmed=getattr(v, "confirmed", None), candidates=getattr(v, "candidates", None),
-                   bisect="replay(bisect=True)")
-    return out
+SCALE_NS = (128, 512, 2048)
+HALF_SLOWDOWN_LIMIT = 2.0  # float16 step / float32 step above which the float32 fallback runs
 
 
-def _bisect_unguided(w: models.Workload) -> dict[str, Any] | None:
-    """Bisection alone with no origin hint: pure group testing over the module tree. ADAPT with the API."""
-    try:
-        from nanhunt.bisect import bisect  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    t0 = time.perf_counter()
-    v = bisect(w.model, (w.x, w.y), origin=None, loss_fn=w.loss_fn, dtype=w.dtype, device_type=w.device_type,
-               scaler=w.scaler)
-    return {"replays": v.replays, "wall_s": time.perf_counter() - t0, "culprit": ",".join(v.culprits) or None,
-            "verdict": v.kind}
+def _make_case(kind: str, n: int, dtype: torch.dtype) -> models.TrainStep:
+    if kind == "blocks":
+        return models.make_blocks(n, dtype=dtype)
+    if kind == "wide":
+        return models.make_wide(dtype=dtype)
+    return models.make_gpt2("tiny", dtype=dtype, culprit=True)
 
 
-def bench_replay(device: str, ns: tuple[int, ...] = REPLAY_NS, cap_s: float = 60.0) -> dict[str, Any]:
-    """Replay + bisection per N; a larger N is skipped once ``cap_s`` seconds have gone (a busy machine)."""
-    if not hasattr(nanhunt, "replay"):
-        return {"skipped": "nanhunt.replay does not exist yet"}
-    out: dict[str, Any] = {}
-    t_start = time.perf_counter()
-    warm = models.make_chain(4, device=device)  # the first op-level trace of a process imports ~1 s of modules
-    with nanhunt.trace(warm.model, level="op"):
-        warm.step()
-    for n in ns:
-        if time.perf_counter() - t_start > cap_s:
-            out[str(n)] = {"error": f"skipped: the section already took over {cap_s:.0f} s (busy machine?)"}
-            continue
-        w = models.make_chain(n, device=device)
-        w.step()  # warm
-        step_s = math.inf
-        for _ in range(3):
-            _sync(device)
-            t0 = time.perf_counter()
-            w.step()
-            _sync(device)
-            step_s = min(step_s, time.perf_counter() - t0)
+def _best_step_s(w: models.TrainStep, reps: int = 3) -> float:
+    best = math.inf
+    for _ in range(reps):
         t0 = time.perf_counter()
-        try:
-            res = _replay_bisect(w)
-        except Exception as e:  # noqa: BLE001  an API mismatch must not sink the timing run
-            res = {"error": f"{type(e).__name__}: {e} (update _replay_bisect in scripts/bench.py)"}
-        _sync(device)
-        res["wall_s"] = time.perf_counter() - t0
-        try:
-            ung = _bisect_unguided(w)
-        except Exception as e:  # noqa: BLE001
-            ung = {"error": f"{type(e).__name__}: {e} (update _bisect_unguided in scripts/bench.py)"}
-        if ung is not None:
-            res["unguided"] = ung
-        res["step_s"] = step_s
-        res["modules"] = sum(1 for _ in w.model.modules())
-        res["expected_culprit"] = getattr(w, "culprit", None)
-        out[str(n)] = res
+        w.step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _pick_dtype(kind: str, n: int) -> tuple[torch.dtype, dict[str, Any]]:
+    """float16 unless this CPU runs the case's float16 step more than HALF_SLOWDOWN_LIMIT x slower."""
+    times: dict[str, float] = {}
+    for dt in (torch.float16, torch.float32):
+        w = _make_case(kind, n, dt)
+        w.step()  # warm
+        times[str(dt)[6:]] = _best_step_s(w, 2)
+        del w
+    ratio = times["float16"] / times["float32"]
+    dtype = torch.float16 if ratio <= HALF_SLOWDOWN_LIMIT else torch.float32
+    return dtype, {"float16_step_s": times["float16"], "float32_step_s": times["float32"], "float16_slowdown": ratio}
+
+
+def scale_case(kind: str, n: int) -> dict[str, Any]:
+    """One case, in this (fresh) process: see the section comment."""
+    from nanhunt.graph import nonfinite_graph
+
+    hwm = _can_reset_hwm()
+    dtype, pick = _pick_dtype(kind, n) if kind != "wide" else (torch.float32, {"note": "float32: the memory case"})
+    # The floor: after steps of the same kind of model ran and were freed (imports, kernels and thread pools
+    # initialised), before this model exists. The footprint above it: weights, moments, grads, activations.
+    gc.collect()
+    _malloc_trim()
+    rss_floor = _status_kib("VmRSS") / 1024
+    w = _make_case(kind, n, dtype).prime()
+    out: dict[str, Any] = {"case": w.name, "desc": w.desc, "dtype": str(dtype)[6:], **pick,
+                           "torch_threads": torch.get_num_threads(),
+                           "params": sum(p.numel() for p in w.model.parameters()),
+                           "modules": sum(1 for _ in w.model.modules()), "planted": w.culprit}
+    w.step()  # warm; a failing step: GradScaler skips the update, the weights stay
+    out["step_s"] = _best_step_s(w)
+    replay = lambda: nanhunt.replay(w.model, w.batch, loss_fn=w.loss_fn, dtype=w.dtype,  # noqa: E731
+                                    device_type=w.device_type, scaler=w.scaler, optimizer=w.optimizer, bisect=True)
+    reports: list[Any] = []
+    if hwm:
+        plain_extra, plain_abs = measure_peak(w.step, "cpu")
+        t0 = time.perf_counter()
+        rep_extra, rep_abs = measure_peak(lambda: reports.append(replay()), "cpu")
+        out["replay_s"] = time.perf_counter() - t0
+        out["memory"] = {"method": "VmHWM reset (clear_refs), RSS", "rss_floor_mib": rss_floor,
+                         "plain_peak_mib": plain_abs, "replay_peak_mib": rep_abs,
+                         "plain_extra_mib": plain_extra, "replay_extra_mib": rep_extra,
+                         "plain_footprint_mib": plain_abs - rss_floor, "replay_footprint_mib": rep_abs - rss_floor,
+                         "replay_over_plain": (rep_abs - rss_floor) / (plain_abs - rss_floor)}
+    else:
+        t0 = time.perf_counter()
+        reports.append(replay())
+        out["replay_s"] = time.perf_counter() - t0
+        out["memory"] = {"method": "none: /proc/self/clear_refs unavailable"}
+    rep = reports[0]
+    v = rep.verdict
+    out.update(replay_over_step=out["replay_s"] / out["step_s"], replays=None if v is None else v.replays,
+               verdict=None if v is None else v.kind, culprits=None if v is None else list(v.culprits),
+               first=None if rep.first is None else f"{rep.first.module} {rep.first.op}", records=rep.n_records)
+    with nanhunt.trace(w.model) as t:
+        w.step()
+    t0 = time.perf_counter()
+    g = nonfinite_graph(t.records)
+    out["graph"] = {"edges": g.number_of_edges(), "nodes": g.number_of_nodes(), "records": len(t.records),
+                    "build_s": time.perf_counter() - t0}
     return out
-# <<< REPLAY/BISECTION HOOK ---------------------------------------------------
+
+
+def _run_case(kind: str, n: int, timeout_s: float, threads: int | None) -> dict[str, Any]:
+    # one torch thread unless --threads says otherwise: these steps are small, and on a shared CPU an OpenMP
+    # team waiting for a busy core made a 128-block case 4x slower (50 s against 12 s)
+    cmd = [sys.executable, os.path.abspath(__file__), "--scale-case", f"{kind}:{n}", "--threads", str(threads or 1)]
+    c0, k0 = _cpu_snapshot(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+        return {"case": f"{kind}{n if kind == 'blocks' else ''}", "skipped": f"skipped: over cap ({timeout_s:.0f} s)"}
+    c1, k1 = _cpu_snapshot(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = (k1.ru_utime + k1.ru_stime) - (k0.ru_utime + k0.ru_stime)
+    # other processes' CPU use while the case ran, in cores (the case's own process excluded)
+    foreign = _foreign_cores(c0, (c1[0] - child, c1[1], c1[2]))
+    try:
+        out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"case": f"{kind}{n}", "error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
+    out["foreign_cores"] = foreign
+    return out
+
+
+class _OpCost:
+    """A GPT-2 forward + backward as a benchmark workload (what bench_workload times)."""
+
+    def __init__(self, w: models.TrainStep) -> None:
+        self.name, self.desc, self.model, self.device = w.name, w.desc + ", autocast bfloat16", w.model, w.device
+        self.step = w.forward_backward
+
+
+def bench_scale(args: argparse.Namespace, t_start: float, rss_floor: float) -> dict[str, Any]:
+    """The section: the cases in subprocesses (a case past the time left of ``args.scale_cap_s`` is
+    skipped), then the op-level cost on the GPT-2s."""
+    out: dict[str, Any] = {"cases": [], "op_cost": []}
+    cap = args.scale_cap_s
+    t0 = time.perf_counter()
+    ns = SCALE_NS[:1] if args.quick else SCALE_NS
+    plan = [("blocks", n) for n in ns] + [("gpt2", 0)] + ([] if args.quick else [("wide", 0)])
+    for kind, n in plan:
+        left = cap - (time.perf_counter() - t0)
+        print(f"[{time.perf_counter() - t_start:6.1f}s] replay at scale: {kind} {n or ''} ({left:.0f} s left of the cap)",
+              file=sys.stderr, flush=True)
+        if left < 5:
+            out["cases"].append({"case": f"{kind}{n or ''}", "skipped": f"skipped: over cap ({cap:.0f} s)"})
+            continue
+        out["cases"].append(_run_case(kind, n, left, args.threads))
+    sizes = ("tiny",) if args.quick else ("tiny", "23M")
+    for size in sizes:
+        w = _OpCost(models.make_gpt2(size, dtype=torch.bfloat16))
+        print(f"[{time.perf_counter() - t_start:6.1f}s] op-level cost: {w.name}", file=sys.stderr, flush=True)
+        share = 8.0 if args.quick else (40.0 if size == "tiny" else 60.0)
+        now = time.perf_counter()
+        variants = ["plain", "nanhunt-op"] + ([] if args.quick else ["dispatch-bare", "dispatch-aminmax"])  # the floors
+        res = bench_workload(w, variants, args, now + share, rss_floor, now + 1.5 * share)  # type: ignore[arg-type]
+        out["op_cost"].append(res)
+    return out
+
+
+def print_scale(sc: dict[str, Any]) -> None:
+    print("\nreplay at scale (nanhunt.replay(..., bisect=True) on a failing step: zero_grad, autocast forward and loss, "
+          "GradScaler backward, scaler.step(AdamW), update; each case in its own process, torch threads "
+          f"{sorted({c['torch_threads'] for c in sc['cases'] if 'torch_threads' in c}) or '?'})")
+    hdr = (f"{'case':<14}{'dtype':>8}{'params':>9}{'plain ms':>10}{'replay s':>10}{'x step':>8}{'replays':>9}"
+           f"{'edges':>8}{'records':>9}{'RSS MiB plain/replay':>22}  verdict")
+    print(hdr)
+    print("-" * len(hdr))
+    for c in sc["cases"]:
+        if "skipped" in c or "error" in c:
+            print(f"{c['case']:<14}  {c.get('skipped') or 'error: ' + c['error']}")
+            continue
+        mem = c["memory"]
+        pk = (f"{mem['plain_footprint_mib']:.0f}/{mem['replay_footprint_mib']:.0f} ({mem['replay_over_plain']:.2f}x)"
+              if "replay_over_plain" in mem else "n/a")
+        print(f"{c['case']:<14}{c['dtype']:>8}{c['params'] / 1e6:>8.2f}M{c['step_s'] * 1e3:>10.1f}{c['replay_s']:>10.2f}"
+              f"{c['replay_over_step']:>7.0f}x{c['replays']!s:>9}{c['graph']['edges']:>8}{c['graph']['records']:>9}"
+              f"{pk:>22}  {c['verdict']} {','.join(c['culprits'] or []) or 'first: ' + str(c['first'])} "
+              f"(planted {c['planted']})")
+    for c in sc["cases"]:
+        if "skipped" in c or "error" in c:
+            continue
+        mem = c["memory"]
+        why = (f"float16 step {c['float16_step_s'] * 1e3:.1f} ms vs float32 {c['float32_step_s'] * 1e3:.1f} ms "
+               f"({c['float16_slowdown']:.1f}x)" if "float16_slowdown" in c else c.get("note", ""))
+        fallback = " -> float32 with an injected overflow" if c["dtype"] == "float32" and "float16_slowdown" in c else ""
+        line = f"  {c['case']}: {c['desc']}; {why}{fallback}"
+        if "plain_footprint_mib" in mem:
+            line += (f"; RSS footprint (above the {mem['rss_floor_mib']:.0f} MiB before the model): plain step "
+                     f"{mem['plain_footprint_mib']:.0f} MiB, replay + bisection {mem['replay_footprint_mib']:.0f} MiB")
+        print(line + f"; graph built in {c['graph']['build_s'] * 1e3:.0f} ms; other processes' load "
+              f"{c.get('foreign_cores', math.nan):.2f} cores")
+    blocks = {c["case"]: c for c in sc["cases"] if c["case"].startswith("blocks") and "replay_over_step" in c}
+    if "blocks128" in blocks and "blocks512" in blocks:
+        print(f"  N=128 -> 512: replay / plain step grows {blocks['blocks512']['replay_over_step'] / blocks['blocks128']['replay_over_step']:.2f}x "
+              f"(target <= 1.3x); graph edges {blocks['blocks512']['graph']['edges'] / max(blocks['blocks128']['graph']['edges'], 1):.2f}x "
+              f"for {blocks['blocks512']['graph']['records'] / blocks['blocks128']['graph']['records']:.2f}x the records")
+    for wr in sc["op_cost"]:
+        r = wr["variants"]["nanhunt-op"]
+        fc = sorted(wr["foreign_cores_per_rep"])
+        print(f"op-level cost, {wr['workload']} ({wr['desc']}): {r['ratio']['median']:.2f}x the plain step "
+              f"(p25-p75 {r['ratio']['p25']:.2f}-{r['ratio']['p75']:.2f}; plain {wr['variants']['plain']['time_s']['median'] * 1e3:.1f} ms, "
+              f"{r.get('records', '?')} records; {wr['reps_used']} of {wr['reps']} reps used ({wr['reps_used_are']}), other "
+              f"processes' load median {statistics.median(fc):.2f} cores, max {fc[-1]:.2f})")
+        floors = [f"{n} {wr['variants'][n]['ratio']['median']:.2f}x" for n in ("dispatch-bare", "dispatch-aminmax")
+                  if n in wr["variants"]]
+        if floors:
+            print(f"  floors in the same run: {', '.join(floors)} (a dispatch mode that only runs each op; that mode "
+                  f"plus one aminmax per floating op output, no attribution)")
 
 
 # ================================================================= profile
@@ -841,27 +960,8 @@ def print_table(res: dict[str, Any]) -> None:
               f"RSS {c['op']['rss_growth_mib']:+.0f} MiB")
     elif c:
         print(f"\nfirst use: {c['error']}")
-    rp = res.get("replay")
-    if rp is not None:
-        if "skipped" in rp:
-            print(f"\nreplay + bisection: skipped ({rp['skipped']})")
-        else:
-            print("\nreplay + bisection (chain with one culprit):")
-            for n, r in rp.items():
-                if "error" in r:
-                    print(f"  N={n:>4}: {r['error']}")
-                    continue
-                bs = f", bisection {r['bisect_s']:.2f} s" if r.get("bisect_s") is not None else ""
-                print(f"  N={n:>4} ({r['modules']} modules, log2 N = {math.log2(int(n)):.0f}): {r.get('replays')} "
-                      f"bisection replays + {r.get('traced_runs')} traced runs, wall {r['wall_s']:.2f} s{bs} "
-                      f"(plain step, best of 3: {r['step_s'] * 1e3:.1f} ms); culprit {r.get('culprit')} (planted "
-                      f"{r.get('expected_culprit')}), verdict {r.get('verdict')}; {r.get('bisect')}")
-                u = r.get("unguided")
-                if u and "error" in u:
-                    print(f"           unguided: {u['error']}")
-                elif u:
-                    print(f"           unguided bisection (no origin hint): {u['replays']} replays, {u['wall_s']:.2f} s, "
-                          f"culprit {u['culprit']}, verdict {u['verdict']}")
+    if res.get("scale") is not None:
+        print_scale(res["scale"])
 
 
 def _jsonable(x: Any) -> Any:
@@ -894,13 +994,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: time each step by the CPU time of the main thread (needs --threads 1; "
                          "robust on a busy machine, since time spent preempted does not count)")
-    ap.add_argument("--no-replay", action="store_true", help="skip replay + bisection timing")
+    ap.add_argument("--no-replay", action="store_true", help="skip the replay-at-scale section")
+    ap.add_argument("--only", choices=("replay",), default=None,
+                    help="replay: run only the replay-at-scale section (replay + bisection on N blocks and GPT-2, "
+                         "memory, op-level cost on GPT-2)")
+    ap.add_argument("--scale-cap-s", type=float, default=None,
+                    help="seconds for the replay-at-scale cases; a case that does not fit is skipped and says so "
+                         "(default 420, quick 60)")
+    ap.add_argument("--scale-case", default=None, help=argparse.SUPPRESS)  # KIND:N, one case (a subprocess)
     ap.add_argument("--no-cold", action="store_true", help="skip the first-use measurement (a subprocess)")
     ap.add_argument("--json", default="bench-results.json", help="where to write the results")
     ap.add_argument("--profile", metavar="VARIANT", help="cProfile VARIANT on the first workload instead of benchmarking")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--profile-top", type=int, default=30)
     args = ap.parse_args(argv)
+    if args.scale_case:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        kind, n = args.scale_case.split(":")
+        print(json.dumps(_jsonable(scale_case(kind, int(n)))))
+        return 0
+    args.scale_cap_s = args.scale_cap_s if args.scale_cap_s is not None else (60.0 if args.quick else 420.0)
     args.reps = args.reps if args.reps is not None else (5 if args.quick else 40)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.mem_reps = args.mem_reps if args.mem_reps is not None else (1 if args.quick else 3)
@@ -932,15 +1046,21 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, Any] = {"machine": machine_info(args.device), "args": vars(args), "skipped": skipped,
                            "targets": TARGETS, "workloads": []}
-    # Fixed-cost sections first; the repetitions then get whatever budget is left.
+    # Fixed-cost sections first; the repetitions then get the budget (--budget-s counts from their start).
     if not args.no_replay:
-        print(f"[{time.perf_counter() - t_start:6.1f}s] replay + bisection", file=sys.stderr, flush=True)
-        res["replay"] = bench_replay(args.device, REPLAY_NS[:1] if args.quick else REPLAY_NS, 10.0 if args.quick else 45.0)
-    if not args.quick and not args.no_cold and not args.device.startswith("cuda"):
+        if args.device != "cpu":
+            res["scale"] = None
+            skipped["replay at scale"] = "CPU only (it measures RSS); run it without --device"
+        else:
+            res["scale"] = bench_scale(args, t_start, rss_floor)
+    if args.only == "replay":
+        wl_names = []
+    elif not args.quick and not args.no_cold and not args.device.startswith("cuda"):
         print(f"[{time.perf_counter() - t_start:6.1f}s] first use (subprocess)", file=sys.stderr, flush=True)
         res["cold"] = bench_cold(args.device)
+    t_budget = time.perf_counter()
     for i, wn in enumerate(wl_names):
-        now = time.perf_counter() - t_start
+        now = time.perf_counter() - t_budget
         share = (args.budget_s - now) / (len(wl_names) - i)
         deadline = time.perf_counter() + max(share, 0.0)
         w = models.WORKLOADS[wn](device=args.device)
