@@ -243,7 +243,9 @@ def _type_text(tp: Any) -> str:
     """A declared type as JSON would say it: ``str | list[str] | null``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
-        return " | ".join(_type_text(a) for a in args)
+        # sorted, null last: typing caches equal unions, so the order of ``args`` is whichever came first
+        parts = sorted({_type_text(a) for a in args} - {"null"})
+        return " | ".join(parts + (["null"] if type(None) in args else []))
     if origin is typing.Literal:
         return " | ".join(json.dumps(a) for a in args)
     if tp is type(None):
