@@ -22,6 +22,7 @@ from ._records_store import Raw, RecordStore
 from ._scope import ScopeGate, in_scope
 from ._tensors import floatish, layout, tensors
 from ._watch import OriginWatch
+from ._wrappers import user_named_modules
 from .records import Phase, Role
 
 __all__ = ["ModuleHooks"]
@@ -78,14 +79,16 @@ class ModuleHooks:
         store, owners = self._store, self._phases.owners
         seen: set[int] = set()
         pre, post, grad = self._pre_hook, self._post_hook, self._grad_hook
+        walk = list(user_named_modules(model))
         if self.scope:
-            table = dict(model.named_modules())
+            table = {name for name, _, _ in walk}
             missing = [n for n in self.scope if n not in table]
             if missing:
                 raise KeyError(f"scope names no module of the model: {', '.join(missing)} (see model.named_modules())")
-        for name, mod in model.named_modules():
-            self.names[id(mod)] = (weakref.ref(mod), name)
-            store.classes[name] = type(mod).__name__
+        for name, mod, wrapper in walk:
+            if not wrapper:  # a wrapper's calls are its inner module's (named alike): its weights are the inner's
+                self.names[id(mod)] = (weakref.ref(mod), name)
+                store.classes[name] = type(mod).__name__
             params, buffers = _dispatch.own_weights(mod)
             if self.scope and not in_scope(name, self.scope):
                 for p in params:
@@ -111,11 +114,13 @@ class ModuleHooks:
                     direct.append(idx)
                     if role is Role.PARAM and t.requires_grad:
                         self._handles.append(t.register_post_accumulate_grad_hook(grad))  # type: ignore[no-untyped-call]
-            self.direct[name] = tuple(direct)
+            self.direct[name] = (*self.direct.get(name, ()), *direct)  # an FSDP1 wrapper's flat parameter too
+            if wrapper:
+                continue
             # prepend: the user's own pre-hooks (weight_norm...) run inside the module, after ours
             self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self._handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
-        self.root_name = self.name_of(model)
+        self.root_name = walk[0][0] if walk else None  # "": the model, or the module its wrappers wrap
 
     def name_of(self, module: nn.Module) -> str | None:
         """``module``'s name in the model, ``None`` for a module not in it."""

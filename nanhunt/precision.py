@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._tree import map_tensors
+from ._wrappers import user_modules
 
 __all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "float32_master", "has_half_weights",
            "to_fp32",
@@ -197,7 +198,8 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
 
 
 def _modules(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
-    table = dict(model.named_modules())
+    # the names a trace gives (``fc2`` in a DDP-wrapped model) and the wrapper's own (``module.fc2``)
+    table = {**dict(model.named_modules()), **user_modules(model)}
     out = []
     for n in names:
         if n in REGIONS:

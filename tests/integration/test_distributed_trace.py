@@ -54,7 +54,7 @@ def test_overflow_on_rank1_is_born_there_and_received_on_rank0(tmp_path: Path, w
     # GIVEN two ranks, only rank 1's batch overflows fc1 in float16 WHEN each traces the step
     res = _two_ranks(tmp_path, wrapper, overflow=True)
     r0, r1 = res[0], res[1]
-    module = "module.fc1" if wrapper == "ddp" else "fc1"
+    module = "fc1"  # as the user wrote it, under DDP too (not "module.fc1")
     # THEN rank 1 names the op that made it
     assert r1["first"] == ["forward", module, "aten::addmm", "inf"]
     # AND rank 0 made none: it arrived through the gradient collective, and its record says so
