@@ -65,6 +65,32 @@ def user_class(module: nn.Module) -> type:
     return type(module)
 
 
+def fsdp_layout(module: nn.Module) -> list[dict[str, Any]]:
+    """Which modules ``fully_shard`` wrapped, children before parents (the order to wrap them again), each
+    with the mesh shape and the options the distributed replay must repeat. The options are read from
+    FSDP2's state (no public getter); one torch cannot say is recorded as None and replayed by default."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[dict[str, Any]] = []
+    for name, m in reversed(list(module.named_modules())):
+        if not isinstance(m, FSDPModule):
+            continue
+        entry: dict[str, Any] = {"module": name, "mesh": None, "reshard_after_forward": None, "mp_policy": None}
+        with suppress(Exception):  # FSDP2's internals differ between torch versions: record what is there
+            state = m._get_fsdp_state()
+            group = state._fsdp_param_group
+            if group is not None:
+                entry["mesh"] = [int(n) for n in group.mesh_info.mesh.shape]
+                if not state._auto_reshard_after_forward:
+                    entry["reshard_after_forward"] = group.post_forward_mesh_info is not None
+            mp = state._mp_policy
+            entry["mp_policy"] = {k: None if getattr(mp, k) is None else str(getattr(mp, k)).replace("torch.", "")
+                                  for k in ("param_dtype", "reduce_dtype", "output_dtype")}
+            entry["mp_policy"]["cast_forward_inputs"] = bool(mp.cast_forward_inputs)
+        out.append(entry)
+    return out
+
+
 def batch_file(rank: int) -> str:
     return f"batch-rank{rank}.pt"
 
@@ -85,6 +111,35 @@ def sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer,
         if isinstance(live, torch.Tensor) and live.shape == t.shape:
             model_sd[name] = t
     return {"model": model_sd, "optimizer": get_optimizer_state_dict(module, optimizer)}
+
+
+def optimizer_by_name(osd: Mapping[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``Optimizer.state_dict()`` (a snapshot's copy: parameters numbered in group order) keyed by parameter name,
+    as ``get_optimizer_state_dict`` writes it and :func:`optimizer_by_index` reads it back."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if any(n is None for n in order):
+        raise ValueError("the optimizer updates tensors outside the model, which a capture directory cannot name")
+    return {"state": {order[i]: v for i, v in osd.get("state", {}).items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in osd.get("param_groups", [])]}
+
+
+def any_rank(flag: bool, module: nn.Module) -> bool:
+    """Whether ``flag`` is set on any rank that holds shards of ``module`` (one all_reduce per dimension of its
+    DTensors' device mesh, every one of those ranks must call it)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return flag
+    found = torch.tensor([1.0 if flag else 0.0])
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        t = found.to(_comm_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        found = t.cpu()
+    return float(found) != 0.0
 
 
 def write_capture_dir(path: str, *, state: Any, fields: Mapping[str, Any], batch: Mapping[str, Any],
@@ -219,8 +274,9 @@ def pick_rank(man: Mapping[str, Any], rank: int | None, path: str) -> int:
     return rank
 
 
-def load_state(path: str) -> dict[str, Any]:
-    """The DCP checkpoint at ``path`` consolidated into full CPU tensors, nested as it was saved."""
+def load_state(path: str, *, tensors: bool = True) -> dict[str, Any]:
+    """The DCP checkpoint at ``path`` consolidated into full CPU tensors, nested as it was saved; without
+    ``tensors``, only its other entries (the optimizer's groups and hyperparameters)."""
     where = f"the capture's state {path!r}"
     meta = _read_metadata(path, where)
     storage = _storage_index(meta, path, where)
@@ -232,6 +288,8 @@ def load_state(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fqn, md in entries.items():
         if isinstance(md, TensorStorageMetadata):
+            if not tensors:
+                continue
             value: Any = _read_tensor(fqn, md, storage, path, where)
         else:
             value = _load(path, storage[(fqn, None)], where, fqn)
@@ -260,6 +318,113 @@ def optimizer_by_index(osd: Any, where: str) -> tuple[dict[str, Any], list[list[
     sd = {"state": {index[k]: v for k, v in state.items()},
           "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
     return sd, names
+
+
+def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load the DCP checkpoint at ``path`` into ``model`` (sharded again as it was, FSDP2) and ``optimizer``:
+    a collective of ``torch.distributed.checkpoint.load`` in which each rank reads only the chunks its shards
+    need, through :func:`safe_reader` (weights-only, the one-process path's checks)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    reader, planner = safe_reader(path)
+    try:
+        load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as e:  # every rank raises it, naming each rank's own error
+        failures = sorted(e.failures.items())
+        first = next((exc for _, (exc, _tb) in failures if isinstance(exc, CommandError)), None)
+        if first is not None:
+            raise CommandError(str(first)) from None
+        rank, (exc, _tb) = failures[0] if failures else (-1, (e, None))
+        raise CommandError(f"the capture's state {path!r} cannot be loaded into the sharded model (rank {rank}: "
+                           f"{_first_line(exc)}); is --model the factory that built this capture?") from None
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def safe_reader(path: str) -> tuple[Any, Any]:
+    """A ``StorageReader`` and ``LoadPlanner`` for ``torch.distributed.checkpoint.load`` that read as
+    :func:`load_state` does: the metadata by the unpickler that builds only DCP's classes, every place checked
+    to lie in a shard file of ``path``, every entry (tensor or not) with ``torch.load(weights_only=True)``.
+    DCP's own reader would ``pickle.load`` the metadata and its planner unpickle non-tensor entries with
+    ``weights_only=False``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    where = f"the capture's state {path!r}"
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta = _read_metadata(path, where)
+            _check_budget(meta.state_dict_metadata, _storage_index(meta, path, where), path, where)
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            self.checked = _storage_index(metadata, path, where)  # every rank checks the places it reads
+
+        def read_data(self, plan: Any, planner: Any) -> Future[None]:
+            for req in plan.items:
+                fqn = str(req.storage_index.fqn)
+                off = None if req.storage_index.offset is None else tuple(int(i) for i in req.storage_index.offset)
+                info = self.checked.get((fqn, off))
+                if info is None:
+                    raise CommandError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
+                value = _load(path, info, where, fqn)
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_object(req, value)
+                    continue
+                if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
+                    raise CommandError(f"{where}: a chunk of {fqn!r} holds {type(value).__name__}, not a tensor; "
+                                       "the capture is damaged")
+                for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    if not 0 <= start and start + n <= value.shape[dim]:
+                        raise CommandError(f"{where}: a chunk of {fqn!r} is smaller than its .metadata says; the "
+                                           "capture is damaged")
+                    value = value.narrow(dim, start, n)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != value.size():
+                    raise CommandError(f"{where}: {fqn!r} is {tuple(value.shape)} in the capture and "
+                                       f"{tuple(target.shape)} in this model; is --model the factory that built it?")
+                target.copy_(value)
+                planner.commit_tensor(req, target)
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.load_object(read_item, torch.load(value, map_location="cpu", weights_only=True))
+
+        def load_object(self, read_item: Any, obj: Any) -> None:
+            """A non-tensor entry already read weights-only, put where DCP's planner would put it (the
+            place exists: DCP reads only the entries of the state dict it loads into)."""
+            if not self.flatten_state_dict:
+                self.state_dict[read_item.dest_index.fqn] = obj
+                return
+            keys = self.mappings[read_item.dest_index.fqn]
+            node: Any = self.original_state_dict
+            for k in keys[:-1]:
+                node = node[k]
+            node[keys[-1]] = obj
+
+    return SafeReader(path), SafePlanner()
 
 
 # ---------------------------------------------------------- DCP's metadata

@@ -186,8 +186,15 @@ class CaptureWriter:
             scaler = _scaler_state(self.scaler, entry.scale_before, entry.tracker_before)
         model = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         weights = [model[name] for name, _ in self.module.named_parameters() if name in model]
+        if _dcp.sharded(self.module):
+            # FSDP2: each rank holds shards of one snapshot, written together into one capture directory, so
+            # the ranks agree whether it is good (an all_reduce per mesh dimension; every rank begins this step)
+            bad = nonfinite([_dispatch.local_tensor(w) for w in weights], torch.device("cpu"))
+            if _dcp.any_rank(bool(bad), self.module):
+                self.poison(entry.index)
+                return
         # A local read: snapshots are a per-rank matter, no rank waits on another's.
-        if weights and float(nonfinite(weights, torch.device("cpu"))) != 0:
+        elif weights and float(nonfinite(weights, torch.device("cpu"))) != 0:
             self.poison(entry.index)  # and keep the last good copy
             return
         self.snapshot = _Snapshot(step=entry.index, model=model, optimizer=_cpu_copy(self.optimizer.state_dict()),
@@ -207,8 +214,8 @@ class CaptureWriter:
         """
         # ---- FSDP2 (DTensor weights): one capture directory that every rank of ``group`` writes (_dcp.py)
         if _dcp.sharded(self.module):
-            return self._capture_dir(entry, live=live, began=began, scaler_before=scaler_before, ranks=ranks,
-                                     group=group)
+            return self._capture_dir(entry, live=live, began=began, bad_update=bad_update, scaler_before=scaler_before,
+                                     ranks=ranks, group=group)
         # ----
         if not (seen_here or self.dump_all_ranks):
             return Written(None, None, None, False, "another rank saw it; its capture holds the step")
@@ -228,26 +235,35 @@ class CaptureWriter:
             return Written(None, None, None, False, f"{type(e).__name__}: {e}")
         return Written(ck, bt, captured, pre_update, None)
 
-    def _capture_dir(self, entry: StepEntry, *, live: bool, began: bool, scaler_before: bool,
+    def _capture_dir(self, entry: StepEntry, *, live: bool, began: bool, bad_update: int, scaler_before: bool,
                      ranks: tuple[int, ...], group: Any) -> Written:
-        """``step{N}/``: DCP shards of the live state, each rank's batch, a manifest (``_dcp``). Every rank takes
-        part, whether or not it saw the failure: DCP's save is a collective. No snapshot: an update that wrote
-        non-finite weights is captured with them (``pre_update`` False)."""
+        """``step{N}/``: DCP shards of the live state (or, when ``live`` is False, of the last good snapshot:
+        each rank's shards of it), each rank's batch, a manifest (``_dcp``). Every rank takes part, whether or
+        not it saw the failure: DCP's save is a collective; the ranks agreed on the snapshot when it was taken."""
         if self.captures >= self.max_captures:  # every rank counts alike: all of them write every capture
             return Written(None, None, None, False, f"max_captures={self.max_captures} already written")
         state: Any
         fields: dict[str, Any] = {}
         batch: dict[str, Any] = {}
+        snap = None if live else self.snapshot
         try:
             scaler = self.scaler if self._scaling() else None
             scaler_state = None
-            if scaler is not None and scaler_before:
-                scaler_state = _scaler_state(scaler, entry.scale_before, entry.tracker_before)
-            fields, batch = capture_record(model=self.module, model_state={}, optimizer=self.optimizer,
-                                           optimizer_state={}, batch=entry.batch, scaler=scaler,
-                                           scaler_state=scaler_state, rng=entry.rng, **self._save_kwargs(entry))
-            buffers = {self.buffers.named[k][0]: c for k, c in (entry.buffers or {}).items()} if began else {}
-            state = _dcp.sharded_state(self.module, self.optimizer, buffers)
+            if snap is not None:  # the state (weights, optimizer, scaler) and batch of the step it began
+                fields, batch = capture_record(model=self.module, model_state={}, optimizer=self.optimizer,
+                                               optimizer_state={}, batch=snap.batch, scaler_state=snap.scaler,
+                                               rng=snap.rng, **self._save_kwargs(entry))
+                fields.update(captured_step=snap.step, pre_update=snap.step == bad_update)
+                state = {"model": snap.model,
+                         "optimizer": _dcp.optimizer_by_name(snap.optimizer or {}, self.module, self.optimizer)}
+            else:
+                if scaler is not None and scaler_before:
+                    scaler_state = _scaler_state(scaler, entry.scale_before, entry.tracker_before)
+                fields, batch = capture_record(model=self.module, model_state={}, optimizer=self.optimizer,
+                                               optimizer_state={}, batch=entry.batch, scaler=scaler,
+                                               scaler_state=scaler_state, rng=entry.rng, **self._save_kwargs(entry))
+                buffers = {self.buffers.named[k][0]: c for k, c in (entry.buffers or {}).items()} if began else {}
+                state = _dcp.sharded_state(self.module, self.optimizer, buffers)
         except Exception as e:  # said to the other ranks, which then write nothing either
             state = e
         for k in ("nanhunt_capture", "model", "optimizer", "optimizer_params"):
@@ -258,6 +274,8 @@ class CaptureWriter:
         self.captures += 1
         if error is not None:
             return Written(None, None, None, False, error)
+        if snap is not None:
+            return Written(path, None, snap.step, snap.step == bad_update, None)
         return Written(path, None, entry.index, live, None)
 
     def write_event(self, event: GuardEvent, scale_history: list[tuple[int, float]]) -> None:

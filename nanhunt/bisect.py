@@ -13,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ._dispatch import local_tensor
+from ._wrappers import user_modules
 from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
+from ._errors import CommandError
 from .records import Occurrence, Verdict
 from .step import Step
 from .tracer import Trace
@@ -31,11 +34,26 @@ class _Interrupted(Exception):
     pass
 
 
+class Team(Protocol):
+    """The ranks of a distributed replay bisecting together (``nanhunt._dist_replay``): rank 0 leads, decides
+    each trial and sends it; every rank runs it; its finiteness is agreed, so every rank's collectives meet."""
+
+    leads: bool
+
+    def send(self, order: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        """The leader's ``order``, on every rank (the others pass None)."""
+        ...
+
+    def all_finite(self, ok: bool) -> bool:
+        """Whether the trial was finite on every rank."""
+        ...
+
+
 class _Trials:
     """Runs one finite/non-finite trial of the step per call and counts them."""
 
-    def __init__(self, step: Step, progress: Callable[[int, str], None] | None) -> None:
-        self.step, self.progress = step, progress
+    def __init__(self, step: Step, progress: Callable[[int, str], None] | None, team: Team | None = None) -> None:
+        self.step, self.progress, self.team = step, progress, team
         self.count = 0
         self.cache: dict[tuple[Any, ...], bool] = {}
         # a silent origin (the step stays finite): a trial is "finite" when that origin is gone too
@@ -51,7 +69,18 @@ class _Trials:
         self.count += 1
         if self.progress is not None:
             self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
-        step, watch = self.step, self.watch
+        if self.team is not None:
+            self.team.send(("trial", fp32, dtype, unscaled, self.watch))
+        ok = self.run(fp32, dtype=dtype, unscaled=unscaled, watch=self.watch, called=called)
+        if self.team is not None:
+            ok = self.team.all_finite(ok)
+        self.cache[key] = ok
+        return ok
+
+    def run(self, fp32: frozenset[str], *, dtype: torch.dtype | None, unscaled: bool, watch: Occurrence | None,
+            called: set[str] | None = None) -> bool:
+        """One trial on this rank, uncached."""
+        step = self.step
         handles: list[RemovableHandle] = []
         result: list[bool] = []
 
@@ -71,10 +100,8 @@ class _Trials:
         finally:
             for h in handles:
                 h.remove()
-        ok = result[0] and not (tracer is not None and watch is not None
-                                and any(_same_place(o, watch) for o in tracer.origins))
-        self.cache[key] = ok
-        return ok
+        return result[0] and not (tracer is not None and watch is not None
+                                  and any(_same_place(o, watch) for o in tracer.origins))
 
 
 def _same_place(o: Occurrence, watch: Occurrence) -> bool:
@@ -86,19 +113,20 @@ def _same_place(o: Occurrence, watch: Occurrence) -> bool:
 def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
     """Loss, every gradient, parameter and buffer (after the update) and the optimizer's
     state finite: one host read."""
-    flags = [torch.isfinite(loss.detach()).all()]
+    # a DTensor (FSDP2) is judged by this rank's shard: a distributed bisection agrees on every rank's answer
+    flags = [torch.isfinite(local_tensor(loss.detach())).all()]
     for p in model.parameters():
-        flags.append(torch.isfinite(p.detach()).all())
+        flags.append(torch.isfinite(local_tensor(p.detach())).all())
         if p.grad is not None:
-            flags.append(torch.isfinite(p.grad).all())
+            flags.append(torch.isfinite(local_tensor(p.grad)).all())
     for b in model.buffers():
         if b.is_floating_point():
-            flags.append(torch.isfinite(b).all())
+            flags.append(torch.isfinite(local_tensor(b)).all())
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.is_floating_point():
-                    flags.append(torch.isfinite(v).all().to(flags[0].device))
+                    flags.append(torch.isfinite(local_tensor(v)).all().to(flags[0].device))
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
@@ -124,7 +152,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their f
 def _record_calls(model: nn.Module, called: set[str]) -> list[RemovableHandle]:
     """Forward pre-hooks adding each called module's name to ``called``; returns their handles."""
     handles: list[RemovableHandle] = []
-    for name, mod in model.named_modules():
+    for name, mod in user_modules(model).items():
         def hook(_m: nn.Module, _args: Any, name: str = name) -> None:
             called.add(name)
 
@@ -135,11 +163,14 @@ def _record_calls(model: nn.Module, called: set[str]) -> list[RemovableHandle]:
 def _children(model: nn.Module, called: Collection[str] | None = None) -> dict[str, list[str]]:
     """Module tree for the search; containers, and modules the step never calls (a plain
     nn.Module used as a namespace, ``called`` known), are transparent: their children move up.
-    keep_fp32 on such a module would change nothing."""
-    names = {id(m): n for n, m in model.named_modules()}
+    keep_fp32 on such a module would change nothing. Names as a trace gives them: torch's wrappers (DDP,
+    FSDP1, torch.compile) are transparent too."""
+    modules = user_modules(model)
+    names = {id(m): n for n, m in modules.items()}
 
     def transparent(m: nn.Module) -> bool:
-        return m is not model and (isinstance(m, _CONTAINERS) or (called is not None and names.get(id(m)) not in called))
+        return m is not model and (id(m) not in names or isinstance(m, _CONTAINERS)
+                                   or (called is not None and names.get(id(m)) not in called))
 
     def kids(m: nn.Module) -> list[str]:
         out: list[str] = []
@@ -150,7 +181,7 @@ def _children(model: nn.Module, called: Collection[str] | None = None) -> dict[s
                 out.append(names[id(c)])
         return out
 
-    return {n: kids(m) for n, m in model.named_modules() if not transparent(m)}
+    return {n: kids(m) for n, m in modules.items() if not transparent(m)}
 
 
 def bisect(
@@ -160,6 +191,7 @@ def bisect(
     origins: Sequence[Occurrence] = (),
     progress: Callable[[int, str], None] | None = None,
     locate_fp32: Callable[[], Occurrence | None] | None = None,
+    team: Team | None = None,
 ) -> Verdict:
     """Find a minimal set of modules (and the regions ``<loss>``, ``<update>``) whose float32 execution makes
     ``step`` finite.
@@ -167,8 +199,28 @@ def bisect(
     ``origin`` is the leading origin, ``origins`` all of them (default: ``origin`` alone). Restores the
     model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted``
     and holds what was found so far).
+
+    ``team``: a distributed replay, every rank calling this at once: rank 0 (``team.leads``, given the leading
+    origin of the rank that went first) runs the search and sends each trial; the others run them and
+    return the verdict rank 0 sends at the end.
     """
-    proof = _Proof(step, origin, tuple(origins) or ((origin,) if origin is not None else ()), progress)
+    if team is not None and not team.leads:
+        return _follow(step, team, locate_fp32)
+    if team is not None:
+        locate_fp32 = _announced(team, locate_fp32)
+    proof = _Proof(step, origin, tuple(origins) or ((origin,) if origin is not None else ()), progress, team)
+    try:
+        verdict = _bisect(step, proof, locate_fp32)
+    except BaseException:
+        if team is not None:
+            team.send(("done", None))  # no rank is left waiting for an order
+        raise
+    if team is not None:
+        team.send(("done", verdict))
+    return verdict
+
+
+def _bisect(step: Step, proof: _Proof, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
     with step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
         try:
             return proof.run(locate_fp32)
@@ -177,13 +229,49 @@ def bisect(
                                  origin_alone_fixes=proof.origin_alone, interrupted=True)
 
 
+def _announced(team: Team, locate_fp32: Callable[[], Occurrence | None] | None,
+               ) -> Callable[[], Occurrence | None] | None:
+    """The leader's float32 control: the other ranks are told to trace it too (its trace gathers every rank)."""
+    if locate_fp32 is None:
+        return None
+    inner = locate_fp32
+
+    def locate() -> Occurrence | None:
+        team.send(("locate",))
+        return inner()
+
+    return locate
+
+
+def _follow(step: Step, team: Team, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
+    """A rank other than the leader: run each trial the leader sends until it sends its verdict."""
+    trials = _Trials(step, None)
+    with step.isolated():
+        while True:
+            order = team.send(None)
+            if order[0] == "trial":
+                _, fp32, dtype, unscaled, watch = order
+                try:
+                    ok = trials.run(fp32, dtype=dtype, unscaled=unscaled, watch=watch)
+                except _Interrupted:
+                    ok = False
+                team.all_finite(ok)
+            elif order[0] == "locate" and locate_fp32 is not None:
+                locate_fp32()
+            elif order[0] == "done":
+                verdict = order[1]
+                if not isinstance(verdict, Verdict):
+                    raise CommandError("rank 0's bisection failed (its error says why); the other ranks stopped")
+                return verdict
+
+
 class _Proof:
     """One bisection: its trials, what it found so far, and the verdict it gives."""
 
     def __init__(self, step: Step, origin: Occurrence | None, origins: tuple[Occurrence, ...],
-                 progress: Callable[[int, str], None] | None) -> None:
+                 progress: Callable[[int, str], None] | None, team: Team | None = None) -> None:
         self.step, self.origin, self.origins = step, origin, origins
-        self.trials = _Trials(step, progress)
+        self.trials = _Trials(step, progress, team)
         # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
         self.reaching = next((o for o in origins if not o.silent), None)
         # Only silent origins: the step stays finite, and the question becomes "is the origin gone?"
@@ -195,8 +283,8 @@ class _Proof:
         self.alternatives: dict[str, bool] = {}
         model = step.model
         self.children = _children(model)
-        self.root = next(n for n, m in model.named_modules() if m is model)
-        self.modules = {n for n, _ in model.named_modules()}
+        self.root = ""  # the model, or the module a torch wrapper wraps (named as a trace names it)
+        self.modules = set(user_modules(model))
         self.with_loss = step.loss_fn is not None
         # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
         self.with_update = step.optimizer is not None and has_half_weights(model)

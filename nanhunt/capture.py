@@ -22,7 +22,6 @@ import random
 import sys
 import types
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _dcp, _names
+from . import _dcp, _names, _peft
 from ._names import loaded_from as _loaded_from, recognised as _allowed
 from ._errors import CommandError
 from ._safeload import load_file
@@ -328,7 +327,8 @@ def capture_record(
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
-        "hf_model": _hf_model_spec(model) if factory == callable_path(model) else None,
+        # (under FSDP2 the class the user wrote, not the one fully_shard made on the fly)
+        "hf_model": _hf_model_spec(model) if factory == callable_path(_dcp.user_class(model)) else None,
         "step_call": step_call,
         "training": bool(model.training),
         # every module's own flag: a frozen (eval) BatchNorm inside a training model stays frozen
@@ -347,6 +347,8 @@ def capture_record(
         "torch_version": str(torch.__version__),
         "device": str(dev),
     }
+    if _dcp.sharded(model):  # FSDP2: which modules fully_shard wrapped, for the distributed replay to wrap again
+        ckpt["fsdp"] = _dcp.fsdp_layout(model)
     inputs, targets = split_batch(batch)
     bfile = {
         "nanhunt_batch": CAPTURE_FORMAT,
@@ -391,7 +393,10 @@ _HF_FETCHING = ("auto_map", "trust_remote_code", "use_pretrained_backbone", "bac
 
 
 def _hf_model_spec(model: nn.Module) -> dict[str, Any] | None:
-    """A ``transformers`` model's class, config (JSON text) and attention kernel; None for any other model."""
+    """A ``transformers`` model's class, config (JSON text) and attention kernel; None for any other model. A
+    PEFT model: its base model's, with the adapters' configs under ``"peft"`` (nanhunt._peft)."""
+    if _peft.is_peft_model(model):
+        return _peft.spec(model, _hf_model_spec)
     transformers = sys.modules.get("transformers")  # imported already if the model is one of its models
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
@@ -400,11 +405,12 @@ def _hf_model_spec(model: nn.Module) -> dict[str, Any] | None:
     except (TypeError, ValueError):  # a config holding something JSON cannot say: replay needs --model
         return None
     attn = getattr(model.config, "_attn_implementation", None)
-    return {"class": callable_path(model), "config": config, "attn_implementation": attn if isinstance(attn, str)
+    return {"class": callable_path(_dcp.user_class(model)), "config": config,
+            "attn_implementation": attn if isinstance(attn, str)
             else None}
 
 
-def _hf_model(spec: Mapping[str, Any], where: str) -> nn.Module:
+def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = None) -> nn.Module:
     """The ``transformers`` model a capture names, built from its config and nothing else from the file: the
     class must be a ``PreTrainedModel`` subclass of the transformers package (vetted as ``resolve`` vets any
     name), its config class the class's own ``config_class``, the config plain JSON that asks to fetch nothing,
@@ -444,7 +450,7 @@ def _hf_model(spec: Mapping[str, Any], where: str) -> nn.Module:
         raise CommandError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
     if not isinstance(model, nn.Module):
         raise CommandError(f"{path} built a {type(model).__name__}, not an nn.Module; {fix}")
-    return model
+    return _peft.rebuild(model, spec.get("peft"), where, notes)  # a PEFT model's adapters, from their JSON configs
 
 
 def _transformers_class(obj: Any, base: type) -> bool:
@@ -625,18 +631,8 @@ def load_step(
     _check_not_batch(ck, bt, checkpoint, batch)
     step = _step_of(ck, bt, checkpoint, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
                     no_scaler=no_scaler, train=train, notes=[])
-    _CAPTURED[step.model] = checkpoint
+    step.source = checkpoint
     return step
-
-
-# The checkpoint file each model load_step built came from: the replay's report reads the Guard's event
-# written beside it (nanhunt.hunt). Weak: the entry goes with the model.
-_CAPTURED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def capture_file(model: nn.Module) -> str | None:
-    """The checkpoint file :func:`load_step` built ``model`` from (None: not built from a file)."""
-    return _CAPTURED.get(model)
 
 
 def load_capture_dir(
@@ -650,12 +646,18 @@ def load_capture_dir(
     no_scaler: bool = False,
     train: bool | None = None,
     trust_pickle: bool = False,
+    shard: Callable[[nn.Module], None] | None = None,
 ) -> Step:
     """A capture directory written by :class:`nanhunt.Guard` under FSDP2 (``manifest.json``, DCP shards in
     ``state/``, ``batch-rank{R}.pt``) as one process replays it: the shards consolidated into the full model
     and optimizer state of the unwrapped model, and rank ``rank``'s batch (default: the first rank that saw the
     failure). The same checks and options as :func:`load_capture`; the shards are always read weights-only
-    (``trust_pickle`` concerns the batch file only)."""
+    (``trust_pickle`` concerns the batch file only).
+
+    ``shard`` (the distributed replay, ``nanhunt._dist_replay``): no shard is read here; the model is built,
+    moved and handed to ``shard``, which wraps it as the capture was, and the optimizer is built on its
+    parameters with the capture's groups and hyperparameters but no state: the caller loads the shards into
+    both (``_dcp.load_sharded``)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CommandError(f"{path!r} is not a capture directory" + (
@@ -666,14 +668,16 @@ def load_capture_dir(
     dev = _parse_device(device) if device else None
     _confirm_all(man, model_factory=model_factory, loss=loss)  # before reading megabytes of shards
     where = f"capture directory {path!r}"
-    state = _dcp.load_state(os.path.join(path, _dcp.STATE))
-    model_sd = state.get("model")
+    state = _dcp.load_state(os.path.join(path, _dcp.STATE), tensors=shard is None)
+    model_sd = {} if shard is not None else state.get("model")
     if not isinstance(model_sd, dict) or not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
         raise CommandError(f"{where}: its state holds no model state_dict; the capture is damaged")
     ck: dict[str, Any] = {k: v for k, v in man.items() if k not in ("model", "optimizer", "optimizer_params")}
     ck.update(nanhunt_capture=CAPTURE_FORMAT, model=model_sd, optimizer=None, optimizer_params=None)
     if state.get("optimizer") is not None:
         ck["optimizer"], ck["optimizer_params"] = _dcp.optimizer_by_index(state["optimizer"], where)
+        if shard is not None:
+            ck["optimizer"]["state"] = {}  # loaded into the sharded optimizer by the caller
     batch = os.path.join(path, _dcp.batch_file(r))
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, path, batch)
@@ -682,12 +686,14 @@ def load_capture_dir(
            f"the failure was seen by rank(s) {', '.join(map(str, seen))}" if seen else "no rank saw it")
     note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
     return _step_of(ck, bt, path, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
-                    no_scaler=no_scaler, train=train, notes=[note])
+                    no_scaler=no_scaler, train=train, notes=[note], shard=shard)
 
 
 def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, model_factory: str | None,
-             loss: str | None, dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str]) -> Step:
-    """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory)."""
+             loss: str | None, dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str],
+             shard: Callable[[nn.Module], None] | None = None) -> Step:
+    """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory); ``shard``:
+    see :func:`load_capture_dir`."""
     if isinstance(ck, nn.Module):
         got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
@@ -700,7 +706,7 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
 
     if dev is None:
         dev = torch.device("cpu")
-    model = _ready_model(got, ck, dev, model_factory=model_factory, train=train, notes=notes)
+    model = _ready_model(got, ck, dev, model_factory=model_factory, train=train, notes=notes, shard=shard)
 
     if isinstance(bt, nn.Module):
         raise CommandError("the batch file holds a model, not a batch")
@@ -809,7 +815,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str 
         kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
         hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
                      "pass --model package.module:factory")
-        got.model = _hf_model(hf, f"checkpoint {checkpoint!r}") if hf is not None else \
+        got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes) if hf is not None else \
             _build(factory, kwargs or {}, trusted=False)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
@@ -855,8 +861,9 @@ def _read_plain_checkpoint(ck: Mapping[str, Any], loss: str | None) -> _Loaded:
 
 
 def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str | None, train: bool | None,
-                 notes: list[str]) -> nn.Module:
-    """The model built (``--model`` trusted), its weights loaded, moved to ``dev`` and set to train/eval."""
+                 notes: list[str], shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The model built (``--model`` trusted), its weights loaded, moved to ``dev`` and set to train/eval;
+    with ``shard``, wrapped by it instead of loaded (the caller loads the shards)."""
     model = got.model
     if model_factory is not None:
         model = _build(model_factory, got.saved_kwargs, trusted=True)
@@ -864,7 +871,7 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
         raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if got.step_call == "training_step":
         _through_training_step(model)
-    if got.sd is not None:
+    if got.sd is not None and shard is None:
         mapped = map_state_dict(got.sd, model, notes=notes)
         _check_dtypes(model, mapped)
         if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
@@ -875,6 +882,8 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
     model.train(got.training if train is None else train)
     if got.module_training is not None and (train is None or train == got.training):
         _restore_training(model, got.module_training)
+    if shard is not None:
+        shard(model)
     return model
 
 

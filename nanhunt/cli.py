@@ -69,21 +69,58 @@ class ReplayCommand:
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
+        from ._dist_replay import replay_ranks, under_torchrun
         from .capture import load_capture_dir, load_step
         from .hunt import hunt
         from .report import renderer_for, write, write_bundle
         from .report.console import render
 
-        render_file = renderer_for(args.report) if args.report else None  # fail before the long part
-        if args.report:
+        torchrun = under_torchrun()  # every rank replays its own batch (_dist_replay); rank 0 alone shows it
+        speaks = not torchrun or os.environ.get("RANK", "0") == "0"
+        render_file = renderer_for(args.report) if args.report and speaks else None  # fail before the long part
+        if args.report and speaks:
             _check_writable(args.report)
-        earlier = _check_bundle(args.bundle) if args.bundle else []
-        if args.trust_pickle:
+        earlier = _check_bundle(args.bundle) if args.bundle and speaks else []
+        if args.trust_pickle and speaks:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
         options = dict(model_factory=args.model, loss=args.loss, device=args.device, dtype=args.dtype,
                        no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
+
+        def show(report: Any) -> int:
+            _print(render(report))
+            if args.report and render_file is not None:
+                write(report, args.report)
+            if args.bundle:
+                written = write_bundle(report, args.bundle)
+                if report.repro is not None:
+                    written += [os.path.join(args.bundle, f) for f in report.repro.files]
+                rp = report.repro
+                state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
+                print(visible(f"bundle: {', '.join(written)} ({state})"), file=sys.stderr)
+                if earlier:
+                    _replaced_line(args.bundle, earlier, written)
+            return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
+
+        def show_ranks(report: Any) -> int:
+            for n in report.notes[:2]:  # how it was replayed, and which rank went first
+                print(visible(n), file=sys.stderr)
+            if args.bundle:
+                note = "no repro under torchrun: replay the first rank's batch in one process (--rank R) for one"
+                report = dataclasses.replace(report, notes=(*report.notes, note))
+            return show(report)
+
         directory = args.batch is None
+        if torchrun:
+            try:
+                with _Progress() as progress:
+                    return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
+                                        allow=args.allow, prove=not args.no_bisect, progress=progress.update,
+                                        command=_command_line(), show=show_ranks, **options)
+            except NanhuntError:
+                raise
+            except Exception as e:  # the user's model failed on this batch: an input problem, not ours
+                raise _step_failed("replaying the step", e) from e
         if directory:  # a capture directory; its first note says which rank's batch is replayed
             step = load_capture_dir(args.checkpoint, rank=args.rank, **options)
         elif args.rank is not None:
@@ -101,19 +138,7 @@ class ReplayCommand:
             raise
         except Exception as e:  # the user's model failed on this batch: an input problem, not ours
             raise _step_failed("replaying the step", e) from e
-        _print(render(report))
-        if args.report and render_file is not None:
-            write(report, args.report)
-        if args.bundle:
-            written = write_bundle(report, args.bundle)
-            if report.repro is not None:
-                written += [os.path.join(args.bundle, f) for f in report.repro.files]
-            rp = report.repro
-            state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
-            print(visible(f"bundle: {', '.join(written)} ({state})"), file=sys.stderr)
-            if earlier:
-                _replaced_line(args.bundle, earlier, written)
-        return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
+        return show(report)
 
 
 class _Progress:

@@ -11,39 +11,59 @@ import math
 import os
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ._env import environment
 from .advice import FP16_SMALLEST_NORMAL, advise
-from .bisect import bisect
-from .capture import capture_file
+from .bisect import Team, bisect
 from .records import PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 from .replay import Replayed, module_status, state_notes, step_config, trace_twice
 from .repro import OriginCall, make_repro, origin_call
 from .step import Step
 from .tracer import Trace
 
-__all__ = ["hunt", "replay"]
+__all__ = ["hunt", "replay", "Ranks"]
+
+
+class Ranks(Team, Protocol):
+    """Every rank of a distributed replay hunting at once (``nanhunt._dist_replay``): each traces its own
+    batch, and what decides a collective (whether to bisect, with which origin) is agreed among them."""
+
+    def traced(self, final: Trace) -> None:
+        """This rank's final trace (it has gathered every rank's leading origin)."""
+        ...
+
+    def agreed_status(self, status: str) -> str:
+        """The step's status over every rank."""
+        ...
+
+    def leading(self, first: Occurrence | None, origins: tuple[Occurrence, ...], first_rank: int | None,
+                ) -> tuple[Occurrence | None, tuple[Occurrence, ...]]:
+        """The leading origin and the origins of ``first_rank`` (the rank that went first), on every rank."""
+        ...
 
 
 def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: bool = False,
          progress: Callable[[int, str], None] | None = None, bundle: str | None = None,
-         command: str | None = None) -> Report:
+         command: str | None = None, ranks: Ranks | None = None) -> Report:
     """Where the step's first non-finite value was born (two traced runs that must agree), with
     ``prove`` why (the bisection's verdict), and with ``bundle`` a verified repro of the culprit op
-    written into that directory. The step's state is restored afterwards, also on Ctrl-C."""
+    written into that directory. The step's state is restored afterwards, also on Ctrl-C. ``ranks``: every
+    rank of a distributed replay calls this at once (the bisection's trials then run on all of them)."""
     allow = tuple(allow)
     config = step_config(step, level)
     with step.isolated():  # one snapshot for every run below
         replayed = trace_twice(step, level=level, allow=allow)
         first = replayed.final.first
-        verdict = _prove(step, replayed, level, allow, progress) if prove else None
+        if ranks is not None:
+            ranks.traced(replayed.final)
+        verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = make_repro(step, first, bundle, call=_caught_call(step, replayed)) if bundle is not None else None
     report = _report(step, replayed, config, verdict, repro, command)
-    event, why = _guard_event(capture_file(step.model))
+    event, why = _guard_event(step.source)
     if why is not None:
         report = dataclasses.replace(report, notes=(*report.notes, why))
     report = dataclasses.replace(report, guard_event=event)
@@ -57,8 +77,8 @@ def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:
 
 
 def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],
-           progress: Callable[[int, str], None] | None) -> Verdict:
-    status = replayed.status
+           progress: Callable[[int, str], None] | None, ranks: Ranks | None = None) -> Verdict:
+    status = replayed.status if ranks is None else ranks.agreed_status(replayed.status)
     if status != "nonfinite":
         return Verdict(kind=status)
 
@@ -66,10 +86,13 @@ def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],
         """Where the float32 control fails: one traced run of it."""
         t = Trace(step.model, level=level, allow=allow)
         step.run(dtype=torch.float32, within=t)
-        return t.first
+        return t.first if ranks is None else ranks.leading(t.first, (), t.first_rank)[0]
 
     final = replayed.final
-    return bisect(step, origin=final.first, origins=tuple(final.origins), progress=progress, locate_fp32=locate_fp32)
+    first, origins = final.first, tuple(final.origins)
+    if ranks is not None:
+        first, origins = ranks.leading(first, origins, final.first_rank)
+    return bisect(step, origin=first, origins=origins, progress=progress, locate_fp32=locate_fp32, team=ranks)
 
 
 def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Verdict | None, repro: Repro | None,

@@ -361,9 +361,11 @@ def trace(
     """Observe everything run inside the block and find where the first NaN/Inf was born.
 
     Args:
-        model: the model whose modules name the records (``named_modules()`` names).
-            ``None`` traces ops only. A ``torch.compile``d model is traced through its
-            eager original (with a warning).
+        model: the model whose modules name the records (``named_modules()`` names, as
+            you wrote them: the parts torch's wrappers add, DDP's ``module.``, FSDP1's
+            ``_fsdp_wrapped_module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``, are
+            left out). ``None`` traces ops only. A ``torch.compile``d model is traced
+            through its eager original (with a warning).
         level: ``"op"`` records every aten op (forward, loss, backward, update);
             ``"module"`` records module boundaries and gradients only, for speed.
         stop_at_first: raise :class:`nanhunt.NonFiniteError` inside the op that

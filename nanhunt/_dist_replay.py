@@ -1,0 +1,293 @@
+"""Private: ``torchrun --nproc-per-node N -m nanhunt replay DIR``, a capture directory replayed as it ran.
+
+Every rank rebuilds the model, wraps it as the capture recorded (``fully_shard`` on the same modules, with
+the same options; ``manifest.json`` field ``fsdp``), loads its own shards of the model and optimizer state
+(``torch.distributed.checkpoint.load`` through nanhunt's weights-only reader, ``_dcp.safe_reader``) and
+replays its own batch from its own RNG state. Each trace gathers every rank's leading origin, so each
+rank knows which rank went first; the bisection runs the same trials on every rank (rank 0 decides each
+and sends it, each trial's finiteness is agreed). The ranks' reports are gathered: every rank holds the
+report of the rank that went first, with every rank's part in its notes, and only rank 0 shows it.
+
+Anything that can fail on one rank only (a missing batch file, a factory that raises) is agreed before the
+next collective, so no rank waits on a collective another rank never reaches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _dcp
+from ._errors import CommandError
+from .capture import load_capture_dir
+from .hunt import hunt
+from .records import Occurrence, Report
+from .tracer import Trace
+
+__all__ = ["under_torchrun", "replay_ranks"]
+
+TIMEOUT = timedelta(minutes=10)  # a rank that died leaves the others waiting this long at most
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float64": torch.float64}
+_T = TypeVar("_T")
+
+
+def under_torchrun() -> bool:
+    """Started by ``torchrun`` (or another launcher) with more than one rank."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, allow: Iterable[str], prove: bool,
+                 progress: Callable[[int, str], None] | None, command: str, show: Callable[[Report], int],
+                 model_factory: str | None = None, loss: str | None = None, device: str | None = None,
+                 dtype: str | None = None, no_scaler: bool = False, train: bool | None = None,
+                 trust_pickle: bool = False) -> int:
+    """This rank's part of the distributed replay of the capture directory ``path``. Rank 0 hands the report
+    (the same on every rank) to ``show``, which returns the exit code; every rank returns that code, once rank 0
+    is done (a launcher that stops the others when one exits then finds them all done)."""
+    world, me = _env_int("WORLD_SIZE"), _env_int("RANK")
+    local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else me
+    if batch is not None:
+        raise CommandError("under torchrun, nanhunt replay takes a capture directory the Guard wrote under FSDP2 "
+                           "(nanhunt replay DIR); replay a checkpoint and a batch file in one process, without "
+                           "torchrun")
+    if rank is not None:
+        raise CommandError("under torchrun every rank replays its own batch: leave --rank out (it picks one rank's "
+                           "batch for a replay in one process, without torchrun)")
+    if not os.path.isdir(path):
+        raise CommandError(f"{path!r} is not a capture directory" + (
+            "; under torchrun nanhunt replay takes the directory the Guard wrote under FSDP2" if os.path.exists(path)
+            else ": it does not exist; check the path"))
+    man = _dcp.read_manifest(path)
+    captured = int(man["world_size"])
+    if captured != world:
+        seen = _dcp.pick_rank(man, None, path)
+        raise CommandError(f"captured on {captured} ranks, run with --nproc-per-node {captured}, or without torchrun "
+                           f"to replay rank {seen}'s batch in one process")
+    layout = _layout(man, path)
+    dev = _device(device, local)
+    own_group = not dist.is_initialized()
+    if own_group:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=TIMEOUT)
+    try:
+        if dist.get_world_size() != world:
+            raise CommandError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
+                               "start the replay with torchrun alone")
+        ranks = _Ranks(me, world, dev)
+        options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, device=str(dev), dtype=dtype,
+                                       no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)
+        step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout), **options))
+        _dcp.load_sharded(os.path.join(path, _dcp.STATE), step.model, step.optimizer)  # a collective: raises on all
+        said = (f"capture of {world} ranks ({man['wrapper']}) replayed on {world} ranks under torchrun, each rank "
+                "its own batch and RNG state")
+        step = dataclasses.replace(step, notes=(said, *step.notes[1:]))
+        if command.startswith("nanhunt "):  # the command that replays it so: under torchrun again
+            command = f"torchrun --nproc-per-node {world} -m {command}"
+        report = hunt(step, level=level, allow=allow, prove=prove, progress=progress if me == 0 else None,
+                      command=command, ranks=ranks)
+        return ranks.finish(ranks.merged(report), show)
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _env_int(name: str) -> int:
+    text = os.environ.get(name, "0")
+    try:
+        return int(text)
+    except ValueError:
+        raise CommandError(f"the environment variable {name}={text!r} is not a number; start the replay with "
+                           "torchrun") from None
+
+
+def _device(device: str | None, local: int) -> torch.device:
+    """``--device``: cpu (default) or cuda, each rank on its own GPU (``LOCAL_RANK``)."""
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
+        if dev.index is not None:
+            raise CommandError(f"--device {device}: under torchrun each rank takes the GPU of its LOCAL_RANK; give "
+                               "--device cuda")
+        if local >= torch.cuda.device_count():
+            raise CommandError(f"rank with LOCAL_RANK {local} has no GPU of its own ({torch.cuda.device_count()} "
+                               "here); run at most one rank per GPU")
+        return torch.device("cuda", local)
+    if dev.type != "cpu":
+        raise CommandError(f"--device {device}: the distributed replay runs on cpu (gloo) or cuda (nccl)")
+    return dev
+
+
+# ------------------------------------------------------------- the wrapper
+def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]]:
+    """The manifest's ``fsdp`` field, checked (the manifest came with the capture: untrusted)."""
+    where = f"capture directory {path!r}"
+    if man["wrapper"] != "fsdp2":
+        raise CommandError(f"{where} was written under {man['wrapper']}, which the distributed replay does not "
+                           "rebuild; replay it in one process, without torchrun")
+    layout = man.get("fsdp")
+    if layout is None:
+        raise CommandError(f"{where} does not record which modules fully_shard wrapped (written by an earlier "
+                           "nanhunt); replay it in one process, without torchrun, or capture it again")
+    world = int(man["world_size"])
+
+    def bad(expected: str) -> CommandError:
+        return CommandError(f"{where} is not a valid nanhunt capture: manifest.json field 'fsdp' is "
+                            f"{_dcp._short(layout)}, expected {expected}")
+
+    if not isinstance(layout, list) or not layout:
+        raise bad("a list of the modules fully_shard wrapped")
+    for e in layout:
+        if not isinstance(e, dict) or not isinstance(e.get("module"), str):
+            raise bad("entries naming a module")
+        mesh, reshard, mp = e.get("mesh"), e.get("reshard_after_forward"), e.get("mp_policy")
+        if mesh is not None and not (isinstance(mesh, list) and all(type(n) is int for n in mesh)):
+            raise bad("a mesh shape (a list of integers) or null")
+        if mesh is not None and mesh != [world]:
+            raise CommandError(f"{where}: module {e['module']!r} was sharded on a device mesh of shape {mesh}; the "
+                               f"distributed replay rebuilds a 1-D mesh of the {world} ranks only; replay it in one "
+                               "process, without torchrun")
+        if reshard is not None and not isinstance(reshard, bool):
+            raise bad("reshard_after_forward true, false or null")
+        if mp is not None and not (isinstance(mp, dict) and isinstance(mp.get("cast_forward_inputs", True), bool)
+                                   and all(mp.get(k) is None or mp.get(k) in _DTYPES
+                                           for k in ("param_dtype", "reduce_dtype", "output_dtype"))):
+            raise bad("a mixed precision policy of dtype names or null")
+    if len({e["module"] for e in layout}) != len(layout):
+        raise bad("each module once")
+    return layout
+
+
+def _wrap(model: nn.Module, layout: list[dict[str, Any]]) -> None:
+    """``fully_shard`` on the modules the capture recorded, children first, with the recorded options."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    named = dict(model.named_modules())
+    missing = [e["module"] for e in layout if e["module"] not in named]
+    if missing:
+        raise CommandError(f"the capture was sharded on module(s) {_dcp._few(missing)}, which this model does not "
+                           "have; is --model the factory that built this capture?")
+    for e in layout:
+        kw: dict[str, Any] = {}
+        if e.get("reshard_after_forward") is not None:
+            kw["reshard_after_forward"] = e["reshard_after_forward"]
+        mp = e.get("mp_policy")
+        if mp is not None:
+            kw["mp_policy"] = MixedPrecisionPolicy(
+                **{k: None if mp.get(k) is None else _DTYPES[mp[k]]
+                   for k in ("param_dtype", "reduce_dtype", "output_dtype")},
+                cast_forward_inputs=bool(mp.get("cast_forward_inputs", True)))
+        fully_shard(named[e["module"]], **kw)
+
+
+# ---------------------------------------------------------------- the ranks
+class _Ranks:
+    """This rank among the others: the collectives of one distributed replay (``nanhunt.hunt.Ranks``)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.leads = rank == 0
+        self.first_rank: int | None = None
+        self.summary: str | None = None
+
+    def together(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on every rank; when it failed on any, every rank raises (its own error, or which rank
+        failed), none goes on to a collective the failed rank will never join."""
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+        said: list[str | None] = [None] * self.world
+        dist.all_gather_object(said, None if error is None else str(error) or type(error).__name__)
+        if error is not None:
+            raise error
+        failed = [(r, s) for r, s in enumerate(said) if s is not None]
+        if failed:
+            r, s = failed[0]
+            raise CommandError(f"rank {r} could not load its part of the capture: {s}")
+        return result  # type: ignore[no-any-return]
+
+    # -------------------------------------------------- bisect.Team
+    def send(self, order: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        # gathered, not broadcast: gloo's object broadcast was seen to hang after an FSDP2 step (torch 2.13)
+        got: list[Any] = [None] * self.world
+        dist.all_gather_object(got, order)
+        return tuple(got[0])
+
+    def all_finite(self, ok: bool) -> bool:
+        failed = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(failed)
+        return float(failed) == 0.0
+
+    # -------------------------------------------------- hunt.Ranks
+    def traced(self, final: Trace) -> None:
+        self.first_rank, self.summary = final.first_rank, final.rank_summary
+
+    def agreed_status(self, status: str) -> str:
+        got: list[Any] = [None] * self.world
+        dist.all_gather_object(got, status)
+        return _overall(got)
+
+    def leading(self, first: Occurrence | None, origins: tuple[Occurrence, ...], first_rank: int | None,
+                ) -> tuple[Occurrence | None, tuple[Occurrence, ...]]:
+        got: list[Any] = [None] * self.world
+        dist.all_gather_object(got, (first, origins))
+        got_first, got_origins = got[first_rank or 0]
+        return got_first, tuple(got_origins)
+
+    # -------------------------------------------------- the report
+    def merged(self, report: Report) -> Report:
+        """Every rank's report gathered: the report of the rank that went first (rank 0's when none did), the
+        step's status over every rank, and each rank's part in its notes."""
+        texts: list[Any] = [None] * self.world
+        dist.all_gather_object(texts, report.to_json())
+        reports = [Report.from_json(t) for t in texts]
+        status = _overall([r.status for r in reports])
+        shown = self.first_rank if self.first_rank is not None else 0
+        base = reports[shown]
+        notes = [base.notes[0]] if base.notes else []
+        if self.first_rank is not None:
+            notes.append(f"rank {self.first_rank} went first: the report is its replay; {self.summary}")
+        else:
+            by = [str(r) for r, rep in enumerate(reports) if rep.status == "nonfinite"]
+            notes.append("no rank made a non-finite value of its own" + (
+                f" (non-finite values on rank(s) {', '.join(by)})" if by else "") + "; the report is rank 0's replay")
+        return dataclasses.replace(base, status=status, notes=(*notes, *base.notes[1:]))
+
+
+    def finish(self, report: Report, show: Callable[[Report], int]) -> int:
+        """Rank 0 shows the report; every rank returns its exit code (rank 0 failing to show it: 2 elsewhere)."""
+        code, error = 2, None
+        if self.leads:
+            try:
+                code = show(report)
+            except BaseException as e:
+                error = e
+        codes: list[Any] = [None] * self.world
+        dist.all_gather_object(codes, code)
+        if error is not None:
+            raise error
+        return int(codes[0])
+
+
+def _overall(statuses: Iterable[Any]) -> str:
+    """Non-finite on any rank is a non-finite step; else not reproducible on any is not reproducible."""
+    got = set(statuses)
+    for status in ("nonfinite", "not-reproducible"):
+        if status in got:
+            return status
+    return "clean"
