@@ -332,7 +332,7 @@ def amp_check_and_unscale(tensors: list[torch.Tensor], found_inf: torch.Tensor, 
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype) -> list[torch.Tensor]:
+def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype | None) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
 
 

@@ -11,6 +11,7 @@ plus two per halving, i.e. it grows with log(modules), not with their number.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dispatch import local_tensor
+from ._dispatch import foreach_norm, local_tensor
 from ._wrappers import user_modules
 from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from ._errors import CommandError
@@ -112,22 +113,28 @@ def _same_place(o: Occurrence, watch: Occurrence) -> bool:
 
 def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
     """Loss, every gradient, parameter and buffer (after the update) and the optimizer's
-    state finite: one host read."""
+    state finite: one host read. Read-only max-norms (NaN and Inf propagate), one scalar per tensor: a
+    per-tensor ``isfinite`` would allocate a mask the size of every weight and moment, and the allocator
+    keeps that memory (hundreds of MiB on a parameter-heavy model) for the rest of the replay."""
     # a DTensor (FSDP2) is judged by this rank's shard: a distributed bisection agrees on every rank's answer
-    flags = [torch.isfinite(local_tensor(loss.detach())).all()]
+    tensors = [local_tensor(loss.detach())]
     for p in model.parameters():
-        flags.append(torch.isfinite(local_tensor(p.detach())).all())
+        tensors.append(local_tensor(p.detach()))
         if p.grad is not None:
-            flags.append(torch.isfinite(local_tensor(p.grad)).all())
-    for b in model.buffers():
-        if b.is_floating_point():
-            flags.append(torch.isfinite(local_tensor(b)).all())
+            tensors.append(local_tensor(p.grad))
+    tensors += [local_tensor(b) for b in model.buffers()]
     if optimizer is not None:
         for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.is_floating_point():
-                    flags.append(torch.isfinite(local_tensor(v)).all().to(flags[0].device))
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+            tensors += [local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel() and not t.is_sparse:
+            by_device.setdefault(t.device, []).append(t)
+    home = tensors[0].device
+    with torch.no_grad():
+        peaks = [torch.stack([n.double() for n in foreach_norm(ts, math.inf, dtype=None)]).max().to(home)
+                 for ts in by_device.values()]
+    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
 
 
 def suggested_fix(culprits: Sequence[str]) -> str | None:
