@@ -70,7 +70,7 @@ class OpRecorder:
 
     __slots__ = ("busy", "scope", "last_seq", "catch_at", "caught", "_last_ctx", "_store", "_phases", "_watch",
                  "_watching", "_code_skip", "_raw", "_kd", "_known", "_writes", "_index_uses", "_zoom", "_stack",
-                 "_updating", "_seqmap")
+                 "_updating", "_seqmap", "_draining")
 
     def __init__(self, store: RecordStore, phases: PhaseTracker, watch: OriginWatch, *,
                  scope: tuple[str, ...] = ()) -> None:
@@ -97,6 +97,8 @@ class OpRecorder:
         self._stack = phases.stack
         self._updating = phases.updating
         self._seqmap = phases.nodes
+        # While a collective's own wait runs ops (see _collective): (its name, the records it sent).
+        self._draining: tuple[str, tuple[int, ...]] | None = None
 
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one aten op and record what it read and made."""
@@ -308,12 +310,28 @@ class OpRecorder:
                     module: str | None, call: int, want_src: bool) -> Any:
         """A collective (all-reduce, all-gather, reduce-scatter, broadcast, ...): what it writes holds
         values that arrived from other ranks, recorded as :attr:`Role.RECEIVED` (never an origin on this
-        rank) once they are there: an asynchronous collective is waited for first (its caller's own
-        wait then returns at once), else the values measured would be those from before it."""
+        rank) once they are there: an asynchronous collective is waited for first, else the values
+        measured would be those from before it.
+
+        A ``Work``'s wait may run ops of its own, and on every wait: gloo's reduce-scatter reduces a
+        clone of its input made inside the op, and each wait copies this rank's chunk out of it. That
+        wait runs here under a mode of this recorder, so the clone is recorded as received (and as the
+        last write into its memory): the caller's own wait, whenever it comes, reads a known buffer,
+        never an unknown tensor that would pass for one entering the step."""
         ins: list[int] = []
         self._scan([args[i] for i in info.read_args if i < len(args)], ins, phase, module, call, None)
         out = info.run(*args, **kwargs)
-        _dispatch.complete_collective(out, functional=not info.received_args)
+        if not info.received_args:  # functional: the wait is an op of its own, run unrecorded
+            _dispatch.complete_collective(out, functional=True)
+        else:
+            mode = _dispatch.TraceMode(self._on_op)
+            self._draining = (info.name, tuple(ins))
+            _dispatch.push_mode(mode)
+            try:
+                _dispatch.complete_collective(out, functional=False)
+            finally:
+                _dispatch.pop_mode(mode)
+                self._draining = None
         got: list[torch.Tensor] = []
         for i in info.received_args:
             if i < len(args):
@@ -388,10 +406,13 @@ class OpRecorder:
             w = self._writes.get(storage_key(t))
             links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
             raw = Raw(phase, module, call, None, Role.REMEASURED, t, links, None)
+        elif self._draining is not None:
+            # Read by a collective's own wait: a buffer of the collective's, holding what arrived (whatever
+            # an earlier, freed tensor at its address was).
+            raw = Raw(phase, module, call, self._draining[0], Role.RECEIVED, t, self._draining[1], None)
         elif (w := _received_into(store, self._writes.get(storage_key(t)))) is not None:
-            # A new view of a buffer a collective wrote into (DDP's bucket), or a buffer read right after
-            # a collective, before any other op (gloo's reduce-scatter reduces a copy, then splits it):
-            # it holds what arrived from other ranks.
+            # A new view of a buffer a collective wrote into (DDP's bucket, gloo's reduce-scatter clone), or
+            # a buffer read right after a collective, before any other op: it holds what arrived from other ranks.
             raw = Raw(phase, module, call, None, Role.REMEASURED, t, (w,), None)
         elif self.scope:
             # Made outside the scope (or before the step): it enters the scope here.
@@ -405,6 +426,8 @@ class OpRecorder:
             raw = Raw(Phase.INPUT, module, call, None, Role.INPUT, t, (), None)
         idx = store.add(raw, t)
         self._known[t] = (idx, ver)
+        if raw.role is Role.RECEIVED:
+            self._writes[storage_key(t)] = idx  # a later wait's new view of it finds it received
         return idx
 
     def _source(self, depth: int = 3) -> Source | None:
