@@ -38,6 +38,10 @@ def _stashed(module: nn.Module) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.grad_fn is not None]
 
 
+# what a module-level trace says a sharded gradient arrived through
+SHARDED_GRAD = "reduce-scatter (FSDP2; module level: this rank's own part not told apart, use level='op')"
+
+
 class ModuleHooks:
     """Forward pre/post hooks on every module of a model, post-accumulate-grad hooks on its
     parameters and (module level) hooks on the gradients of module outputs.
@@ -276,6 +280,11 @@ class ModuleHooks:
             ent = store.known.get(g)
             if ent is not None and ent[1] == _version(g):
                 raw = Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, (int(ent[0]),), None, alias_of=int(ent[0]))
+            elif ent is None and self.level == "module" and _dispatch.local_tensor(g) is not g:
+                # A sharded (FSDP2) gradient: its hook runs after the reduce-scatter that summed every rank's
+                # part, which module level does not record, so it cannot tell this rank's part from the others'
+                # and does not call it an origin here (level="op" records the collective and tells them apart).
+                raw = Raw(Phase.BACKWARD, owner, 0, SHARDED_GRAD, Role.RECEIVED, g, (), None)
             else:
                 prev = () if ent is None else (int(ent[0]),)
                 raw = Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, prev, None)

@@ -25,7 +25,7 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def run(rank: int, world: int, port: int, wrapper: str, overflow: bool, out: str) -> None:
+def run(rank: int, world: int, port: int, wrapper: str, overflow: bool, out: str, level: str = "op") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     res: dict[str, Any] = {}
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -47,7 +47,7 @@ def run(rank: int, world: int, port: int, wrapper: str, overflow: bool, out: str
         g = torch.Generator().manual_seed(rank)
         x = torch.rand(4, 16, generator=g) + (6e4 if overflow and rank == 1 else 0.0)
         y = torch.randint(0, 4, (4,), generator=g)
-        with nanhunt.trace(model) as t:
+        with nanhunt.trace(model, level=level) as t:
             with torch.autocast("cpu", dtype=torch.float16):
                 logits = model(x)
             loss = nn.functional.cross_entropy(logits.float(), y)

@@ -27,10 +27,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _two_ranks(tmp_path: Path, wrapper: str, overflow: bool) -> dict[int, dict[str, Any]]:
+def _two_ranks(tmp_path: Path, wrapper: str, overflow: bool, level: str = "op") -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=run, args=(r, 2, port, wrapper, overflow, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=run, args=(r, 2, port, wrapper, overflow, str(tmp_path), level)) for r in range(2)]
     try:
         for p in procs:
             p.start()
@@ -71,6 +71,19 @@ def test_overflow_on_rank1_is_born_there_and_received_on_rank0(tmp_path: Path, w
         assert r["summary"].endswith(f"rank 0 received it through the gradient {expected[1]}")
     seen = {"ddp": ["c10d::allreduce_"], "fsdp2": ["c10d::_allgather_base_", "c10d::_reduce_scatter_base_"]}
     assert r0["collectives"] == seen[wrapper]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_at_module_level_the_receiving_rank_blames_no_module(tmp_path: Path, wrapper: str) -> None:
+    # GIVEN the same step traced at module level (no op records: FSDP2's sharded gradients come out of its
+    # reduce-scatter before the parameter's gradient hook sees them)
+    res = _two_ranks(tmp_path, wrapper, overflow=True, level="module")
+    r0, r1 = res[0], res[1]
+    # THEN rank 1 names fc1 in forward, rank 0 names no origin of its own, and both name rank 1 first
+    assert r1["first"] == ["forward", "fc1", None, "inf"]
+    assert r0["first"] is None
+    for r in res.values():
+        assert (r["first_rank"], r["first_ranks"]) == (1, [1])
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
