@@ -97,7 +97,11 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
             command = f"torchrun --nproc-per-node {world} -m {command}"
         report = hunt(step, level=level, allow=allow, prove=prove, progress=progress if me == 0 else None,
                       command=command, ranks=ranks)
-        return ranks.finish(ranks.merged(report), show)
+        code = ranks.finish(ranks.merged(report), show)
+        # every rank done with every collective before any tears the group down: gloo aborts a process
+        # (std::terminate) whose peer closes the connection while it is still being used
+        dist.barrier()
+        return code
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
