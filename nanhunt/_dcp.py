@@ -54,17 +54,6 @@ def sharded(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def user_class(module: nn.Module) -> type:
-    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass made on the fly."""
-    if "torch.distributed.fsdp" in sys.modules:
-        from torch.distributed.fsdp import FSDPModule
-
-        for cls in type(module).__mro__:
-            if not issubclass(cls, FSDPModule):
-                return cls
-    return type(module)
-
-
 def fsdp_layout(module: nn.Module) -> list[dict[str, Any]]:
     """Which modules ``fully_shard`` wrapped, children before parents (the order to wrap them again), each
     with the mesh shape and the options the distributed replay must repeat. The options are read from

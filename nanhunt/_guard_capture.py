@@ -18,6 +18,7 @@ from . import _dcp, _dispatch
 from ._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
 from ._names import capture_name, confirmations
+from ._wrappers import user_class
 from .capture import _hf_model_spec, capture_record, resolve, save_capture, unwrap_model
 from .records import GuardEvent
 
@@ -119,7 +120,7 @@ class CaptureWriter:
             raise ValueError("snapshot_every must be >= 1 or None")
         self.module = unwrap_model(model)
         # Fail now rather than at the first bad step, when nothing could be saved.
-        self.model_factory = model_factory or capture_name(_dcp.user_class(self.module))  # FSDP2: your class
+        self.model_factory = model_factory or capture_name(user_class(self.module))  # FSDP2: your class
         if self.model_factory is None:
             raise ValueError("cannot name the model's class for the capture: "
                              "pass model_factory='package.module:callable'")
@@ -151,7 +152,7 @@ class CaptureWriter:
 
     def _confirmations(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         named: list[tuple[str, str | None, Any]] = []
-        cls = _dcp.user_class(self.module)
+        cls = user_class(self.module)
         own = capture_name(cls)
         if not (self.model_factory == own and _hf_model_spec(self.module) is not None):
             factory: Any = cls

@@ -22,7 +22,7 @@ from ._records_store import Raw, RecordStore
 from ._scope import ScopeGate, in_scope
 from ._tensors import floatish, layout, tensors
 from ._watch import OriginWatch
-from ._wrappers import user_named_modules
+from ._wrappers import user_class, user_named_modules
 from .records import Phase, Role
 
 __all__ = ["ModuleHooks"]
@@ -92,7 +92,7 @@ class ModuleHooks:
         for name, mod, wrapper in walk:
             if not wrapper:  # a wrapper's calls are its inner module's (named alike): its weights are the inner's
                 self.names[id(mod)] = (weakref.ref(mod), name)
-                store.classes[name] = type(mod).__name__
+                store.classes[name] = user_class(mod).__name__  # FSDP2's FSDPLinear is your Linear
             params, buffers = _dispatch.own_weights(mod)
             if self.scope and not in_scope(name, self.scope):
                 for p in params:

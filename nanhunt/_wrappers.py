@@ -4,11 +4,12 @@ activation checkpointing) add a path part to every name of the model they wrap; 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["wrapped", "user_named_modules", "user_modules"]
+__all__ = ["wrapped", "user_named_modules", "user_modules", "user_class"]
 
 # Modules torch wraps around the one the user wrote, and the attribute holding it. Their names are not the
 # user's (``module.fc1`` under DDP is ``fc1``; FSDP1 adds ``_fsdp_wrapped_module.`` at every wrapped level), and a
@@ -51,3 +52,14 @@ def user_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]
 def user_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The model's modules by the names a trace gives them (torch's wrappers left out), in order."""
     return {name: mod for name, mod, wrapper in user_named_modules(model) if not wrapper}
+
+
+def user_class(module: nn.Module) -> type:
+    """The class the user wrote: ``fully_shard`` swaps a module's class for a subclass made on the fly."""
+    if "torch.distributed.fsdp" in sys.modules:
+        from torch.distributed.fsdp import FSDPModule
+
+        for cls in type(module).__mro__:
+            if not issubclass(cls, FSDPModule):
+                return cls
+    return type(module)

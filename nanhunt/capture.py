@@ -37,6 +37,7 @@ from ._names import loaded_from as _loaded_from, recognised as _allowed
 from ._errors import CommandError
 from ._safeload import load_file
 from ._tree import map_tensors
+from ._wrappers import user_class
 from .step import Step, rng_state, set_rng_state, split_batch
 
 __all__ = [
@@ -328,7 +329,7 @@ def capture_record(
         "model_kwargs": dict(model_kwargs or {}),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
         # (under FSDP2 the class the user wrote, not the one fully_shard made on the fly)
-        "hf_model": _hf_model_spec(model) if factory == callable_path(_dcp.user_class(model)) else None,
+        "hf_model": _hf_model_spec(model) if factory == callable_path(user_class(model)) else None,
         "step_call": step_call,
         "training": bool(model.training),
         # every module's own flag: a frozen (eval) BatchNorm inside a training model stays frozen
@@ -405,7 +406,7 @@ def _hf_model_spec(model: nn.Module) -> dict[str, Any] | None:
     except (TypeError, ValueError):  # a config holding something JSON cannot say: replay needs --model
         return None
     attn = getattr(model.config, "_attn_implementation", None)
-    return {"class": callable_path(_dcp.user_class(model)), "config": config,
+    return {"class": callable_path(user_class(model)), "config": config,
             "attn_implementation": attn if isinstance(attn, str)
             else None}
 

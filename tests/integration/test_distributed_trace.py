@@ -67,7 +67,8 @@ def test_overflow_on_rank1_is_born_there_and_received_on_rank0(tmp_path: Path, w
     for r in res.values():
         assert (r["first_rank"], r["first_ranks"]) == (1, [1])
         assert r["ranks"]["0"] is None and r["ranks"]["1"].startswith("Inf born in phase forward")
-        assert r["summary"].startswith(f"rank 1: Inf born in phase forward, module {module}")
+        # (the class you wrote: FSDP2's fully_shard makes fc1 an FSDPLinear)
+        assert r["summary"].startswith(f"rank 1: Inf born in phase forward, module {module} (Linear, call 0)")
         assert r["summary"].endswith(f"rank 0 received it through the gradient {expected[1]}")
     seen = {"ddp": ["c10d::allreduce_"], "fsdp2": ["c10d::_allgather_base_", "c10d::_reduce_scatter_base_"]}
     assert r0["collectives"] == seen[wrapper]
