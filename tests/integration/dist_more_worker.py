@@ -15,9 +15,7 @@ entry when the rank failed) into ``out``:
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,35 +29,13 @@ from torch import nn
 
 import nanhunt
 from fixtures.models import MLP
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers_dist import rank_results, run_ranks
 
 
 def two_ranks(target: Callable[..., None], out: Path, *args: Any, timeout: float) -> dict[int, Any]:
     """Run ``target(rank, 2, port, *args, out)`` in two spawned processes; each rank's ``rank{R}.json``."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, 2, port, *args, str(out))) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"rank(s) {hung} still running after {timeout}s: a rank was left in a collective"
-    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
-    for res in results.values():
-        assert "error" not in res, res["error"]
-    return results
+    run_ranks(target, lambda r, port: (r, 2, port, *args, str(out)), timeout=timeout)
+    return rank_results(out)
 
 
 def _rank(rank: int, world: int, port: int, out: str, body: Callable[[dict[str, Any]], None]) -> None:

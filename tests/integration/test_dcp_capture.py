@@ -5,11 +5,9 @@ untrusted input. One distributed run (bounded in time, a stuck rank killed) serv
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shlex
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from nanhunt.cli import main
 from nanhunt.records import Report
 
 from .fsdp_guard_worker import batch, run
+from tests.helpers_dist import rank_results, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
@@ -31,36 +30,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
     """(dump dir, out dir, each rank's result) of one 2-rank FSDP2 run whose rank 1 overflows at step 2."""
     base = tmp_path_factory.mktemp("fsdp")
     dump, out = base / "caps", base / "out"
     out.mkdir()
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=run, args=(r, 2, port, str(dump), str(out), BAD_RANK, BAD_STEP)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=TIMEOUT_S)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"rank(s) {hung} still running after {TIMEOUT_S}s: a rank was left in a collective"
-    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
-    for res in results.values():
-        assert "error" not in res, res["error"]
+    run_ranks(run, lambda r, port: (r, 2, port, str(dump), str(out), BAD_RANK, BAD_STEP), timeout=TIMEOUT_S)
+    results = rank_results(out)
     return dump, out, results
 
 

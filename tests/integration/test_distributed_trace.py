@@ -4,9 +4,6 @@ a collective) and every rank names rank 1 as first. Each run is bounded in time;
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from .dist_trace_worker import run
+from tests.helpers_dist import rank_results, run_ranks
 
 TIMEOUT_S = 60
 
@@ -21,32 +19,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_ranks(tmp_path: Path, wrapper: str, overflow: bool, level: str = "op") -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=run, args=(r, 2, port, wrapper, overflow, str(tmp_path), level)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=TIMEOUT_S)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert not hung, f"rank(s) {hung} still running after {TIMEOUT_S}s"
-    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
-    for res in results.values():
-        assert "error" not in res, res["error"]
-    return results
+    run_ranks(run, lambda r, port: (r, 2, port, wrapper, overflow, str(tmp_path), level), timeout=TIMEOUT_S)
+    return rank_results(tmp_path)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])

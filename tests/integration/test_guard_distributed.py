@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import nanhunt
 from nanhunt.capture import load_step
 
 from helpers_guard import dist_worker
+from tests.helpers_dist import rank_results, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
@@ -23,35 +22,15 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_only_rank1_goes_nonfinite_both_ranks_stop_and_rank1_writes_the_capture(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     dump, out = tmp_path / "caps", tmp_path / "out"
     out.mkdir()
     # GIVEN two gloo ranks training the same model; only rank 1's batch at step 3 overflows float16
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=dist_worker, args=(r, 2, port, str(dump), str(out), 1, 3)) for r in range(2)]
-    for p in procs:
-        p.start()
     # WHEN they run, bounded by a timeout: a rank left waiting in a collective would hang here
-    for p in procs:
-        p.join(timeout=TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not hung, f"rank(s) {hung} still running after {TIMEOUT_S}s: the guard let a rank hang"
-    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
-    for r, res in results.items():
-        assert "error" not in res, res.get("error")
+    run_ranks(dist_worker, lambda r, port: (r, 2, port, str(dump), str(out), 1, 3), timeout=TIMEOUT_S)
+    results = rank_results(out)
     # THEN both ranks stopped at step 3, both know rank 1 saw it first, and they met again afterwards
     for r, res in results.items():
         assert res["stopped_at"] == 3 and res["iterations"] == 4

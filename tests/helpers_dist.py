@@ -1,0 +1,45 @@
+"""Two-process (gloo) tests: start the ranks in spawned processes, bound them in time, read what each wrote."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[Any, ...]], *, timeout: float,
+              world: int = 2) -> None:
+    """``target(*args(rank, port))`` in ``world`` spawned processes, all bounded by ``timeout``: a rank left
+    waiting in a collective would hang, so one still running then is killed and the test fails."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=args(r, port)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert not hung, f"rank(s) {hung} still running after {timeout}s: a rank was left in a collective"
+
+
+def rank_results(out: Path, world: int = 2) -> dict[int, dict[str, Any]]:
+    """Each rank's ``rank{R}.json`` in ``out``; fails on a rank that reported an error."""
+    results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+    for res in results.values():
+        assert "error" not in res, res["error"]
+    return results
