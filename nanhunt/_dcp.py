@@ -41,6 +41,9 @@ STATE = "state"
 WRAPPERS = ("fsdp2", "ddp")
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest holds names and flags: a model with a million modules fits
 MAX_WORLD = 1 << 20
+# a .metadata holds a few kB per tensor; a tensor is stored in about as many chunks as ranks wrote it
+MAX_METADATA_BYTES = 64 << 20
+MAX_CHUNKS = 4096
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file in state/, never a path
 
 
@@ -383,7 +386,7 @@ def safe_reader(path: str) -> tuple[Any, Any]:
                     raise CommandError(f"{where}: a chunk of {fqn!r} holds {type(value).__name__}, not a tensor; "
                                        "the capture is damaged")
                 for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    if not 0 <= start and start + n <= value.shape[dim]:
+                    if not (0 <= start and start + n <= value.shape[dim]):
                         raise CommandError(f"{where}: a chunk of {fqn!r} is smaller than its .metadata says; the "
                                            "capture is damaged")
                     value = value.narrow(dim, start, n)
@@ -470,6 +473,9 @@ def _read_metadata(path: str, where: str) -> Any:
     if not os.path.isfile(file):
         raise CommandError(f"{where} has no .metadata: it is not a whole torch.distributed.checkpoint; the capture "
                            "is damaged")
+    if os.path.getsize(file) > MAX_METADATA_BYTES:
+        raise CommandError(f"{where}: its .metadata is {os.path.getsize(file)} bytes, more than the "
+                           f"{MAX_METADATA_BYTES} nanhunt reads (a few kB per tensor); the capture is damaged")
     try:
         with open(file, "rb") as f:
             meta = _MetadataUnpickler(f).load()
@@ -516,11 +522,18 @@ def _storage_index(meta: Any, path: str, where: str) -> dict[tuple[str, tuple[in
 
 
 def _check_budget(entries: Mapping[str, Any], storage: Mapping[Any, Any], path: str, where: str) -> None:
-    """Every tensor is made of chunks that tile it exactly, each stored once: then the full tensors take no
-    more bytes than the shard files hold."""
+    """Every tensor is made of chunks that tile it exactly, each stored in its own bytes (no two entries'
+    byte ranges overlap in a shard file): then the full tensors take no more bytes than the shard files hold."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    used: set[tuple[str, int]] = set()
+    ranges: dict[str, list[tuple[int, int]]] = {}  # shard file -> (offset, length) of every entry read from it
+    for (fqn, _), info in storage.items():
+        ranges.setdefault(str(info.relative_path), []).append((int(info.offset), int(info.length)))
+    for rel, spans in ranges.items():
+        spans.sort()
+        if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
+            raise CommandError(f"{where}: two entries of its .metadata claim the same bytes of {rel!r}; nanhunt "
+                               "refuses it")
     for fqn, md in entries.items():
         if not isinstance(fqn, str):
             raise CommandError(f"{where}: its .metadata names an entry {_short(fqn)}, not a name")
@@ -542,12 +555,13 @@ def _check_budget(entries: Mapping[str, Any], storage: Mapping[Any, Any], path: 
             info = storage.get((fqn, off))
             if info is None:
                 raise CommandError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
-            place = (info.relative_path, info.offset)
-            if place in used or math.prod(sz) * dtype.itemsize > info.length:
+            if math.prod(sz) * dtype.itemsize > info.length:
                 raise CommandError(f"{where}: a chunk of {fqn!r} claims more bytes than are stored for it; "
                                    "nanhunt refuses it")
-            used.add(place)
             boxes.append((off, sz))
+        if len(boxes) > MAX_CHUNKS:
+            raise CommandError(f"{where}: {fqn!r} is stored in {len(boxes)} chunks (a capture of N ranks has about "
+                               f"N); nanhunt reads at most {MAX_CHUNKS}")
         overlap = any(all(a < c + w and c < a + v for a, v, c, w in zip(o1, s1, o2, s2))
                       for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:]
                       if math.prod(s1) and math.prod(s2))

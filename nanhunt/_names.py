@@ -3,8 +3,9 @@
 A model class or loss function defined in the script that trains (``__main__``) has no importable name. The
 capture records it by the script's absolute path (``/home/me/train.py:my_loss``); the replay imports it only
 when you confirm that name (``--loss /home/me/train.py:my_loss``) and then runs only the script's imports,
-definitions and assignments, never its loops, ``with`` blocks, bare calls or ``if __name__ == "__main__":``
-block, so confirming the name does not train again. A name defined in a notebook or an interactive session
+function and class definitions and the assignments that call nothing (``EPS = 1e-6``), never its loops, ``with``
+blocks, calls (``model = Net()``, ``fit(model)``) or ``if __name__ == "__main__":`` block, so confirming the
+name does not train again. A name defined in a notebook or an interactive session
 cannot be imported at all: it is recorded as ``__main__:name`` and the replay asks for your own module's.
 
 :func:`confirmations` tells, when the capture is written, which of its names a replay run from the same
@@ -90,20 +91,34 @@ def _is_main_block(node: ast.stmt) -> bool:
             and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
-_SKIPPED = (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)
+_DEFINES = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _calls(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) for n in ast.walk(node))
+
+
+def _defines(node: ast.stmt) -> bool:
+    """A statement that only defines: an import, a function, a class, an assignment that calls nothing
+    (``EPS = 1e-6``), a docstring, or an ``if`` / ``try`` block made of these (``try: import apex``)."""
+    if isinstance(node, _DEFINES):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        return node.value is not None and not _calls(node.value)
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)
+    if isinstance(node, ast.If):
+        return not _is_main_block(node) and not _calls(node.test) and all(map(_defines, node.body + node.orelse))
+    if isinstance(node, ast.Try):
+        blocks = node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+        return all(map(_defines, blocks))
+    return False
 
 
 def _definitions(tree: ast.Module) -> ast.Module:
-    """The statements of a script that define things: imports, functions, classes, assignments, ``try`` and
-    ``if`` blocks (kept whole); its loops, ``with`` blocks, bare calls and main block are left out."""
-    kept: list[ast.stmt] = []
-    for node in tree.body:
-        if isinstance(node, _SKIPPED) or _is_main_block(node):
-            continue
-        if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Constant):
-            continue  # train(model), trainer.fit(...), print(...): not a definition
-        kept.append(node)
-    return ast.Module(body=kept, type_ignores=[])
+    """The statements of a script that only define things (:func:`_defines`); its loops, ``with`` blocks,
+    calls (``train(model)``, ``model = Net()``, ``history = fit(...)``) and main block are left out."""
+    return ast.Module(body=[node for node in tree.body if _defines(node)], type_ignores=[])
 
 
 def load_script(file: str) -> types.ModuleType:
@@ -133,9 +148,12 @@ def load_script(file: str) -> types.ModuleType:
     sys.modules[name] = module  # dataclasses and pickling look their module up by name
     try:
         exec(compile(_definitions(tree), path, "exec"), module.__dict__)
-    except Exception as e:
-        del sys.modules[name]
-        raise CommandError(f"running the definitions of script {file!r} raised {type(e).__name__}: {e}") from e
+    except BaseException as e:  # a Ctrl-C too: a half-run module is never handed out later
+        sys.modules.pop(name, None)
+        if not isinstance(e, Exception):
+            raise
+        raise CommandError(f"running the definitions of script {file!r} raised {type(e).__name__}: {e}; put what "
+                           "the replay needs in a module and pass it as package.module:name") from e
     finally:
         sys.path[:] = saved
     return module

@@ -366,7 +366,7 @@ def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
     if step_call not in (None, "training_step"):
         raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
     model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
-    factory = model_factory or _names.capture_name(model)
+    factory = model_factory or _names.capture_name(user_class(model))  # FSDP2: your class, not FSDP<Cls>
     if factory is None:
         raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
     loss_path = None
@@ -835,8 +835,8 @@ def _same_name(given: str, saved: Any) -> bool:
     if given == saved:
         return True
     (gm, _, gq), (sm, _, sq) = given.rpartition(":"), saved.rpartition(":")
-    stem = os.path.splitext(os.path.basename(gm))[0] if gm.endswith(".py") else gm.rpartition(".")[2]
-    return gq == sq and stem == sm.rpartition(".")[2]
+    # only a script path confirming a top-level module's name: /dir/model.py:Net for model:Net
+    return gm.endswith(".py") and gq == sq and os.path.splitext(os.path.basename(gm))[0] == sm
 
 
 def _read_plain_checkpoint(ck: Mapping[str, Any], loss: str | None) -> _Loaded:

@@ -116,7 +116,7 @@ class ReplayCommand:
                 with _Progress() as progress:
                     return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
                                         allow=args.allow, prove=not args.no_bisect, progress=progress.update,
-                                        command=_command_line(), show=show_ranks, **options)
+                                        command=_command_line(_dist_launcher()), show=show_ranks, **options)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -532,12 +532,18 @@ def _error(e: BaseException) -> None:
 _ARGV: list[str] = []  # the arguments main() was given (not sys.argv: main(["replay", ...]) from Python)
 
 
-def _command_line() -> str:
-    """The command as given; when it names files by relative paths, run from the directory it ran in
-    (``cd DIR && nanhunt ...``): a report or bundle is read elsewhere."""
-    command = "nanhunt " + " ".join(shlex.quote(a) for a in _ARGV)
+def _command_line(launcher: str = "") -> str:
+    """The command as given (after ``launcher``: ``torchrun --nproc-per-node N -m``); when it names files by
+    relative paths, run from the directory it ran in (``cd DIR && nanhunt ...``): a report or bundle is read
+    elsewhere."""
+    command = (f"{launcher} " if launcher else "") + "nanhunt " + " ".join(shlex.quote(a) for a in _ARGV)
     relative = any(a and not a.startswith("-") and not os.path.isabs(a) and os.path.exists(a) for a in _ARGV)
     return f"cd {shlex.quote(os.getcwd())} && {command}" if relative else command
+
+
+def _dist_launcher() -> str:
+    """How the replay under torchrun is started again: every rank replays its own batch."""
+    return f"torchrun --nproc-per-node {os.environ.get('WORLD_SIZE', '1')} -m"
 
 
 def _version() -> str:

@@ -365,3 +365,15 @@ def test_a_bundle_s_replay_command_works_from_the_bundle_directory(tmp_path: Pat
     proc = subprocess.run(shell, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[0] == "NaN born in phase weights, in fc2 (Linear, call 0) (param).", proc.stdout
+
+
+def test_the_torchrun_command_keeps_the_directory_it_ran_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nanhunt.cli as cli
+
+    # GIVEN a replay under torchrun of a capture directory named by a relative path
+    (tmp_path / "caps").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_ARGV", ["replay", "caps"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # WHEN its command is recorded  THEN it starts torchrun from that directory
+    assert cli._command_line(cli._dist_launcher()) == f"cd {tmp_path} && torchrun --nproc-per-node 2 -m nanhunt replay caps"

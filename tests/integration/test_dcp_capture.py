@@ -231,6 +231,7 @@ def test_dtensor_file_in_a_fresh_process_gets_the_same_line(fsdp_run: tuple[Path
     ("path", "its .metadata places data at '../outside.distcp', which is not a shard file of the checkpoint; "
              "nanhunt refuses it"),
     ("size", "the chunks of 'model.fc1.weight' do not tile its shape (1099511627776, 64); the capture is damaged"),
+    ("overlap", "two entries of its .metadata claim the same bytes of '__0_0.distcp'; nanhunt refuses it"),
 ])
 def test_dcp_metadata_pointing_outside_or_claiming_more_than_stored_is_refused(
         fsdp_run: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -247,6 +248,12 @@ def test_dcp_metadata_pointing_outside_or_claiming_more_than_stored_is_refused(
     if tamper == "path":
         key = next(iter(meta.storage_data))
         meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path="../outside.distcp")
+    elif tamper == "overlap":  # a second entry read from the first one's bytes, shifted by one: N entries could
+        # each claim nearly the whole file, and the full tensors outgrow what the shards hold
+        first, second = sorted((k for k, v in meta.storage_data.items() if v.relative_path == "__0_0.distcp"),
+                               key=lambda k: meta.storage_data[k].offset)[:2]
+        meta.storage_data[second] = dataclasses.replace(meta.storage_data[second],
+                                                        offset=meta.storage_data[first].offset + 1)
     else:
         md = meta.state_dict_metadata["model.fc1.weight"]
         meta.state_dict_metadata["model.fc1.weight"] = dataclasses.replace(md, size=torch.Size([2**40, 64]))

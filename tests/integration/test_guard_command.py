@@ -157,3 +157,41 @@ def test_a_script_name_is_never_imported_from_the_file_alone(tmp_path: Path,
     assert code == 2
     assert f"pass --loss {hostile}:loss to confirm" in err
     assert not (tmp_path / "ran.txt").exists()
+
+
+def test_a_confirmed_script_runs_only_its_definitions(tmp_path: Path) -> None:
+    from nanhunt._names import load_script
+
+    # GIVEN a script that trains at its top level in every way a script does, around a loss and a constant
+    ran = tmp_path / "ran.txt"
+    (tmp_path / "train.py").write_text(textwrap.dedent(f"""
+        import os
+        try:
+            import json
+        except ImportError:
+            json = None
+        EPS = 1e-6
+        def mark(what):
+            with open({str(ran)!r}, "a") as f:
+                f.write(what + "\\n")
+            return what
+        def my_loss(out, y):
+            return ((out - y) ** 2).mean() + EPS
+        model = mark("model built")
+        history = mark("fit")
+        if os.environ.get("NEVER_SET_X") is None:
+            mark("if")
+        for _ in range(1):
+            mark("loop")
+        with open(os.devnull) as _f:
+            mark("with")
+        mark("call")
+        if __name__ == "__main__":
+            mark("main")
+    """))
+    # WHEN it is loaded for a confirmed name
+    module = load_script(str(tmp_path / "train.py"))
+    # THEN its definitions are there, and none of its training ran
+    assert module.my_loss(torch.ones(2), torch.zeros(2)).item() == pytest.approx(1.0 + 1e-6)
+    assert module.json is not None and not hasattr(module, "model") and not hasattr(module, "history")
+    assert not ran.exists()
