@@ -632,7 +632,8 @@ def load_step(
     _check_not_batch(ck, bt, checkpoint, batch)
     step = _step_of(ck, bt, checkpoint, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
                     no_scaler=no_scaler, train=train, notes=[])
-    step.source = checkpoint
+    if checkpoint.endswith("checkpoint.pt"):  # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
+        step.event_file = checkpoint[: -len("checkpoint.pt")] + "event.json"
     return step
 
 
@@ -686,8 +687,10 @@ def load_capture_dir(
     why = ("the first rank that saw the failure" if seen and r == min(seen) else
            f"the failure was seen by rank(s) {', '.join(map(str, seen))}" if seen else "no rank saw it")
     note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
-    return _step_of(ck, bt, path, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
+    step = _step_of(ck, bt, path, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
                     no_scaler=no_scaler, train=train, notes=[note], shard=shard)
+    step.event_file = os.path.join(path, f"event-rank{r}.json")
+    return step
 
 
 def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, model_factory: str | None,

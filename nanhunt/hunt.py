@@ -63,7 +63,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = make_repro(step, first, bundle, call=_caught_call(step, replayed)) if bundle is not None else None
     report = _report(step, replayed, config, verdict, repro, command)
-    event, why = _guard_event(step.source)
+    event, why = _guard_event(step.event_file)
     if why is not None:
         report = dataclasses.replace(report, notes=(*report.notes, why))
     report = dataclasses.replace(report, guard_event=event)
@@ -207,13 +207,13 @@ _EVENT_BYTES = 64 * 1024  # a Guard's event is about 1 kB; its scale history at 
 _EVENT_TEXT = 500  # characters kept of its kind and detail
 
 
-def _guard_event(checkpoint: str | None) -> tuple[GuardEvent | None, str | None]:
-    """The Guard's event beside a capture (``step{N}[-rank{R}]-event.json`` next to ``-checkpoint.pt``), and a
-    note when one is there but cannot be used. The file came with the capture, so it is untrusted: bounded
-    in size, a regular file, every field used type-checked (text is escaped where it is shown)."""
-    if checkpoint is None or not checkpoint.endswith("checkpoint.pt"):
+def _guard_event(path: str | None) -> tuple[GuardEvent | None, str | None]:
+    """The Guard's event of a capture (``step{N}[-rank{R}]-event.json`` next to ``-checkpoint.pt``, a capture
+    directory's ``event-rank{R}.json``), and a note when one is there but cannot be used. The file came with
+    the capture, so it is untrusted: bounded in size, a regular file, every field used type-checked (text is
+    escaped where it is shown)."""
+    if path is None:
         return None, None
-    path = checkpoint[: -len("checkpoint.pt")] + "event.json"
     try:
         st = os.stat(path)
     except OSError:

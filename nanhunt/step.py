@@ -111,8 +111,8 @@ class Step:
     compiled: bool = False
     notes: tuple[str, ...] = ()
     host_snapshot: bool | None = None
-    # the checkpoint file the step was loaded from (the replay's report reads the Guard event beside it)
-    source: str | None = None
+    # where the Guard's event of the capture the step was loaded from would be (the replay's report reads it)
+    event_file: str | None = None
     _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
     _start_rng: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -93,6 +93,9 @@ def test_replay_dir_names_the_culprit_on_rank_1(fsdp_run: tuple[Path, Path, dict
     line = "capture of 2 ranks (fsdp2): rank 1's batch replayed (the first rank that saw the failure)"
     assert line in err.splitlines()
     assert line in rep.notes
+    # AND the report carries the Guard's event of that rank (step 2, seen by rank 1)
+    assert rep.guard_event is not None
+    assert (rep.guard_event.step, rep.guard_event.rank, rep.guard_event.ranks) == (2, 1, (1,))
 
 
 def test_replay_dir_loads_the_full_state_of_every_shard(fsdp_run: tuple[Path, Path, dict[int, dict[str, Any]]],
