@@ -17,13 +17,9 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
-from .records import Advice, Occurrence, Phase, Record, Report
+from .records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, Occurrence, Phase, Record, Report
 
-__all__ = ["advise", "PATTERNS", "FP16_SMALLEST_NORMAL"]
-
-FP16_SMALLEST_NORMAL = 6.103515625e-05  # 2**-14: below it float16 keeps fewer bits, below 2**-24 only zero
-_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
-        "float64": 1.7976931348623157e308}
+__all__ = ["advise", "PATTERNS"]
 
 # The patterns, in the order they are checked: id -> what triggers it (README "How it decides" lists them).
 PATTERNS: dict[str, str] = {
@@ -131,7 +127,7 @@ def _py_name(name: str | None) -> str:
 def _exp_softmax(occ: Occurrence, report: Report) -> Advice | None:
     if occ.op not in _EXP or occ.kind != "inf" or occ.phase not in (Phase.FORWARD, Phase.LOSS):
         return None
-    limit = _MAX.get(occ.output.dtype)
+    limit = DTYPE_MAX.get(occ.output.dtype)
     x = occ.inputs[0] if occ.inputs else None
     if limit is None or x is None or not x.finite or not x.max > math.log(limit):
         return None

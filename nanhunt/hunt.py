@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ._env import environment
-from .advice import FP16_SMALLEST_NORMAL, advise
+from .advice import advise
 from .bisect import Team, bisect
-from .records import PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
+from .records import FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 from .replay import Replayed, module_status, state_notes, step_config, trace_twice
 from .repro import OriginCall, make_repro, origin_call
 from .step import Step

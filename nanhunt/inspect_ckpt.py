@@ -17,12 +17,12 @@ from torch import nn
 
 from ._errors import CommandError
 from .capture import load_file
-from .records import Inspection, TensorSummary
+from .records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Inspection, TensorSummary
 
 __all__ = ["inspect_checkpoint", "scaler_meaning", "NEAR_OVERFLOW", "FP16_MAX", "FP16_TINY", "SECOND_MOMENTS"]
 
-FP16_MAX = 65504.0
-FP16_TINY = 2.0 ** -14  # float16's smallest normal (6.1e-05); below it values lose precision, below 2**-24 vanish
+FP16_MAX = DTYPE_MAX["float16"]
+FP16_TINY = FP16_SMALLEST_NORMAL  # (6.1e-05); below it values lose precision, below 2**-24 vanish
 FP16_SUBNORMAL = 2.0 ** -24  # float16's smallest subnormal (6.0e-08): anything smaller rounds to 0
 NEAR_OVERFLOW = FP16_MAX / 16  # flag weights within 16x of the float16 max
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")  # Adam / AdamW (amsgrad), RMSprop

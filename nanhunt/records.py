@@ -18,7 +18,13 @@ from ._serial import JSONData, absent
 
 __all__ = ["SCHEMA_VERSION", "Phase", "Role", "FullStats", "Record", "Occurrence", "Advice", "Report", "TensorSummary", "Inspection", "Verdict", "Repro", "PHASE_ORDER",
            "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent", "Rule",
-           "Quality", "Failure", "Speed", "CLAUSES"]
+           "Quality", "Failure", "Speed", "CLAUSES", "DTYPE_MAX", "FP16_SMALLEST_NORMAL"]
+
+# The largest finite value of each floating dtype, and float16's smallest normal (2**-14: below it float16 keeps
+# fewer bits, below 2**-24 only zero): the one table every report, rule and check reads (no torch here).
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+             "float64": 1.7976931348623157e308}
+FP16_SMALLEST_NORMAL = 2.0 ** -14
 
 # Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
 # ``Report.from_dict`` reads every older version: a missing key takes its default.
@@ -340,7 +346,7 @@ class TensorSummary:
 
     @property
     def fp16_headroom(self) -> float:
-        return math.inf if self.absmax == 0 else 65504.0 / self.absmax
+        return math.inf if self.absmax == 0 else DTYPE_MAX["float16"] / self.absmax
 
     @property
     def bf16_headroom(self) -> float:

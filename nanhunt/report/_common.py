@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..records import Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed, TensorDiff
+from ..records import DTYPE_MAX, Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed, TensorDiff
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans", "path_label",
@@ -24,8 +24,7 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines",
            "ADVICE_TITLE", "ADVICE_INTRO", "guard_rows", "guard_text"]
 
-LIMITS = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
-          "float64": 1.7976931348623157e308}
+LIMITS = DTYPE_MAX
 
 
 class Span(NamedTuple):

@@ -25,12 +25,12 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from .._errors import visible
-from ..records import Comparison, Report, TensorDiff
+from ..records import DTYPE_MAX, Comparison, Report, TensorDiff
 
 __all__ = ["figure", "comparison_figure", "png", "svg", "FP16_MAX", "BF16_MAX"]
 
-FP16_MAX = 65504.0
-BF16_MAX = 3.3895313892515355e38
+FP16_MAX = DTYPE_MAX["float16"]
+BF16_MAX = DTYPE_MAX["bfloat16"]
 _PHASE_COLOURS = {
     "input": "#7f7f7f", "weights": "#7f7f7f", "forward": "#1f77b4", "loss": "#9467bd", "backward": "#ff7f0e",
     "update": "#2ca02c",
