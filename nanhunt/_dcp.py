@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import CommandError
+from ._errors import CommandError, first_line as _first_line
 
 __all__ = ["MANIFEST", "STATE", "sharded", "batch_file", "is_capture_dir", "write_capture_dir", "read_manifest",
            "pick_rank", "load_state", "optimizer_by_index"]
@@ -625,6 +625,3 @@ def _few(items: list[str], n: int = 3) -> str:
     return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0] if s else ''}"

@@ -164,3 +164,9 @@ class CommandError(NanhuntError):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def first_line(e: BaseException) -> str:
+    """``TypeName: the first line of its message``: an exception quoted inside one line of nanhunt's own."""
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import CommandError
+from ._errors import CommandError, first_line as _first_line
 
 __all__ = ["is_peft_model", "spec", "rebuild"]
 
@@ -259,6 +259,3 @@ def _refused(name: str, why: str) -> CommandError:
     return CommandError(f"refusing to rebuild PEFT adapter {name!r} from the capture: {why}; {_FIX}")
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0] if s else ''}"

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import torch
 
-from ._errors import CommandError
+from ._errors import CommandError, first_line as _first_line
 
 __all__ = ["load_file"]
 
@@ -435,6 +435,3 @@ def _reason(e: BaseException) -> str:
     return s[0] if s else type(e).__name__
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0] if s else ''}"

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _dcp, _names, _peft
 from ._names import loaded_from as _loaded_from, recognised as _allowed
-from ._errors import CommandError
+from ._errors import CommandError, first_line as _first_line
 from ._safeload import load_file
 from ._tree import map_tensors
 from ._wrappers import user_class
@@ -502,11 +502,6 @@ def _through_training_step(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------ loading
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0] if s else ''}"
-
-
 def map_state_dict(sd: Mapping[str, Any], model: nn.Module, *,
                    notes: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Map DDP (``module.``), torch.compile (``_orig_mod.``) and wrapper prefixes (Lightning's ``model.``)

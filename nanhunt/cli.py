@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ._errors import CommandError, NanhuntError, visible
+from ._errors import CommandError, NanhuntError, visible, first_line as _first_line
 
 __all__ = ["main"]
 
@@ -437,11 +437,6 @@ def _load_set(files: Sequence[tuple[str, str]], step: Any, *, trust_pickle: bool
 
 
 COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand())
-
-
-def _first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"
 
 
 def _step_failed(what: str, e: Exception) -> CommandError:
