@@ -126,14 +126,14 @@ def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Op
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel() and not t.is_sparse:
-            by_device.setdefault(t.device, []).append(t)
+            groups.setdefault((t.device, t.dtype), []).append(t)
     home = tensors[0].device
-    with torch.no_grad():
-        peaks = [torch.stack([n.double() for n in foreach_norm(ts, math.inf, dtype=None)]).max().to(home)
-                 for ts in by_device.values()]
+    with torch.no_grad():  # one max per (device, dtype), compared in float64 (a float64 1e300 is finite)
+        peaks = [torch.stack(foreach_norm(ts, math.inf, dtype=None)).max().double().to(home)
+                 for ts in groups.values()]
     return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
 
 
