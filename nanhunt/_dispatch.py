@@ -28,6 +28,8 @@ __all__ = [
     "pop_mode",
     "mode_on_stack",
     "in_recomputation",
+    "checkpoint_frames",
+    "graph_task_id",
     "tensor_version",
     "node_sequence_nr",
     "no_autocast",
@@ -276,6 +278,59 @@ def in_recomputation() -> bool:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooks = top(True) if top is not None else None  # absent in some torch versions: assume not
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+# The current backward's id (-1 outside one): a second backward of a retained graph recomputes anew.
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_top_hooks: Callable[[bool], Any] | None = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _closure(fn: Any, name: str) -> Any:
+    """The value ``fn``'s closure holds under ``name`` (``None`` when it holds none)."""
+    fn = getattr(fn, "__wrapped__", fn)  # torch._dynamo.disable's wrapper
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells or name not in code.co_freevars:
+        return None
+    return cells[code.co_freevars.index(name)].cell_contents
+
+
+def checkpoint_frames() -> tuple[list[Any], tuple[Any, Any] | None]:
+    """What torch.utils.checkpoint (non-reentrant) runs now, read off the saved-tensor hooks stack: the
+    frames whose forward runs (innermost first) above the innermost recomputation, and that recomputation
+    as (its pack hook: one per recomputation, its frame), or ``None``. The stack is popped to be read and
+    pushed back as it was; nothing is popped when no saved-tensor hook is set."""
+    if _top_hooks is None:
+        return [], None
+    try:
+        top = _top_hooks(True)
+    except RuntimeError:  # saved-tensor hooks disabled here (torch.compile internals): no checkpoint runs
+        return [], None
+    if top is None:
+        return [], None
+    opened: list[Any] = []
+    recomputing: tuple[Any, Any] | None = None
+    popped: list[Any] = []
+    pop, push = torch._C._autograd._pop_saved_tensors_default_hooks, torch._C._autograd._push_saved_tensors_default_hooks
+    try:
+        while top is not None:
+            kind = getattr(top[0], "__qualname__", "")
+            if kind.startswith("_recomputation_hook."):
+                ref = _closure(top[0], "target_frame_ref")
+                frame = ref() if callable(ref) else None
+                if frame is not None:
+                    recomputing = (top[0], frame)
+                break
+            if kind.startswith("_checkpoint_hook."):
+                frame = _closure(top[0], "frame")
+                if frame is not None:
+                    opened.append(frame)
+            popped.append(top)
+            pop()
+            top = _top_hooks(True)
+    finally:
+        for hooks in reversed(popped):
+            push(*hooks)
+    return opened, recomputing
 
 
 @contextlib.contextmanager

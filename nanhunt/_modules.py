@@ -181,6 +181,8 @@ class ModuleHooks:
                 ins.append(idx)
             if glue:
                 phases.glue_to_forward(ins, glue)
+            if self._watch.held is not None:
+                self._watch.module_called()  # a stop held for its phase: settled if this call took its value
             if module_level:
                 self.consumed.update(ins)
                 ins.extend(self.direct.get(name, ()))

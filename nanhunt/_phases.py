@@ -4,14 +4,19 @@
 (``step_enter``/``step_leave``, torch's global step hooks) and of gradients accumulated into
 parameters; ``context(node)`` then names the phase, module and call of the op running now, given
 the autograd node running it (``None`` outside backward). Backward work belongs to the forward
-module whose op made the node: ``nodes`` holds that context by the node's sequence number.
+module whose op made the node: ``nodes`` holds that context by the node's sequence number. A
+module call inside backward (``reenter``) is torch.utils.checkpoint recomputing a forward: it
+repeats the calls of that forward in order, so it takes their call indices, nested checkpoints too.
 
 Some phases are known only later: ops between two model calls were loss until the next call
-shows they made its arguments (forward glue, :meth:`PhaseTracker.glue_to_forward`).
+shows they made its arguments (forward glue, :meth:`PhaseTracker.glue_to_forward`). A stop
+(``stop_at_first``) in such an op waits for that answer (:meth:`PhaseTracker.still_open`).
 """
 
 from __future__ import annotations
 
+import weakref
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +36,7 @@ NodeContext = tuple[str | None, int, Source | None]  # the forward module, call 
 _current_node = _dispatch.current_autograd_node
 _node_seq = _dispatch.node_sequence_nr
 _peek_seq = _dispatch.peek_sequence_nr
+_checkpoint_frames = _dispatch.checkpoint_frames
 _grad_enabled = torch.is_grad_enabled
 _FORWARD = Phase.FORWARD
 _LOSS = Phase.LOSS
@@ -57,14 +63,22 @@ class PhaseTracker:
     the whole trace: never rebound).
     """
 
-    __slots__ = ("store", "stack", "calls", "nograd_calls", "recompute_depth", "forward_seen", "backward_seen",
-                 "accumulated", "updating", "step_spans", "loss_mark", "nodes", "owners")
+    __slots__ = ("store", "stack", "calls", "log_seqs", "log", "regions", "replays", "recompute_depth",
+                 "forward_seen", "backward_seen", "accumulated", "updating", "step_spans", "loss_mark", "nodes",
+                 "owners")
 
     def __init__(self, store: RecordStore) -> None:
         self.store = store
         self.stack: list[tuple[str, int]] = []  # module calls running: (name, call index)
         self.calls: dict[str, int] = {}  # calls made, per module
-        self.nograd_calls: dict[tuple[int, str], list[int]] = {}  # (last node's sequence nr, module) -> calls
+        # Every module call in the order it began, with the autograd sequence number then: a reentrant checkpoint's
+        # node is made just before its function runs, so its calls are the first ones after the node's number.
+        self.log_seqs: list[int] = []
+        self.log: list[tuple[str, int]] = []
+        # A non-reentrant checkpoint's frame -> the calls made while its forward ran (nested ones included)
+        self.regions: weakref.WeakKeyDictionary[Any, list[tuple[str, int]]] = weakref.WeakKeyDictionary()
+        # A recomputation running -> [its identity, the calls it repeats, the position of its next call]
+        self.replays: dict[Any, list[Any]] = {}
         self.recompute_depth = 0  # module calls entered inside backward (torch.utils.checkpoint)
         self.forward_seen = False
         self.backward_seen = False
@@ -87,6 +101,16 @@ class PhaseTracker:
         """An optimizer step's own ops run (not a closure's forward, loss and backward inside it)."""
         u = self.updating
         return bool(u) and not u[-1].closure and len(self.stack) <= u[-1].depth
+
+    @staticmethod
+    def open_phase(phase: Phase) -> bool:
+        """Records in ``phase`` may turn forward glue (:meth:`glue_to_forward`) when a later module call takes them."""
+        return phase is _LOSS or phase is _UPDATE
+
+    def still_open(self, phase: Phase) -> bool:
+        """A record made now in ``phase`` may still turn forward glue, when a later module call takes what it
+        made: loss or update work outside backward and outside an optimizer step."""
+        return self.open_phase(phase) and not self.in_update() and _current_node() is None
 
     def grad_accumulated(self) -> None:
         """A backward filled a parameter's ``.grad``: ops after it outside a module are update."""
@@ -141,20 +165,52 @@ class PhaseTracker:
         self.calls[name] = call + 1
         self.stack.append((name, call))
         self.forward_seen = True
-        if not _grad_enabled():
-            # A reentrant checkpoint runs its function under no_grad right after making its
-            # node: keyed by that node, the calls its recomputation in backward repeats, in order.
-            self.nograd_calls.setdefault((_peek_seq() - 1, name), []).append(call)
+        if self.replays:
+            self.replays.clear()  # the recomputations of the last backward are over
+        self._logged(name, call, _checkpoint_frames()[0])
         return call, glue
 
     def reenter(self, name: str, node: Any) -> int:
         """A module call inside backward (``node`` runs): torch.utils.checkpoint recomputing a forward
-        call, the same call again, not a new one."""
-        calls = self.nograd_calls.get((_node_seq(node), name))
-        call = calls.pop(0) if calls else max(self.calls.get(name, 1) - 1, 0)
+        call, the same call again, not a new one. A recomputation repeats its forward's module calls in
+        order; the innermost one running names which: a non-reentrant checkpoint's by its frame, a
+        reentrant one's by its node (``node``)."""
+        opened, recomputing = _checkpoint_frames()
+        if recomputing is not None:
+            key: Any = id(recomputing[0])  # its pack hook, made for this recomputation
+            rep = self.replays.get(key)
+            if rep is None or rep[0] is not recomputing[0]:
+                rep = self.replays[key] = [recomputing[0], self.regions.get(recomputing[1], []), 0]
+        else:
+            seq = _node_seq(node)
+            key = (seq, _dispatch.graph_task_id())  # a retained graph's second backward recomputes anew
+            rep = self.replays.get(key)
+            if rep is None:
+                rep = self.replays[key] = [key, self.log, bisect_right(self.log_seqs, seq)]
+        calls: list[tuple[str, int]] = rep[1]
+        pos: int = rep[2]
+        if pos < len(calls) and calls[pos][0] == name:
+            call = calls[pos][1]
+            rep[2] = pos + 1
+        else:  # not the call its forward made here (its code took another branch): the module's last call
+            call = max(self.calls.get(name, 1) - 1, 0)
         self.stack.append((name, call))
         self.recompute_depth += 1
+        self._logged(name, call, opened)
         return call
+
+    def _logged(self, name: str, call: int, opened: list[Any]) -> None:
+        """Note a module call for the recomputations that will repeat it (``opened``: the non-reentrant
+        checkpoint frames whose forward runs now)."""
+        self.log_seqs.append(_peek_seq())
+        self.log.append((name, call))
+        regions = self.regions
+        for frame in opened:
+            calls = regions.get(frame)
+            if calls is None:
+                regions[frame] = [(name, call)]
+            else:
+                calls.append((name, call))
 
     def leave(self, name: str) -> tuple[int, bool] | None:
         """A module call returns: its call index and whether it ran inside backward (a recomputation);

@@ -7,6 +7,15 @@ It holds no part that calls it: nothing here keeps a finished trace's records al
 
 A stop (``stop_at_first``) leaves its op's tensors in ``nanhunt.last`` and on the error; :func:`land`
 cuts the error's traceback after the user's frame, where a debugger's post-mortem starts.
+
+A stop whose phase is not known yet (loss or update work outside the model, which the next model
+call may show was its arguments' preprocessing: forward glue) is held, with its op's tensors, and
+raised once the phase is known (:meth:`OriginWatch.settle`): at the model call that takes its value,
+at a backward (when its value has an autograd graph), before an optimizer step, or when the block
+ends. So it names the phase the whole trace names; the debugger lands on the user's line running
+then (``nanhunt.last.source`` is the op's line). Not told apart: a value with a graph made before a
+backward, or any value made before an optimizer step, that the model's next call takes after it
+(the full trace: forward; the stop: loss or update).
 """
 
 from __future__ import annotations
@@ -22,9 +31,10 @@ import torch
 import nanhunt
 
 from ._errors import NonFiniteError, Stop
+from ._phases import PhaseTracker
 from ._records_store import RecordStore
 from ._tensors import floatish, input_shapes, tensors
-from .locate import LocateResult, locate
+from .locate import LocateResult, locate, origin_kind
 from .records import Occurrence
 from .stats import full_stats
 
@@ -43,23 +53,34 @@ _NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__)
 class OriginWatch:
     """Runs :func:`locate` over ``store``'s records. ``keep_tensors``: keep the ops' tensors between
     looks (op level, with ``stop_at_first`` or ``full_stats``); ``stop_at_first``: raise
-    :class:`NonFiniteError` inside the op that made the first origin (``stopped`` is it)."""
+    :class:`NonFiniteError` inside the op that made the first origin (``stopped`` is it). ``phases``
+    (op level): the trace's phase tracker; with it, a stop whose phase may still change is ``held``
+    until :meth:`settle` (without it, every stop is raised in its op)."""
 
-    __slots__ = ("level", "allow", "stop_at_first", "window", "stopped", "_store")
+    __slots__ = ("level", "allow", "stop_at_first", "window", "stopped", "held", "_held_graph", "_keep", "_store",
+                 "_phases")
 
     def __init__(self, store: RecordStore, *, level: str = "op", allow: tuple[str, ...] = (),
-                 stop_at_first: bool = False, keep_tensors: bool = False) -> None:
+                 stop_at_first: bool = False, keep_tensors: bool = False, phases: PhaseTracker | None = None) -> None:
         self.level = level
         self.allow = allow
         self.stop_at_first = stop_at_first
         self.window: list[Held] | None = [] if keep_tensors else None  # None: no tensors kept
         self.stopped: Occurrence | None = None
+        self.held: Stop | None = None  # a stop waiting for its phase (see settle)
+        self._held_graph = False  # its value has an autograd graph: a backward settles it
+        self._keep = keep_tensors
         self._store = store
+        self._phases = phases if level == "op" else None
 
     def hold(self, new: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor],
              node: Any) -> None:
         """An op made records ``new`` from ``outs`` (``node``: the backward node it runs in, if any):
         keep its tensors until the next look, and look when due."""
+        if self.held is not None:  # a stop waits for its phase: a backward through its value tells it (loss)
+            if node is not None and self._held_graph:
+                self.settle()
+            return
         # Held tensors are not kept across backward ops: a gradient referenced elsewhere makes
         # AccumulateGrad copy it instead of stealing it (more memory, extra ops in the user's step).
         if self.window is not None and (node is None or self.stop_at_first):
@@ -100,15 +121,65 @@ class OriginWatch:
                     culprit = entry
                     break
         if self.stop_at_first:
+            stop, graph = self._stop(occ, culprit, window or [], held)
+            if self._phases is not None and self._phases.still_open(occ.phase):
+                self.held = stop  # the next model call may show it was that call's preprocessing
+                self._held_graph = graph
+                return
             self.stopped = occ
-            stop = self._stop(occ, culprit, window or [], held)
             nanhunt.last = stop
             raise NonFiniteError(occ, stop)
 
+    def settle(self) -> None:
+        """The phase of the stop held is known now (a module call's arguments were told apart from the
+        loss, or a backward or an optimizer step begins): raise it here, as its record reads now, unless
+        that made it no origin (an entering -inf that turned out a model input: a mask), then look on."""
+        err = self._settled()
+        if err is not None:
+            raise err
+
+    def module_called(self) -> None:
+        """A module call began, after its arguments' glue was told (:meth:`PhaseTracker.glue_to_forward`): one
+        that took the value of the stop held settles it (forward now); one that did not (an evaluation under
+        no_grad, the next step's call) leaves it open: a later call may still take it."""
+        stop = self.held
+        if stop is not None and not PhaseTracker.open_phase(self._store.raws[stop.record.index].phase):
+            self.settle()
+
+    def step_enter(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """An optimizer step begins (torch's global pre-hook): a stop held is raised before it writes a weight."""
+        if self.held is not None:
+            self.settle()
+
+    def settle_at_exit(self) -> NonFiniteError | None:
+        """The block ends with a stop held: its error, to raise once the trace is undone (no frame of the
+        user's is below it then: ``landing`` stays ``None``); ``None`` when none is held."""
+        return self._settled(at_exit=True)
+
+    def _settled(self, *, at_exit: bool = False) -> NonFiniteError | None:
+        stop, self.held = self.held, None
+        if stop is None:
+            return None
+        store = self._store
+        raws = store.raws
+        idx = stop.record.index
+        if origin_kind(raws[idx], raws, may_mask=idx not in store.not_masks) is None:
+            self.window = [] if self._keep else None
+            store.checked = idx + 1  # the records made since it are looked at by the next op
+            return None
+        out = store.record(idx)
+        occ = dataclasses.replace(stop.occurrence, phase=out.phase, output=out,
+                                  inputs=tuple(store.record(i) for i in out.inputs))
+        stop = dataclasses.replace(stop, occurrence=occ, landing=None if at_exit else _landing())
+        self.stopped = occ
+        nanhunt.last = stop
+        return NonFiniteError(occ, stop)
+
     def _stop(self, occ: Occurrence, culprit: Held | None, window: list[Held],
-              held: tuple[Any, Any] | None) -> Stop:
+              held: tuple[Any, Any] | None) -> tuple[Stop, bool]:
         """The stop at ``occ`` with its tensors: the culprit op's (``culprit``), else those among the
-        ops kept (``window``) or the module call's (``held``) that hold its record and its inputs'."""
+        ops kept (``window``) or the module call's (``held``) that hold its record and its inputs'; and
+        whether its value has an autograd graph (a backward may run through it)."""
         idx = occ.output.index
         if culprit is not None:
             new, args, kwargs, outs = culprit
@@ -132,8 +203,10 @@ class OriginWatch:
             ins = [by_rec[i] for i in occ.output.inputs if i in by_rec]
             if held is not None and occ.op is None and any(output is o for o in tensors(held[1])):
                 ins = [t for t in tensors(held[0]) if floatish(t)]  # a module call's output: its arguments
-        return Stop(occ, tuple(t.detach() for t in ins), tuple(t.detach() for t in out_t),
+        stop = Stop(occ, tuple(t.detach() for t in ins), tuple(t.detach() for t in out_t),
                     None if output is None else output.detach(), _landing())
+        # in the op (below autograd) its output has no grad_fn yet: a graph is made when an input has one
+        return stop, torch.is_grad_enabled() and any(t.requires_grad for t in ins)
 
     def finish(self, *, sinks_seen: bool) -> LocateResult:
         """The step is over: read everything back and locate over all records (``sinks_seen``: the
@@ -142,6 +215,7 @@ class OriginWatch:
         if self.window:
             self.check()  # the last ops' tensors are still held: measure a culprit among them
         self.window = None
+        self.held = None  # a stop held when the block raised its own error: the full trace answers
         store.read_back()
         store.made.clear()  # phases may have changed since a stop_at_first check made some
         return locate(

@@ -99,7 +99,7 @@ class Trace:
         # Op level: the ops since the last read-back are kept with their tensors, so that the
         # culprit's full statistics can be measured while they are alive.
         self._watch = OriginWatch(self._store, level=level, allow=self.allow, stop_at_first=stop_at_first,
-                                  keep_tensors=level == "op" and (full_stats or stop_at_first))
+                                  keep_tensors=level == "op" and (full_stats or stop_at_first), phases=self._phases)
         self._ops = OpRecorder(self._store, self._phases, self._watch, scope=self.scope)
         self._gate = ScopeGate(self._ops, self._phases, self._handles) if self.scope else None
         self._modules = ModuleHooks(self._store, self._phases, self._ops, self._gate, self._watch, self._handles,
@@ -148,6 +148,7 @@ class Trace:
         (an interrupt, KeyboardInterrupt or SystemExit, propagates as itself)."""
         if isinstance(exc, NonFiniteError) and exc.occurrence is self._watch.stopped:
             _watch.land(exc)  # a post-mortem debugger starts on the user's line, not in torch's or nanhunt's
+        held: NonFiniteError | None = None
         failure: BaseException | None = None
         try:
             self._teardown()
@@ -155,11 +156,15 @@ class Trace:
             failure = e
         if failure is None:
             try:
+                # A stop still held for its phase when the block ends (its phase is final): raised once undone.
+                held = self._watch.settle_at_exit() if exc is None and self._watch.held is not None else None
                 self._finish()
             except BaseException as e:
                 failure = e
         if failure is None:
             self._state = "done"
+            if held is not None:
+                raise held
             return
         self._state = "failed"
         self._result = None
@@ -195,6 +200,8 @@ class Trace:
         # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
         torch.clear_autocast_cache()
         if self.level == "op":
+            if self.stop_at_first:  # first: a stop held for its phase is raised before the step changes anything
+                self._handles.append(_optim.register_optimizer_step_pre_hook(self._watch.step_enter))
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._phases.step_enter))
             self._handles.append(_optim.register_optimizer_step_post_hook(self._phases.step_leave))
             self._ops.last_seq = _dispatch.peek_sequence_nr()
@@ -370,7 +377,10 @@ def trace(
             ``"module"`` records module boundaries and gradients only, for speed.
         stop_at_first: raise :class:`nanhunt.NonFiniteError` inside the op that
             created the first non-finite value, so a debugger lands there. Reads
-            statistics back after every op: slow, for interactive use.
+            statistics back after every op: slow, for interactive use. An op outside
+            the model in loss or update phase (which the next model call may show was
+            its preprocessing) raises once its phase is known, as the full trace names
+            it: at the next model call, backward or optimizer step, or the block's end.
         allow: module names (a module covers its submodules) or op names
             (``"aten::softmax"`` or ``"softmax"``) whose non-finite values are
             intentional: listed in ``origins``, never ``first``.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from types import TracebackType
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
 from nanhunt import Phase
@@ -123,15 +126,12 @@ def test_next_micro_batch_preprocessing_is_forward_after_a_logging_op() -> None:
 
 
 @pytest.mark.parametrize("case", ["after-backward", "between-calls"])
-@pytest.mark.xfail(strict=True, reason="nanhunt bug: stop_at_first raises inside the op with the phase it had then; "
-                   "the reclassification to forward glue happens later, at the next module call "
-                   "(tracer.py _check / _glue_to_forward), so t.first disagrees with the same trace without it")
 def test_stop_at_first_names_the_same_phase_as_the_full_trace(case: str) -> None:
     # GIVEN the preprocessing of a second micro-batch that divides 0/0 (after a backward, or between two
     # model calls of one step) WHEN traced with stop_at_first=True (a debugger lands in the op)
     torch.manual_seed(0)
     m = MLP()
-    with pytest.raises(nanhunt.NonFiniteError), nanhunt.trace(m, stop_at_first=True) as t:
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True) as t:
         if case == "after-backward":
             m(torch.randn(2, 4)).sum().backward()
             loss = None
@@ -143,6 +143,188 @@ def test_stop_at_first_names_the_same_phase_as_the_full_trace(case: str) -> None
         (out if loss is None else loss + out).backward()
     # THEN the same answer as without stop_at_first (tests/integration/test_trace_phases.py): forward glue
     assert where(t.first) == (Phase.FORWARD, None, "aten::div", 0, "nan")
+    assert t.first is info.value.occurrence  # the stop's own answer, not the trace's at its end
+
+
+def _glue_then_eval_call(m: nn.Module) -> None:
+    m(torch.randn(2, 4)).sum().backward()
+    x2 = torch.zeros(2, 4)
+    x2 = (x2 - x2.mean()) / x2.std()
+    with torch.no_grad():
+        m(torch.randn(2, 4))  # an evaluation call that does not take x2
+    m(x2).sum().backward()
+
+
+def _glue_before_the_backward(m: nn.Module) -> None:
+    loss = m(torch.randn(2, 4)).sum()
+    x2 = torch.zeros(2, 4)
+    x2 = (x2 - x2.mean()) / x2.std()  # the next micro-batch, prepared before this one's backward
+    loss.backward()
+    m(x2).sum().backward()
+
+
+@pytest.mark.parametrize("step", [_glue_then_eval_call, _glue_before_the_backward], ids=["eval-call", "backward"])
+def test_a_held_stop_waits_past_calls_and_backwards_that_do_not_take_its_value(step: Any) -> None:
+    # GIVEN a 0/0 in the next micro-batch's preprocessing, then a no_grad evaluation call, or this micro-batch's
+    # backward (which does not run through x2: it has no graph), before the call that takes it
+    torch.manual_seed(0)
+    m = MLP()
+    with nanhunt.trace(m) as full:
+        step(m)
+    torch.manual_seed(0)
+    m = MLP()
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError), nanhunt.trace(m, stop_at_first=True) as t:
+        step(m)
+    # THEN the call that takes x2 settles it: forward glue, as the full trace says
+    assert where(t.first) == where(full.first) == (Phase.FORWARD, None, "aten::div", 0, "nan")
+
+
+def _line(marker: str, func: Any) -> int:
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, text in enumerate(lines) if f"# {marker}" in text)
+
+
+def _last_frame(tb: TracebackType | None) -> tuple[str, int]:
+    assert tb is not None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename, tb.tb_lineno
+
+
+def _hooked(m: nn.Module) -> int:
+    return sum(len(mm._forward_hooks) + len(mm._forward_pre_hooks) for mm in m.modules())
+
+
+def test_a_stop_held_for_its_phase_lands_on_the_next_model_call_with_the_ops_tensors() -> None:
+    # GIVEN the 0/0 of the second micro-batch's standardisation, between two model calls
+    torch.manual_seed(0)
+    m = MLP()
+    name = "test_a_stop_held_for_its_phase_lands_on_the_next_model_call_with_the_ops_tensors"
+    nanhunt.last = None
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True):
+        loss = m(torch.randn(2, 4)).sum()
+        x2 = torch.zeros(2, 4)
+        x2 = (x2 - x2.mean()) / x2.std()  # DIV
+        loss = loss + m(x2).sum()  # CALL
+    e = info.value
+    here = globals()[name]
+    div = f"{__file__}:{_line('DIV', here)} in {name}"
+    call = f"{__file__}:{_line('CALL', here)} in {name}"
+    # THEN it is raised when the next call shows the division was its preprocessing (forward glue), and the
+    # post-mortem starts on that call's line, the user's, with the division's line and tensors in nanhunt.last
+    assert _last_frame(info.tb) == (__file__, _line("CALL", here))
+    assert nanhunt.last is e.stop and e.stop is not None
+    assert (e.stop.source, e.stop.landing, e.op, e.record.phase) == (div, call, "aten::div", Phase.FORWARD)
+    assert [t_.tolist() for t_ in e.inputs] == [[[0.0] * 4] * 2, 0.0]  # x2 - mean, std
+    assert len(e.outputs) == 1 and e.outputs[0].isnan().sum().item() == 8
+    assert e.occurrence.output.full is not None and e.occurrence.output.full.nan == 8  # measured in the op
+    assert str(e) == (f"NaN born in phase forward, outside the model, op aten::div at {div}; post-mortem "
+                      f"(python -m pdb, %debug) lands on {call}: `import nanhunt`, then "
+                      "`p nanhunt.last.inputs[0].abs().max()`, `p nanhunt.last.output`, `p nanhunt.last.record`")
+    assert _hooked(m) == 0 and _get_current_dispatch_mode() is None
+
+
+def test_a_loss_stop_is_raised_when_its_backward_begins() -> None:
+    # GIVEN log(0) in the loss, computed outside the model (the next model call could still have taken it)
+    torch.manual_seed(0)
+    m = MLP()
+    name = "test_a_loss_stop_is_raised_when_its_backward_begins"
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True) as t:
+        loss = -torch.log(m(torch.randn(2, 4)) * 0).mean()  # LOG
+        loss.backward()  # BWD
+    here = globals()[name]
+    # THEN the backward settles it: loss, as the full trace says; raised before any gradient is made
+    assert where(t.first) == (Phase.LOSS, None, "aten::log", 0, "inf")
+    assert _last_frame(info.tb) == (__file__, _line("BWD", here))
+    e = info.value
+    assert e.stop is not None and e.stop.source == f"{__file__}:{_line('LOG', here)} in {name}"
+    assert [t_.tolist() for t_ in e.inputs] == [[[0.0], [0.0]]] and e.outputs[0].tolist() == [[-math.inf]] * 2
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_a_held_update_stop_is_raised_before_the_optimizer_step_writes_a_weight() -> None:
+    # GIVEN finite gradients of 1e25 whose squared norm overflows float32 in clip_grad_norm_, then opt.step()
+    torch.manual_seed(0)
+    m = MLP()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True) as t:
+        (m(torch.ones(2, 4)) * 1e25).sum().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, foreach=True)
+        opt.step()  # STEP
+    here = test_a_held_update_stop_is_raised_before_the_optimizer_step_writes_a_weight
+    # THEN the step's pre-hook settles it (update, as the full trace says) and no weight has changed
+    assert where(t.first) == (Phase.UPDATE, None, "aten::_foreach_norm", 0, "inf")
+    assert _last_frame(info.tb) == (__file__, _line("STEP", here))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert _get_current_dispatch_mode() is None
+
+
+def test_a_stop_held_to_the_end_of_the_block_is_raised_at_its_exit() -> None:
+    # GIVEN a float16 EMA of the weights that overflows after opt.step(), the last thing in the block
+    torch.manual_seed(0)
+    m = MLP()
+    with torch.no_grad():
+        m.head.bias.fill_(2e5)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    ema = [torch.zeros_like(p, dtype=torch.float16) for p in m.parameters()]
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True) as t:
+        m(torch.randn(2, 4)).mean().backward()
+        opt.step()
+        for e_, p in zip(ema, m.parameters()):
+            e_.mul_(0.5).add_(p, alpha=0.5)
+    e = info.value
+    # THEN the block's end settles it: update, the full trace's answer, which is there too
+    assert where(t.first) == (Phase.UPDATE, None, "aten::add_", 0, "inf") and t.first is e.occurrence
+    assert [where(o) for o in t.origins] == [(Phase.UPDATE, None, "aten::add_", 0, "inf")]
+    # ... no user frame is below the exit: the message claims no landing; the op's tensors are in nanhunt.last
+    assert e.stop is not None and e.stop.landing is None and "post-mortem" not in str(e)
+    assert nanhunt.last is e.stop and e.outputs[0].dtype == torch.float16 and e.outputs[0].isinf().all().item()
+    assert _hooked(m) == 0 and _get_current_dispatch_mode() is None
+
+
+def test_stop_at_first_looks_on_when_its_held_origin_turns_out_a_mask() -> None:
+    # GIVEN an additive -inf mask made before the trace and first read after a backward (stale state, until
+    # the next model call takes the masked batch: a model input then, a mask and no origin); the masked
+    # batch makes fc's addmm NaN (-inf times weights of both signs)
+    mask = torch.full((2, 4), -math.inf)
+
+    def step(m: nn.Module) -> None:
+        m(torch.randn(2, 4)).sum().backward()
+        m(torch.randn(2, 4) + mask).sum().backward()
+
+    torch.manual_seed(0)
+    m = MLP()
+    with nanhunt.trace(m) as full:
+        step(m)
+    torch.manual_seed(0)
+    m = MLP()
+    # WHEN traced with stop_at_first
+    with pytest.raises(nanhunt.NonFiniteError), nanhunt.trace(m, stop_at_first=True) as t:
+        step(m)
+    # THEN it stops where the full trace says the NaN was born, not at the mask
+    assert where(t.first) == where(full.first) == (Phase.FORWARD, "fc", "aten::addmm", 1, "nan")
+
+
+def test_the_blocks_own_error_wins_over_a_held_stop() -> None:
+    # GIVEN a 0/0 between two model calls, then an error of the user's before the next call
+    torch.manual_seed(0)
+    m = MLP()
+    nanhunt.last = None
+    # WHEN traced with stop_at_first
+    with pytest.raises(ValueError, match="user"), nanhunt.trace(m, stop_at_first=True) as t:
+        m(torch.randn(2, 4)).sum()
+        x2 = torch.zeros(2, 4)
+        x2 = (x2 - x2.mean()) / x2.std()
+        raise ValueError("user")
+    # THEN the user's error propagates, the held stop is dropped, and t.first is the full trace's (no call followed)
+    assert where(t.first) == (Phase.LOSS, None, "aten::div", 0, "nan")
+    assert nanhunt.last is None
 
 
 class _D(nn.Module):
