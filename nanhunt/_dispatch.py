@@ -393,3 +393,26 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
+
+
+def fsdp_fresh_buffers(modules: list[Any]) -> None:
+    """Each run all-gathers into new buffers, as the first run did. FSDP2 keeps a parameter's all-gather
+    buffers from one step to the next, frees their memory after use and grows it back before the next
+    all-gather (``UntypedStorage.resize_``, no op a trace sees): a later run's trace met them as unknown
+    tensors holding whatever the allocator left there (at times NaN) and blamed them as non-finite inputs.
+    Dropped, they are made again by ``torch.empty`` (known unwritten). FSDP2's private state: revisit with torch."""
+    for m in modules:
+        m.reshard()  # the sharded parameters registered, the unsharded ones' memory freed
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # older torch: one group per module
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [] if one is None else [one]
+        for group in groups:
+            if not group.is_sharded:  # left mid-forward by an exception: FSDP2 still uses them
+                continue
+            for p in group.fsdp_params:
+                p.all_gather_outputs = []
+                p._unsharded_inner_tensors = []
+                if hasattr(p, "_unsharded_param"):
+                    del p._unsharded_param

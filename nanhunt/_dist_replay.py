@@ -93,8 +93,6 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
         said = (f"capture of {world} ranks ({man['wrapper']}) replayed on {world} ranks under torchrun, each rank "
                 "its own batch and RNG state")
         step = dataclasses.replace(step, notes=(said, *step.notes[1:]))
-        if command.startswith("nanhunt "):  # the command that replays it so: under torchrun again
-            command = f"torchrun --nproc-per-node {world} -m {command}"
         report = hunt(step, level=level, allow=allow, prove=prove, progress=progress if me == 0 else None,
                       command=command, ranks=ranks)
         code = ranks.finish(ranks.merged(report), show)

@@ -1,0 +1,72 @@
+"""One rank of a 2-process gloo FSDP2 step replayed twice under ``Step.isolated`` (test_fsdp_reset.py): a clean
+batch, fc1, fc2 and the root each ``fully_shard``-ed. Between the runs, FSDP2's all-gather buffers get back memory
+filled with NaN, as the allocator may hand them (their memory is freed after each use and grown back before the
+next all-gather, without an op a trace sees). Writes ``rank{R}.json``: what the traced second run found."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fixtures.models import MLP
+from nanhunt.step import Step
+from nanhunt.tracer import Trace
+
+D_IN = 64
+
+
+def _nan_buffers(model: torch.nn.Module) -> int:
+    """FSDP2's freed all-gather buffers grown back to their size and filled with NaN; how many."""
+    from torch.distributed.fsdp import FSDPModule
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for p in group.fsdp_params:
+                    for t in p.all_gather_outputs:
+                        t.untyped_storage().resize_(t.numel() * t.element_size())
+                        t.fill_(math.nan)
+                        n += 1
+    return n
+
+
+def run(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = MLP(d_in=D_IN)
+        for m in (model.fc1, model.fc2, model):
+            fully_shard(m)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        batch = (torch.rand(4, D_IN, generator=g), torch.randn(4, 4, generator=g))
+        step = Step.of(model, batch, loss_fn=F.mse_loss, dtype=torch.bfloat16, optimizer=opt)
+        with step.isolated():
+            res["losses"] = [float(step.run())]
+            res["poisoned"] = _nan_buffers(model)
+            t = Trace(model)
+            res["losses"].append(float(step.run(within=t)))
+            f = t.first
+            res["first"] = None if f is None else [f.phase.value, f.module, f.op, f.kind]
+            res["first_rank"] = t.first_rank
+    except BaseException as e:  # reported to the test, which fails on it
+        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump(res, fh)
+        if dist.is_initialized():
+            dist.destroy_process_group()
