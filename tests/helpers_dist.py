@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -43,3 +50,18 @@ def rank_results(out: Path, world: int = 2) -> dict[int, dict[str, Any]]:
     for res in results.values():
         assert "error" not in res, res["error"]
     return results
+
+
+def torchrun(args: list[str], *, cwd: Path, nproc: int = 2, timeout: float = 400,
+             launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node N [launcher options] ARGS`` (the repository on PYTHONPATH, one
+    thread per rank), bounded: about 20 s on an idle machine, several times that when the 2 cores are shared;
+    a rank left waiting in a collective would hang, and a timeout fails with what the ranks said."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           *launcher, *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")

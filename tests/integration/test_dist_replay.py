@@ -5,10 +5,8 @@ bisection's trials run on both ranks. The capture comes from the FSDP2 Guard run
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,23 +15,15 @@ import pytest
 from nanhunt.cli import main
 from nanhunt.records import Report
 
+from tests.helpers_dist import torchrun
+
 from .test_dcp_capture import ROOT, fsdp_run  # noqa: F401  the capture directory, written by two FSDP2 ranks
-
-TORCHRUN_TIMEOUT_S = 400  # about 20 s on an idle machine; the 2 cores are shared by every test run
-
 
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     # --monitor-interval: torchrun stops the other ranks as soon as a poll sees one exited non-zero; every rank
     # exits with the same code right after a barrier, and a 10 s poll lets the summary show each rank's own code
     # (at 2 s, rank 0's interpreter teardown was still running at the poll in 1 run of about 40: SIGTERM, -15)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--monitor-interval", "10", "-m", "nanhunt", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")
+    return torchrun(["-m", "nanhunt", *args], cwd=cwd, launcher=("--monitor-interval", "10"))
 
 
 def test_torchrun_replay_names_the_culprit_and_the_rank_that_went_first(

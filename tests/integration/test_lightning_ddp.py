@@ -5,9 +5,6 @@ the capture replays on one process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from nanhunt.cli import main as cli_main
 
 pytest.importorskip("lightning.pytorch")
 
+from tests.helpers_dist import torchrun  # noqa: E402
 from tests.integration.test_lightning_callback import STEP  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,15 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_two_lightning_ranks_stop_together_and_the_rank_that_saw_it_writes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN a Lightning DDP run on 2 processes where only rank 1's fc1 bias turns inf as step 3 begins
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("ddp_lightning_worker.py")), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # WHEN it trains (bounded: a rank left waiting in a collective would hang; a timeout shows what ranks said)
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired as e:
-        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")
+    # WHEN it trains (bounded: a rank left waiting in a collective would hang)
+    proc = torchrun([str(Path(__file__).with_name("ddp_lightning_worker.py")), str(tmp_path)], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # THEN both ranks stop at step 3, both know rank 1 saw it (weights non-finite as the step began: "params"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import nanhunt
 from nanhunt.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
+from tests.helpers_dist import torchrun
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -190,16 +190,8 @@ def test_a_clean_run_is_unchanged_by_the_callback(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_two_processes_stop_together_and_the_rank_that_saw_it_writes(tmp_path: Path) -> None:
     # GIVEN a 2-process run (torchrun, gloo on the CPU) where only rank 1's weight turns inf as step 3 begins
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("ddp_trainer_worker.py")), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # WHEN it trains (bounded: a rank left waiting in a collective would hang; about 20 s on an idle machine,
-    # several times that when the 2 cores are shared, so the bound is wide and a timeout shows what each rank said)
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired as e:
-        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")
+    # WHEN it trains (bounded: a rank left waiting in a collective would hang)
+    proc = torchrun([str(Path(__file__).with_name("ddp_trainer_worker.py")), str(tmp_path)], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # THEN both ranks stop at step 3 (their update not run), both know rank 1 saw it, and only rank 1 writes
