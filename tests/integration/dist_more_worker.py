@@ -30,6 +30,7 @@ from torch import nn
 import nanhunt
 from fixtures.models import MLP
 from tests.helpers_dist import rank_results, run_ranks
+from tests.integration.fsdp_guard_worker import guarded_step
 
 
 def two_ranks(target: Callable[..., None], out: Path, *args: Any, timeout: float) -> dict[int, Any]:
@@ -197,13 +198,7 @@ def snapshot_run(rank: int, world: int, port: int, dump: str, out: str) -> None:
                 if rank == 0:
                     torch.save(full, os.path.join(out, "began.pt"))
             try:
-                with guard.step((x, y)):
-                    opt.zero_grad(set_to_none=True)
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = guard.loss(F.mse_loss(model(x), y))
-                    loss.backward()
-                    guard.check_grads()
-                    opt.step()
+                guarded_step(guard, model, opt, x, y)
             except nanhunt.GuardError as e:
                 res.update(stopped_at=i, event=e.event.to_dict(), describe=e.event.describe())
                 live = {k: v.full_tensor() for k, v in model.state_dict().items()}

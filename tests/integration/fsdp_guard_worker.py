@@ -29,6 +29,18 @@ def batch(rank: int, i: int, *, big: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.full_like(x, BIG) if big else x), y
 
 
+def guarded_step(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor) -> None:
+    """One bfloat16 training step without a GradScaler, inside ``guard.step``."""
+    with guard.step((x, y)):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = guard.loss(F.mse_loss(model(x), y))
+        loss.backward()
+        guard.check_grads()
+        opt.step()
+
+
 def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, bad_step: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -49,13 +61,7 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
         for i in range(5):
             x, y = batch(rank, i, big=rank == bad_rank and i == bad_step)
             try:
-                with guard.step((x, y)):
-                    opt.zero_grad(set_to_none=True)
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = guard.loss(F.mse_loss(model(x), y))
-                    loss.backward()
-                    guard.check_grads()
-                    opt.step()
+                guarded_step(guard, model, opt, x, y)
             except nanhunt.GuardError as e:
                 res["stopped_at"] = i
                 res["event"] = e.event.to_dict()

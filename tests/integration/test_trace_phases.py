@@ -65,15 +65,20 @@ def test_clean_lbfgs_step_has_no_origin() -> None:
     assert t.first is None
 
 
-def test_ema_update_outside_optimizer_step_is_phase_update() -> None:
-    # GIVEN an EMA copy of the weights kept in float16, updated after opt.step() with
-    # `ema.mul_(d).add_(p, alpha=1 - d)` (no torch.no_grad: p is not detached); head.bias is 2e5
+def _ema_setup() -> tuple[MLP, torch.optim.Optimizer, list[torch.Tensor]]:
+    """The MLP with head.bias 2e5, its SGD, and a float16 EMA of its weights (zeros)."""
     torch.manual_seed(0)
     m = MLP()
     with torch.no_grad():
         m.head.bias.fill_(2e5)
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    ema = [torch.zeros_like(p, dtype=torch.float16) for p in m.parameters()]
+    return m, opt, [torch.zeros_like(p, dtype=torch.float16) for p in m.parameters()]
+
+
+def test_ema_update_outside_optimizer_step_is_phase_update() -> None:
+    # GIVEN an EMA copy of the weights kept in float16, updated after opt.step() with
+    # `ema.mul_(d).add_(p, alpha=1 - d)` (no torch.no_grad: p is not detached); head.bias is 2e5
+    m, opt, ema = _ema_setup()
     with nanhunt.trace(m) as t:
         m(torch.randn(2, 4)).mean().backward()
         opt.step()
@@ -266,12 +271,7 @@ def test_a_held_update_stop_is_raised_before_the_optimizer_step_writes_a_weight(
 
 def test_a_stop_held_to_the_end_of_the_block_is_raised_at_its_exit() -> None:
     # GIVEN a float16 EMA of the weights that overflows after opt.step(), the last thing in the block
-    torch.manual_seed(0)
-    m = MLP()
-    with torch.no_grad():
-        m.head.bias.fill_(2e5)
-    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-    ema = [torch.zeros_like(p, dtype=torch.float16) for p in m.parameters()]
+    m, opt, ema = _ema_setup()
     # WHEN traced with stop_at_first
     with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.trace(m, stop_at_first=True) as t:
         m(torch.randn(2, 4)).mean().backward()
