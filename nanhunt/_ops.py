@@ -24,7 +24,7 @@ from ._phases import NodeContext, PhaseTracker
 from ._records_store import EXACT_CASTS, EXACT_DTYPES, STALE, Raw, RecordStore, Source
 from ._tensors import FLOATISH, MAX_NEST, floatish, input_shapes, storage_key, tensors
 from ._tree import map_tensors
-from ._watch import OriginWatch
+from ._watch import NOT_USER, OriginWatch
 from .records import Phase, Role
 
 __all__ = ["OpRecorder"]
@@ -40,9 +40,7 @@ _INFOS = _dispatch.OP_INFOS
 _FORWARD = Phase.FORWARD
 _LOSS = Phase.LOSS
 _UPDATE = Phase.UPDATE
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_NANHUNT_DIR = os.path.dirname(__file__) + os.sep
-_SKIP_DIRS = (_TORCH_DIR, _NANHUNT_DIR, os.path.dirname(os.__file__) + os.sep + "contextlib.py")
+_SKIP_DIRS = NOT_USER  # torch's, nanhunt's, contextlib's and frozen frames: never the user's line
 
 
 def _apply_caller() -> Source | None:
@@ -440,7 +438,7 @@ class OpRecorder:
             skip = skip_cache.get(code)
             if skip is None:
                 fn = code.co_filename
-                skip = skip_cache[code] = fn.startswith(_SKIP_DIRS) or fn.startswith("<frozen")
+                skip = skip_cache[code] = fn.startswith(_SKIP_DIRS)
             if not skip:
                 return (code.co_filename, f.f_lineno, code.co_name)
             f = f.f_back

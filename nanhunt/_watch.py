@@ -45,8 +45,9 @@ WINDOW = 256  # records between read-backs while the culprit's tensors are kept 
 # An op's tensors kept until the next look: (its new records, args, kwargs, outputs).
 Held = tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any], list[torch.Tensor]]
 
-# Frames that are not the user's: a debugger's post-mortem starts below them (as _ops' source lines skip them).
-_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
+# Frames that are not the user's: an op's source line is the innermost frame outside them (_ops), and a
+# debugger's post-mortem starts below them.
+NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep,
              os.path.dirname(os.__file__) + os.sep + "contextlib.py", "<frozen")
 
 
@@ -256,7 +257,7 @@ class OriginWatch:
 
 
 def _not_user(filename: str) -> bool:
-    return filename.startswith(_NOT_USER)
+    return filename.startswith(NOT_USER)
 
 
 def _landing() -> str | None:
