@@ -395,14 +395,26 @@ def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
-def fsdp_fresh_buffers(modules: list[Any]) -> None:
-    """Each run all-gathers into new buffers, as the first run did. FSDP2 keeps a parameter's all-gather
-    buffers from one step to the next, frees their memory after use and grows it back before the next
-    all-gather (``UntypedStorage.resize_``, no op a trace sees): a later run's trace met them as unknown
-    tensors holding whatever the allocator left there (at times NaN) and blamed them as non-finite inputs.
-    Dropped, they are made again by ``torch.empty`` (known unwritten). FSDP2's private state: revisit with torch."""
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    """The modules of ``model`` FSDP2 sharded (``fully_shard``); none when FSDP2 was never imported."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_fresh_buffers(modules: list[Any], *, reshard: bool = True) -> None:
+    """Each run (each traced step) all-gathers into new buffers, as the first one did. FSDP2 keeps a
+    parameter's all-gather buffers from one step to the next, frees their memory after use and grows it
+    back before the next all-gather (``UntypedStorage.resize_``, no op a trace sees): a later step's trace
+    met them as unknown tensors holding whatever the allocator left there (at times NaN) and blamed them as
+    non-finite inputs. Dropped, they are made again by ``torch.empty`` (known unwritten). ``reshard``: free
+    the unsharded parameters first (a replay's run); without, a module whose parameters are unsharded now
+    (a live trace started mid-step) keeps its buffers. FSDP2's private state: revisit with torch."""
     for m in modules:
-        m.reshard()  # the sharded parameters registered, the unsharded ones' memory freed
+        if reshard:
+            m.reshard()  # the sharded parameters registered, the unsharded ones' memory freed
         state = m._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # older torch: one group per module

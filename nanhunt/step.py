@@ -15,7 +15,6 @@ import inspect
 import itertools
 import operator
 import random
-import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._dispatch import foreach_copy, fsdp_fresh_buffers
+from ._dispatch import foreach_copy, fsdp_fresh_buffers, fsdp_modules
 from ._errors import CommandError
 from ._interrupt import atomic, deferred_interrupts
 from .precision import LOSS_REGION, UPDATE_REGION, float32_master, float32_weights, fp32_call, keep_fp32, to_fp32
@@ -265,7 +264,7 @@ class StepState:
         for device in self._pinned:
             torch.cuda.synchronize(device)  # the copies into pinned memory were asynchronous
         self._interrupts: deferred_interrupts | None = None
-        self._fsdp = _fsdp_modules(model)
+        self._fsdp = fsdp_modules(model)
 
     def _save(self, v: Any) -> Any:
         """One value's copy: a tensor on the host when asked (or on an accelerator), else where it is."""
@@ -407,15 +406,6 @@ _HOOK_ATTRS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks")
-
-
-def _fsdp_modules(model: nn.Module) -> list[Any]:
-    """The modules of ``model`` FSDP2 sharded (``fully_shard``); none when FSDP2 was never imported."""
-    if "torch.distributed.fsdp" not in sys.modules:
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _hook_dicts(m: nn.Module) -> list[dict[Any, Any]]:

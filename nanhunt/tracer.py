@@ -197,6 +197,8 @@ class Trace:
         self._eager.__enter__()
         if model is not None:
             self._modules.install(model)
+            # FSDP2's all-gather buffers, kept from the last step, hold whatever their regrown memory holds
+            _dispatch.fsdp_fresh_buffers(_dispatch.fsdp_modules(model), reshard=False)
         # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
         torch.clear_autocast_cache()
         if self.level == "op":

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import nanhunt
 from fixtures.models import MLP
 from nanhunt.step import Step
 from nanhunt.tracer import Trace
@@ -39,7 +40,16 @@ def _nan_buffers(model: torch.nn.Module) -> int:
     return n
 
 
-def run(rank: int, world: int, port: int, out: str) -> None:
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.mse_loss(model(batch[0]).float(), batch[1])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def run(rank: int, world: int, port: int, out: str, live: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     res: dict[str, Any] = {"rank": rank}
@@ -54,6 +64,15 @@ def run(rank: int, world: int, port: int, out: str) -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(rank)
         batch = (torch.rand(4, D_IN, generator=g), torch.randn(4, 4, generator=g))
+        if live:  # the user's own steps, the second one traced live
+            res["losses"] = [_plain_step(model, opt, batch)]
+            res["poisoned"] = _nan_buffers(model)
+            with nanhunt.trace(model) as tr:
+                res["losses"].append(_plain_step(model, opt, batch))
+            f = tr.first
+            res["first"] = None if f is None else [f.phase.value, f.module, f.op, f.kind]
+            res["first_rank"] = tr.first_rank
+            return
         step = Step.of(model, batch, loss_fn=F.mse_loss, dtype=torch.bfloat16, optimizer=opt)
         with step.isolated():
             res["losses"] = [float(step.run())]

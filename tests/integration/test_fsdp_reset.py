@@ -5,6 +5,7 @@ float32 control named ``('input', None, None)`` in about 1 run of 6)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,17 @@ def test_a_later_run_is_not_blamed_on_what_fsdp2s_regrown_buffers_held(tmp_path:
         assert (res[r]["first"], res[r]["first_rank"]) == (None, None)
         # AND it is the same step: the same loss, to the bit
         assert res[r]["losses"][0] == res[r]["losses"][1]
+
+
+def test_a_live_trace_of_a_later_step_is_not_blamed_on_what_fsdp2s_regrown_buffers_held(tmp_path: Path) -> None:
+    # GIVEN two FSDP2 ranks that ran one clean bfloat16 step of the MLP with their own loop
+    # AND FSDP2's four all-gather buffers holding NaN, as memory grown back before the next all-gather may
+    run_ranks(run, lambda r, port: (r, 2, port, str(tmp_path), True), timeout=120)
+    res = rank_results(tmp_path)
+    # WHEN the user traces their next step live with nanhunt.trace
+    for r in (0, 1):
+        assert res[r]["poisoned"] == 4
+        # THEN no rank finds a non-finite value: what the all-gather wrote is what the step read
+        assert (res[r]["first"], res[r]["first_rank"]) == (None, None)
+        # AND the step ran on the all-gathered weights (a loss read from NaN buffers would be NaN)
+        assert all(math.isfinite(x) for x in res[r]["losses"])
