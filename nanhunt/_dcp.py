@@ -1,7 +1,9 @@
-"""Private: the Guard's capture directory for a sharded (FSDP2) model, and reading it back in one process.
+"""Private: the Guard's capture directory for a sharded (FSDP2) or replicated (DDP) model, and reading it back in
+one process.
 
 A capture directory holds ``state/`` (``torch.distributed.checkpoint``: every rank writes its own shards of the
-model and optimizer state, nothing is gathered onto one rank), each rank's batch and RNG (``batch-rank{R}.pt``,
+model and optimizer state, nothing is gathered onto one rank; a DDP model's replicated tensors are each written
+once, by one rank), each rank's batch and RNG (``batch-rank{R}.pt``,
 the format of a ``batch.pt``) and ``manifest.json``, written last: a directory without it is no capture.
 
 Reading consolidates the shards into full tensors without ``torch.distributed``. DCP's own reader unpickles
@@ -55,6 +57,23 @@ def sharded(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def ddp_options(model: nn.Module) -> dict[str, bool] | None:
+    """The options a ``DistributedDataParallel`` model was built with that its replay under torchrun rebuilds
+    (manifest field ``ddp``); None when ``model`` is no DDP wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    return {"find_unused_parameters": bool(model.find_unused_parameters),
+            "gradient_as_bucket_view": bool(model.gradient_as_bucket_view),
+            "static_graph": bool(model.static_graph)}
+
+
+def agree_any(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` is set on any rank of ``group`` (one small all_reduce; every rank must call it)."""
+    return not _agree(not flag, _comm_device(group), group)
 
 
 def fsdp_layout(module: nn.Module) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
 """Private: ``torchrun --nproc-per-node N -m nanhunt replay DIR``, a capture directory replayed as it ran.
 
-Every rank rebuilds the model, wraps it as the capture recorded (``fully_shard`` on the same modules, with
-the same options; ``manifest.json`` field ``fsdp``), loads its own shards of the model and optimizer state
-(``torch.distributed.checkpoint.load`` through nanhunt's weights-only reader, ``_dcp.safe_reader``) and
-replays its own batch from its own RNG state. Each trace gathers every rank's leading origin, so each
+Every rank rebuilds the model, wraps it as the capture recorded (FSDP2: ``fully_shard`` on the same modules,
+with the same options, ``manifest.json`` field ``fsdp``; DDP: ``DistributedDataParallel`` with the options of
+field ``ddp``), loads its own shards of the model and optimizer state (FSDP2: ``torch.distributed.checkpoint.load``
+through nanhunt's weights-only reader, ``_dcp.safe_reader``; DDP: the whole replicated state, read as the
+one-process replay reads it) and replays its own batch from its own RNG state. Each trace gathers every rank's leading origin, so each
 rank knows which rank went first; the bisection runs the same trials on every rank (rank 0 decides each
 and sends it, each trial's finiteness is agreed). The ranks' reports are gathered: every rank holds the
 report of the rank that went first, with every rank's part in its notes, and only rank 0 shows it.
@@ -58,7 +59,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
     world, me = _env_int("WORLD_SIZE"), _env_int("RANK")
     local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else me
     if batch is not None:
-        raise CommandError("under torchrun, nanhunt replay takes a capture directory the Guard wrote under FSDP2 "
+        raise CommandError("under torchrun, nanhunt replay takes a capture directory the Guard wrote under FSDP2 or DDP "
                            "(nanhunt replay DIR); replay a checkpoint and a batch file in one process, without "
                            "torchrun")
     if rank is not None:
@@ -66,7 +67,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
                            "batch for a replay in one process, without torchrun)")
     if not os.path.isdir(path):
         raise CommandError(f"{path!r} is not a capture directory" + (
-            "; under torchrun nanhunt replay takes the directory the Guard wrote under FSDP2" if os.path.exists(path)
+            "; under torchrun nanhunt replay takes the directory the Guard wrote under FSDP2 or DDP" if os.path.exists(path)
             else ": it does not exist; check the path"))
     man = _dcp.read_manifest(path)
     captured = int(man["world_size"])
@@ -88,8 +89,12 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
         ranks = _Ranks(me, world, dev)
         options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, device=str(dev), dtype=dtype,
                                        no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)
-        step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout), **options))
-        _dcp.load_sharded(os.path.join(path, _dcp.STATE), step.model, step.optimizer)  # a collective: raises on all
+        if layout is None:  # DDP: every rank loads the whole state, then wraps (a collective: all loaded by then)
+            step = ranks.together(lambda: load_capture_dir(path, rank=me, **options))
+            step = dataclasses.replace(step, model=_ddp(step.model, _ddp_options(man, path), dev))
+        else:
+            step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout), **options))
+            _dcp.load_sharded(os.path.join(path, _dcp.STATE), step.model, step.optimizer)  # a collective: raises on all
         said = (f"capture of {world} ranks ({man['wrapper']}) replayed on {world} ranks under torchrun, each rank "
                 "its own batch and RNG state")
         step = dataclasses.replace(step, notes=(said, *step.notes[1:]))
@@ -133,9 +138,35 @@ def _device(device: str | None, local: int) -> torch.device:
 
 
 # ------------------------------------------------------------- the wrapper
-def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]]:
-    """The manifest's ``fsdp`` field, checked (the manifest came with the capture: untrusted)."""
+def _ddp_options(man: Mapping[str, Any], path: str) -> dict[str, bool]:
+    """The manifest's ``ddp`` field, checked: the options ``DistributedDataParallel`` is built with again."""
+    got = man.get("ddp", {})
+    keys = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph")
+    if not isinstance(got, dict) or not all(isinstance(got.get(k, False), bool) for k in keys):
+        raise CommandError(f"capture directory {path!r} is not a valid nanhunt capture: manifest.json field 'ddp' is "
+                           f"{_dcp._short(got)}, expected the DDP options {', '.join(keys)} as true or false")
+    return {k: bool(got.get(k, False)) for k in keys}
+
+
+def _ddp(model: nn.Module, options: Mapping[str, bool], device: torch.device) -> nn.Module:
+    """``model`` wrapped in ``DistributedDataParallel`` as in training (its gradients averaged over the ranks)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    static = options.get("static_graph", False)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  find_unused_parameters=options.get("find_unused_parameters", False),
+                                  gradient_as_bucket_view=options.get("gradient_as_bucket_view", False))
+    if static:
+        ddp._set_static_graph()  # type: ignore[no-untyped-call]  # untyped in torch
+    return ddp
+
+
+def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]] | None:
+    """The manifest's ``fsdp`` field, checked (the manifest came with the capture: untrusted); None for DDP."""
     where = f"capture directory {path!r}"
+    if man["wrapper"] == "ddp":
+        _ddp_options(man, path)  # judged before any process group is made
+        return None
     if man["wrapper"] != "fsdp2":
         raise CommandError(f"{where} was written under {man['wrapper']}, which the distributed replay does not "
                            "rebuild; replay it in one process, without torchrun")

@@ -119,6 +119,11 @@ class CaptureWriter:
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1 or None")
         self.module = unwrap_model(model)
+        # A DDP model (given wrapped): its capture is a directory every rank writes, each with its own batch, so a
+        # replay under torchrun averages the same gradients the step did; None: per-rank files (or FSDP2's
+        # directory, judged at each capture: fully_shard may come after the Guard)
+        self.ddp = _dcp.ddp_options(model)
+        self.group: Any = None  # the process group whose ranks stop together (the Guard's)
         # Fail now rather than at the first bad step, when nothing could be saved.
         self.model_factory = model_factory or capture_name(user_class(self.module))  # FSDP2: your class
         if self.model_factory is None:
@@ -194,6 +199,11 @@ class CaptureWriter:
             if _dcp.any_rank(bool(bad), self.module):
                 self.poison(entry.index)
                 return
+        elif self.ddp is not None:
+            # DDP: one capture directory of every rank; the replicas agree (one all_reduce, every rank begins it)
+            if _dcp.agree_any(bool(weights) and float(nonfinite(weights, torch.device("cpu"))) != 0, self.group):
+                self.poison(entry.index)
+                return
         # A local read: snapshots are a per-rank matter, no rank waits on another's.
         elif weights and float(nonfinite(weights, torch.device("cpu"))) != 0:
             self.poison(entry.index)  # and keep the last good copy
@@ -213,8 +223,8 @@ class CaptureWriter:
         step began with. A failure to write is reported in ``error``, never raised (the detection matters more).
         ``ranks`` saw the failure first; ``group``: the process group whose ranks stop together.
         """
-        # ---- FSDP2 (DTensor weights): one capture directory that every rank of ``group`` writes (_dcp.py)
-        if _dcp.sharded(self.module):
+        # ---- FSDP2 (DTensor weights) or DDP: one capture directory that every rank of ``group`` writes (_dcp.py)
+        if self.ddp is not None or _dcp.sharded(self.module):
             return self._capture_dir(entry, live=live, began=began, bad_update=bad_update, scaler_before=scaler_before,
                                      ranks=ranks, group=group)
         # ----
@@ -240,7 +250,8 @@ class CaptureWriter:
                      ranks: tuple[int, ...], group: Any) -> Written:
         """``step{N}/``: DCP shards of the live state (or, when ``live`` is False, of the last good snapshot:
         each rank's shards of it), each rank's batch, a manifest (``_dcp``). Every rank takes part, whether or
-        not it saw the failure: DCP's save is a collective; the ranks agreed on the snapshot when it was taken."""
+        not it saw the failure: DCP's save is a collective; the ranks agreed on the snapshot when it was taken.
+        Under DDP the state is the same on every rank: DCP writes each tensor once."""
         if self.captures >= self.max_captures:  # every rank counts alike: all of them write every capture
             return Written(None, None, None, False, f"max_captures={self.max_captures} already written")
         state: Any
@@ -269,9 +280,11 @@ class CaptureWriter:
             state = e
         for k in ("nanhunt_capture", "model", "optimizer", "optimizer_params"):
             fields.pop(k, None)  # the tensors and the parameter names are in the shards
+        if self.ddp is not None:
+            fields["ddp"] = self.ddp
         path = os.path.join(self.dump_dir, f"step{entry.index:06d}")
         error = _dcp.write_capture_dir(path, state=state, fields=fields, batch=batch, ranks_seen=ranks,
-                                       step=entry.index, wrapper="fsdp2", group=group)
+                                       step=entry.index, wrapper="fsdp2" if self.ddp is None else "ddp", group=group)
         self.captures += 1
         if error is not None:
             return Written(None, None, None, False, error)

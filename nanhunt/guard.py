@@ -264,6 +264,7 @@ class Guard:
             model_kwargs=model_kwargs, device_type=device_type or self._detect.device.type, dtype=dtype,
             snapshot_every=snapshot_every, max_captures=max_captures, dump_all_ranks=dump_all_ranks,
             rank=self._detect.rank)
+        self._capture.group = self._detect._pg
 
         self.iterations = 0
         self.updates = 0

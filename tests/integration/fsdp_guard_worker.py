@@ -1,5 +1,5 @@
-"""One rank of a 2-process gloo FSDP2 training loop watched by ``nanhunt.Guard`` (bfloat16 autocast, no
-GradScaler, a tiny MLP on the CPU). Only rank ``bad_rank``'s batch at ``bad_step`` overflows: inputs of 3e38
+"""One rank of a 2-process gloo FSDP2 (or, with ``wrapper="ddp"``, DDP) training loop watched by ``nanhunt.Guard``
+(bfloat16 autocast, no GradScaler, a tiny MLP on the CPU). Only rank ``bad_rank``'s batch at ``bad_step`` overflows: inputs of 3e38
 (finite in bfloat16) summed by fc1, whose weights are made positive, pass bfloat16's 3.4e38. Writes
 ``rank{R}.json``; rank 1 also saves its ``state_dict()`` as a plain .pt file (DTensor shards)."""
 
@@ -41,21 +41,26 @@ def guarded_step(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.
         opt.step()
 
 
-def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, bad_step: int) -> None:
+def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, bad_step: int,
+        wrapper: str = "fsdp2") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     res: dict[str, Any] = {"rank": rank, "stopped_at": None}
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
         from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
 
         torch.manual_seed(0)
-        model = MLP(d_in=D_IN)
+        model: torch.nn.Module = MLP(d_in=D_IN)
         with torch.no_grad():
             model.fc1.weight.abs_()
-        fully_shard(model.fc1)
-        fully_shard(model.fc2)
-        fully_shard(model)
+        if wrapper == "ddp":
+            model = DistributedDataParallel(model)
+        else:
+            fully_shard(model.fc1)
+            fully_shard(model.fc2)
+            fully_shard(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         guard = nanhunt.Guard(model, opt, None, dump_dir=dump, loss_fn=F.mse_loss, model_kwargs={"d_in": D_IN})
         for i in range(5):
@@ -67,12 +72,13 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
                 res["event"] = e.event.to_dict()
                 res["describe"] = e.event.describe()
                 # the pre-update state gathered whole (a collective), for the test to compare with the capture's
-                full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                inner = getattr(model, "module", model)  # DDP's names say module.fc1
+                full = {k: getattr(v, "full_tensor", v.clone)() for k, v in inner.state_dict().items()}
                 if rank == 0:
                     torch.save(full, os.path.join(out, "full-state.pt"))
                 break
         res["iterations"] = guard.iterations
-        if rank == 1:  # what a user saving one rank's state_dict gets: DTensor shards
+        if rank == 1 and wrapper == "fsdp2":  # what a user saving one rank's state_dict gets: DTensor shards
             torch.save(model.state_dict(), os.path.join(out, "rank1-state.pt"))
         flag = torch.ones(1)
         dist.all_reduce(flag)  # a rank that had not stopped would leave the other waiting here

@@ -1,0 +1,115 @@
+"""The Guard's capture directory under DDP (two gloo processes on the CPU): every rank writes its batch and the
+replicated state once (DCP), ``nanhunt replay DIR`` replays the failing rank's batch in one process, and
+``torchrun --nproc-per-node 2 -m nanhunt replay DIR`` replays the step as it ran, each rank its own batch under
+DDP again (its gradient all-reduce included), naming the rank that went first. One distributed run serves the
+module's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fixtures.models  # noqa: F401  the capture's model class, imported as a replay of it would find it
+from nanhunt.cli import main
+from nanhunt.records import Report
+
+from .fsdp_guard_worker import batch, run
+from tests.helpers_dist import rank_results, run_ranks, torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+BAD_RANK, BAD_STEP = 1, 2
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
+    """(dump dir, out dir, each rank's result) of one 2-rank DDP run whose rank 1 overflows at step 2."""
+    base = tmp_path_factory.mktemp("ddp")
+    dump, out = base / "caps", base / "out"
+    out.mkdir()
+    run_ranks(run, lambda r, port: (r, 2, port, str(dump), str(out), BAD_RANK, BAD_STEP, "ddp"), timeout=120)
+    return dump, out, rank_results(out)
+
+
+def test_both_ranks_stop_and_write_one_capture_directory(ddp_run: tuple[Path, Path, dict[int, dict[str, Any]]]) -> None:
+    # GIVEN two DDP ranks of which only rank 1's batch at step 2 overflows bfloat16
+    dump, _, results = ddp_run
+    cap = dump / "step000002"
+    # THEN both stopped at step 2, know rank 1 saw it, and name the one directory they wrote
+    for r, res in results.items():
+        assert "error" not in res, res.get("error")
+        assert (res["stopped_at"], res["iterations"], res["after"]) == (2, 3, 2.0)
+        ev = res["event"]
+        assert (ev["step"], ev["kind"], ev["rank"], ev["ranks"], ev["pre_update"]) == (2, "loss", r, [1], True)
+        assert (ev["checkpoint"], ev["batch"], ev["capture_error"]) == (str(cap), None, None)
+    assert os.listdir(dump) == ["step000002"]
+    assert sorted(os.listdir(cap)) == ["batch-rank0.pt", "batch-rank1.pt", "event-rank0.json", "event-rank1.json",
+                                       "manifest.json", "state"]
+    man = json.loads((cap / "manifest.json").read_text())
+    # AND the manifest says DDP, with the options a replay under torchrun wraps the model with again
+    assert (man["world_size"], man["wrapper"], man["ranks_seen"], man["step"], man["model_factory"]) == (
+        2, "ddp", [1], 2, "fixtures.models:MLP")
+    assert man["ddp"] == {"find_unused_parameters": False, "gradient_as_bucket_view": False, "static_graph": False}
+    assert "fsdp" not in man
+
+
+def test_replay_dir_in_one_process_holds_the_step_and_names_the_culprit(
+        ddp_run: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    from nanhunt.capture import load_capture_dir
+
+    cap = ddp_run[0] / "step000002"
+    # GIVEN the capture WHEN it is loaded THEN it holds exactly the replicas' state the failing step began with
+    step = load_capture_dir(cap)
+    full = torch.load(ddp_run[1] / "full-state.pt", weights_only=True)
+    own = step.model.state_dict()
+    assert sorted(own) == sorted(full) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert all(torch.equal(own[k], full[k]) for k in full)
+    x, y = batch(BAD_RANK, BAD_STEP, big=True)
+    assert torch.equal(step.inputs, x) and torch.equal(step.targets, y)
+    # WHEN the command the Guard printed replays it in one process
+    command = ddp_run[2][0]["describe"].rpartition(": ")[2]
+    report = tmp_path / "r.json"
+    assert main([*shlex.split(command)[1:], "--report", str(report)]) == 1
+    err = capsys.readouterr().err
+    rep = Report.from_json(report.read_text())
+    # THEN rank 1's batch overflows fc1's bfloat16 matmul, and the replay says whose batch it was
+    assert rep.first is not None
+    assert (rep.first.phase.value, rep.first.module, rep.first.op, rep.first.kind) == (
+        "forward", "fc1", "aten::addmm", "inf")
+    assert "capture of 2 ranks (ddp): rank 1's batch replayed (the first rank that saw the failure)" in err
+
+
+def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_first(
+        ddp_run: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    cap = ddp_run[0] / "step000002"
+    # GIVEN the DDP capture WHEN it is replayed under torchrun on two ranks
+    report = tmp_path / "r.json"
+    proc = torchrun(["-m", "nanhunt", "replay", str(cap), "--model", "fixtures.models:MLP", "--report", str(report)],
+                    cwd=ROOT, launcher=("--monitor-interval", "10"))
+    codes = {int(r): int(c) for r, c in re.findall(r"rank\s*: (\d) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", proc.stderr)}
+    assert proc.returncode == 1 and codes == {0: 1, 1: 1}, proc.stderr[-3000:]
+    rep = Report.from_json(report.read_text())
+    # THEN the report is rank 1's: fc1's matmul overflowed, and rank 0 received it through DDP's all-reduce
+    assert rep.first is not None
+    assert (rep.status, rep.first.phase.value, rep.first.module, rep.first.op, rep.first.kind) == (
+        "nonfinite", "forward", "fc1", "aten::addmm", "inf")
+    assert rep.notes[0] == ("capture of 2 ranks (ddp) replayed on 2 ranks under torchrun, each rank its own batch "
+                            "and RNG state")
+    assert rep.notes[1].startswith("rank 1 went first: the report is its replay; rank 1: Inf born in phase forward, "
+                                   "module fc1 ")
+    assert "rank 0 received it through" in rep.notes[1]
+    assert proc.stdout.count("Inf born in phase forward, in fc1 ") == 1
+    # AND the bisection ran its trials on both ranks to the same verdict as the one-process replay of rank 1's batch
+    assert rep.verdict is not None and rep.verdict.kind == "not-precision"
