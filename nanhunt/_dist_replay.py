@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -29,7 +31,7 @@ from . import _dcp
 from ._errors import CommandError
 from .capture import load_capture_dir
 from .hunt import hunt
-from .records import Occurrence, Report
+from .records import Occurrence, Report, Repro
 from .tracer import Trace
 
 __all__ = ["under_torchrun", "replay_ranks"]
@@ -50,6 +52,7 @@ def under_torchrun() -> bool:
 
 def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, allow: Iterable[str], prove: bool,
                  progress: Callable[[int, str], None] | None, command: str, show: Callable[[Report], int],
+                 bundle: str | None = None,
                  model_factory: str | None = None, loss: str | None = None, device: str | None = None,
                  dtype: str | None = None, no_scaler: bool = False, train: bool | None = None,
                  trust_pickle: bool = False) -> int:
@@ -99,7 +102,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
                 "its own batch and RNG state")
         step = dataclasses.replace(step, notes=(said, *step.notes[1:]))
         report = hunt(step, level=level, allow=allow, prove=prove, progress=progress if me == 0 else None,
-                      command=command, ranks=ranks)
+                      bundle=bundle, command=command, ranks=ranks)
         code = ranks.finish(ranks.merged(report), show)
         # every rank done with every collective before any tears the group down: gloo aborts a process
         # (std::terminate) whose peer closes the connection while it is still being used
@@ -283,6 +286,31 @@ class _Ranks:
         return got_first, tuple(got_origins)
 
     # -------------------------------------------------- the report
+    def repro(self, make: Callable[[str], Repro | None], bundle: str) -> Repro | None:
+        """The first rank (rank 0 when none went first) writes and verifies the repro in a directory of its own;
+        its files travel to rank 0, which writes them into ``bundle`` (the ranks may not share a filesystem).
+        The inputs are capped (``repro.DEFAULT_CAP``), so the one gather stays small."""
+        maker = self.first_rank if self.first_rank is not None else 0
+        mine: Any = None
+        if self.rank == maker:
+            with tempfile.TemporaryDirectory(prefix="nanhunt-repro-") as d:
+                try:
+                    rp = make(d)
+                    files = {} if rp is None else {f: Path(d, f).read_bytes() for f in rp.files}
+                    mine = (rp, files, None)
+                except Exception as e:  # said to every rank, none left waiting in the gather
+                    mine = (None, {}, f"{type(e).__name__}: {e}")
+        got: list[Any] = [None] * self.world
+        dist.all_gather_object(got, mine)
+        rp, files, error = got[maker]
+        if error is not None:
+            raise CommandError(f"rank {maker} could not write the repro of its culprit op: {error}")
+        if self.leads and rp is not None:
+            os.makedirs(bundle, exist_ok=True)
+            for name, data in files.items():
+                Path(bundle, os.path.basename(name)).write_bytes(data)
+        return rp  # type: ignore[no-any-return]
+
     def merged(self, report: Report) -> Report:
         """Every rank's report gathered: the report of the rank that went first (rank 0's when none did), the
         step's status over every rank, and each rank's part in its notes."""

@@ -66,7 +66,7 @@ class OpRecorder:
     it looks for origins while the step runs (``stop_at_first``, ``full_stats``).
     """
 
-    __slots__ = ("busy", "scope", "last_seq", "catch_at", "caught", "_last_ctx", "_store", "_phases", "_watch",
+    __slots__ = ("busy", "scope", "last_seq", "catch", "caught", "_catch_seen", "_last_ctx", "_store", "_phases", "_watch",
                  "_watching", "_code_skip", "_raw", "_kd", "_known", "_writes", "_index_uses", "_zoom", "_stack",
                  "_updating", "_seqmap", "_draining")
 
@@ -75,9 +75,13 @@ class OpRecorder:
         self.busy = False
         self.scope = scope
         self.last_seq = -1  # the autograd sequence number after the last op seen
-        # The culprit's record index in a replay's second run: the call of the op that makes it is kept, its
-        # arguments cloned before it ran, as ``caught`` (op, (args, kwargs), phase). -1: nothing to catch.
-        self.catch_at = -1
+        # The culprit in a replay's second run, as the user sees it: (phase, module, call, op, n), its record the
+        # n-th (from 0) of that op in that call of that module. The call of the op that makes it is kept, its
+        # arguments cloned before it ran, as ``caught`` (op, (args, kwargs), phase). Not a record index: a
+        # wrapper's first call records more than the next (DDP rebuilds its buckets), so indices shift between runs.
+        # (A record index also does, for a run that records as much as the one it came from.)
+        self.catch: tuple[Phase, str | None, int, str, int] | int | None = None
+        self._catch_seen = 0  # records of the catch's (phase, module, call, op) made so far
         self.caught: tuple[Any, tuple[tuple[Any, ...], dict[str, Any]], Phase] | None = None
         self._last_ctx: NodeContext | None = None  # the last op's
         self._store = store
@@ -166,7 +170,7 @@ class OpRecorder:
             self._node_made(first_seq, seq, module, call, src)
         else:
             self._last_ctx = (module, call, src)
-        if self.catch_at >= 0:
+        if self.catch is not None:
             return self._catching(func, info, args, kwargs, ins, phase, module, call, src, scalar, node)
         out = run(*args, **kwargs)
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
@@ -178,21 +182,32 @@ class OpRecorder:
     def _catching(self, func: Any, info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
                   ins: list[int], phase: Phase, module: str | None, call: int, src: Source | None,
                   scalar: str | None, node: Any) -> Any:
-        """The rest of :meth:`_on_op` while a culprit is to be caught: an op whose outputs may include the
-        culprit's record has its arguments cloned before it runs (an in-place op overwrites them), and kept
-        when it did make that record."""
+        """The rest of :meth:`_on_op` while a culprit is to be caught: a call of the culprit's op in the culprit's
+        module call whose outputs may include the culprit's record has its arguments cloned before it runs (an
+        in-place op overwrites them), and kept when it did make that record."""
+        catch = self.catch
         start = len(self._raw)
-        first = args[0] if args else None
-        n = 8 + (len(first) if isinstance(first, (list, tuple)) else 0)  # a fused op's outputs: one per tensor
-        saved = _cloned((args, kwargs)) if start <= self.catch_at < start + n else None
+        before = self._catch_seen
+        if isinstance(catch, int):  # a record index: of a run of the same step that recorded as much
+            first = args[0] if args else None
+            n = 8 + (len(first) if isinstance(first, (list, tuple)) else 0)  # a fused op's outputs: one per tensor
+            match, nth = start <= catch < start + n, catch - start
+        else:
+            assert catch is not None
+            match = phase is catch[0] and module == catch[1] and call == catch[2] and info.name == catch[3]
+            nth = catch[4] - before
+        saved = _cloned((args, kwargs)) if match and nth >= 0 else None
         out = info.run(*args, **kwargs)
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
         self._outputs(info, args, kwargs, out, ins, phase, module, call, src, scalar, node)
-        if saved is not None and start <= self.catch_at < len(self._raw):
-            self.caught = (func, saved, phase)
-            self.catch_at = -1
+        if match:
+            made = len(self._raw) - start  # each of its records has the op's context
+            self._catch_seen = before + made
+            if saved is not None and nth < made:
+                self.caught = (func, saved, phase)
+                self.catch = None
         return out
 
     def _node_made(self, first: int, seq: int, module: str | None, call: int, src: Source | None) -> None:

@@ -8,7 +8,6 @@ input error, 3 not reproducible.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
@@ -105,9 +104,6 @@ class ReplayCommand:
         def show_ranks(report: Any) -> int:
             for n in report.notes[:2]:  # how it was replayed, and which rank went first
                 print(visible(n), file=sys.stderr)
-            if args.bundle:
-                note = "no repro under torchrun: replay the first rank's batch in one process (--rank R) for one"
-                report = dataclasses.replace(report, notes=(*report.notes, note))
             return show(report)
 
         directory = args.batch is None
@@ -116,7 +112,8 @@ class ReplayCommand:
                 with _Progress() as progress:
                     return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
                                         allow=args.allow, prove=not args.no_bisect, progress=progress.update,
-                                        command=_command_line(_dist_launcher()), show=show_ranks, **options)
+                                        command=_command_line(_dist_launcher()), show=show_ranks,
+                                        bundle=args.bundle, **options)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours

@@ -45,6 +45,11 @@ class Ranks(Team, Protocol):
         """The leading origin and the origins of ``first_rank`` (the rank that went first), on every rank."""
         ...
 
+    def repro(self, make: Callable[[str], Repro | None], bundle: str) -> Repro | None:
+        """The repro of the rank that went first (``make(directory)`` runs there: its culprit op ran there), its
+        files written into ``bundle`` by the rank that writes the bundle; the same Repro on every rank."""
+        ...
+
 
 def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: bool = False,
          progress: Callable[[int, str], None] | None = None, bundle: str | None = None,
@@ -61,7 +66,12 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         if ranks is not None:
             ranks.traced(replayed.final)
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
-        repro = make_repro(step, first, bundle, call=_caught_call(step, replayed)) if bundle is not None else None
+        repro = None
+        if bundle is not None:
+            def make(directory: str) -> Repro | None:
+                return make_repro(step, first, directory, call=_caught_call(step, replayed))
+
+            repro = make(bundle) if ranks is None else ranks.repro(make, bundle)
     report = _report(step, replayed, config, verdict, repro, command)
     event, why = _guard_event(step.event_file)
     if why is not None:

@@ -54,8 +54,9 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     with step.isolated():
         for _ in range(2):
             # the second run also keeps the culprit op's call (the repro's inputs): no third run
-            catch = traces[0].first.output.index if traces and traces[0].first is not None and level == "op" else None
-            t = Trace._zooming(step.model, zoom, catch=catch, level=level, allow=allow)
+            catch = traces[0].first if traces and level == "op" else None
+            t = Trace._zooming(step.model, zoom, catch=catch, catch_records=traces[0].records if catch else None,
+                               level=level, allow=allow)
             loss = step.run(within=t)
             loss_value = float(loss.detach().float())
             traces.append(t)

@@ -142,7 +142,7 @@ def capture_origin_call(step: Step, occurrence: Occurrence) -> OriginCall | None
     The occurrence must come from an op-level trace of the same step. The step's state is restored."""
     if occurrence.op is None:
         return None
-    t = Trace._zooming(step.model, (), catch=occurrence.output.index, level="op", distributed=False)
+    t = Trace._zooming(step.model, (), catch=occurrence, level="op", distributed=False)
     with step.isolated():
         step.run(within=t)
     caught = t._caught

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -112,16 +112,25 @@ class Trace:
 
     # ------------------------------------------------------------- lifecycle
     @classmethod
-    def _zooming(cls, model: nn.Module, zoom: Iterable[int], *, catch: int | None = None, **options: Any) -> Trace:
+    def _zooming(cls, model: nn.Module, zoom: Iterable[int], *, catch: Occurrence | None = None,
+                 catch_records: Sequence[Record] | None = None, **options: Any) -> Trace:
         """A trace that also measures in full the records ``zoom`` names (their statistics and their inputs'
-        shapes): the second run of a replay, on the culprit the first one found. With ``catch``, the call of
-        the op that makes record ``catch`` is kept, its arguments cloned before it ran (:attr:`_caught`):
-        the repro's inputs. Not public API."""
+        shapes): the second run of a replay, on the culprit the first one found. With ``catch`` (an origin of an
+        earlier run of the same step, whose records were ``catch_records``), the call of the op that makes that
+        origin's record is kept, its arguments cloned before it ran (:attr:`_caught`): the repro's inputs.
+        Without ``catch_records``, the op that makes the record of the origin's index (a run that records
+        exactly as the earlier one did). Not public API."""
         t = cls(model, **options)
         t._store.zoom = frozenset(zoom)
         t._ops._zoom = t._store.zoom
-        if catch is not None:
-            t._ops.catch_at = catch
+        if catch is not None and catch_records is None:
+            t._ops.catch = catch.output.index
+        elif catch is not None and catch_records is not None and catch.op is not None:
+            out = catch.output
+            nth = sum(1 for r in catch_records[:out.index]
+                      if r.phase is out.phase and r.module == out.module and r.call_index == out.call_index
+                      and r.op == catch.op)
+            t._ops.catch = (out.phase, out.module, out.call_index, catch.op, nth)
         return t
 
     @property

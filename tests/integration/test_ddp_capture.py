@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +97,9 @@ def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_fi
         ddp_run: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     cap = ddp_run[0] / "step000002"
     # GIVEN the DDP capture WHEN it is replayed under torchrun on two ranks
-    report = tmp_path / "r.json"
-    proc = torchrun(["-m", "nanhunt", "replay", str(cap), "--model", "fixtures.models:MLP", "--report", str(report)],
-                    cwd=ROOT, launcher=("--monitor-interval", "10"))
+    report, bundle = tmp_path / "r.json", tmp_path / "bundle"
+    proc = torchrun(["-m", "nanhunt", "replay", str(cap), "--model", "fixtures.models:MLP", "--report", str(report),
+                     "--bundle", str(bundle)], cwd=ROOT, launcher=("--monitor-interval", "10"))
     codes = {int(r): int(c) for r, c in re.findall(r"rank\s*: (\d) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", proc.stderr)}
     assert proc.returncode == 1 and codes == {0: 1, 1: 1}, proc.stderr[-3000:]
     rep = Report.from_json(report.read_text())
@@ -113,3 +115,11 @@ def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_fi
     assert proc.stdout.count("Inf born in phase forward, in fc1 ") == 1
     # AND the bisection ran its trials on both ranks to the same verdict as the one-process replay of rank 1's batch
     assert rep.verdict is not None and rep.verdict.kind == "not-precision"
+    # AND the bundle holds a verified repro of the culprit op, made by rank 1 (its batch overflowed), written by rank 0
+    assert rep.repro is not None and rep.repro.verified, rep.repro
+    assert (rep.repro.op, rep.repro.autocast_dtype) == ("aten::addmm", "bfloat16")
+    assert sorted(os.listdir(bundle)) == sorted(["report.md", "report.json", "report.html", "report.png",
+                                                 *rep.repro.files])
+    assert "(repro verified)" in proc.stderr
+    ran = subprocess.run([sys.executable, str(bundle / "repro.py")], capture_output=True, text=True, timeout=120)
+    assert "inf" in ran.stdout.lower(), ran.stdout + ran.stderr
