@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import _dcp, _dispatch
+from . import _dcp, _dispatch, _fsdp1
 from ._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
 from ._names import capture_name, confirmations
-from ._wrappers import user_class
+from ._wrappers import user_class, user_modules
 from .capture import _hf_model_spec, capture_record, resolve, save_capture, unwrap_model
 from .records import GuardEvent
 
@@ -70,8 +70,9 @@ class EntryBuffers:
     """Copies of the buffers a capture saves (persistent ones), as each step began: a forward writes them
     (BatchNorm running statistics) before a check can fail."""
 
-    def __init__(self, module: nn.Module) -> None:
-        saved = module.state_dict(keep_vars=True)
+    def __init__(self, module: nn.Module, saved: Mapping[str, torch.Tensor] | None = None) -> None:
+        # ``saved``: the persistent buffers by name, where calling state_dict() is not safe (FSDP1, ``_fsdp1``)
+        saved = module.state_dict(keep_vars=True) if saved is None else saved
         self.named: list[tuple[str, torch.Tensor]] = [
             (name, b) for name, b in module.named_buffers() if saved.get(name) is b]
         # Only buffers that change are copied at entry after the first step (a causal-mask buffer that
@@ -140,7 +141,8 @@ class CaptureWriter:
         self.rank = rank
         self.step_call: str | None = None  # "training_step": the capture replays through it (Lightning)
         self.captures = 0
-        self.buffers = EntryBuffers(self.module)
+        self.fsdp1 = _fsdp1.top(model)  # FSDP1: the module its full state dict is gathered from (else None)
+        self.buffers = EntryBuffers(self.module, None if self.fsdp1 is None else _fsdp1.persistent_buffers(self.module))
         self.snapshot: _Snapshot | None = None
         # First step at whose start the weights were seen non-finite: no snapshot is taken from then on.
         self.poisoned_at: int | None = None
@@ -228,6 +230,9 @@ class CaptureWriter:
             return self._capture_dir(entry, live=live, began=began, bad_update=bad_update, scaler_before=scaler_before,
                                      ranks=ranks, group=group)
         # ----
+        if self.fsdp1 is not None:  # FSDP1: every rank gathers the full state, the ranks that saw it save it
+            return self._capture_fsdp1(entry, live=live, began=began, scaler_before=scaler_before,
+                                       writes=self.dump_all_ranks or (self.rank in ranks if ranks else seen_here))
         if not (seen_here or self.dump_all_ranks):
             return Written(None, None, None, False, "another rank saw it; its capture holds the step")
         if self.captures >= self.max_captures:
@@ -245,6 +250,45 @@ class CaptureWriter:
         except Exception as e:  # the detection matters more than the file: report, don't mask
             return Written(None, None, None, False, f"{type(e).__name__}: {e}")
         return Written(ck, bt, captured, pre_update, None)
+
+    def _capture_fsdp1(self, entry: StepEntry, *, live: bool, began: bool, scaler_before: bool,
+                       writes: bool) -> Written:
+        """FSDP1: the ordinary per-rank files of the full state dict and unflattened optimizer state (``_fsdp1``),
+        written by the ranks that saw the failure (the event's ``ranks``: a rank whose gradients were only reduced
+        from theirs replays clean). The gather is a collective every rank joins, whether or not it writes, so
+        every rank counts it towards ``max_captures`` alike; all ranks decide from the same numbers. No snapshot
+        (refused under FSDP1): weights an update wrote non-finite are saved as they are (``pre_update`` False)."""
+        if self.captures >= self.max_captures:
+            return Written(None, None, None, False, f"max_captures={self.max_captures} already written")
+        self.captures += 1
+        try:
+            model_sd, optim_sd = _fsdp1.full_state(self.fsdp1 or self.module, self.optimizer)
+        except Exception as e:  # raised alike on every rank (the same model and optimizer), before or after its gathers
+            return Written(None, None, None, False, f"FSDP1 full state dict: {type(e).__name__}: {e}")
+        if not writes:
+            return Written(None, None, None, False, "another rank saw it; its capture holds the step")
+        try:
+            if began:  # the buffers as the step began (its forward wrote them): the entry copies
+                for k, c in (entry.buffers or {}).items():
+                    name = _fsdp1.user_name(self.buffers.named[k][0])
+                    if name in model_sd and c.shape == model_sd[name].shape:
+                        model_sd[name] = c
+            optimizer, names = _dcp.optimizer_by_index(optim_sd, "the FSDP1 optimizer state")
+            scaler = self.scaler if self._scaling() else None
+            scaler_state = (_scaler_state(scaler, entry.scale_before, entry.tracker_before)
+                            if scaler is not None and scaler_before else None)
+            ckpt, bfile = capture_record(model=self.module, model_state=model_sd, optimizer=self.optimizer,
+                                         optimizer_state=optimizer, batch=entry.batch, scaler=scaler,
+                                         scaler_state=scaler_state, rng=entry.rng, **self._save_kwargs(entry))
+            ckpt["optimizer_params"] = names  # by the user's names: the live groups hold flat parameters
+            ckpt["module_training"] = {n: m.training for n, m in user_modules(self.module).items()}
+            ck, bt = self._paths(entry.index)
+            with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
+                torch.save(ckpt, ck_tmp)
+                torch.save(bfile, bt_tmp)
+        except Exception as e:  # the detection matters more than the file: report, don't mask
+            return Written(None, None, None, False, f"{type(e).__name__}: {e}")
+        return Written(ck, bt, entry.index, live, None)
 
     def _capture_dir(self, entry: StepEntry, *, live: bool, began: bool, bad_update: int, scaler_before: bool,
                      ranks: tuple[int, ...], group: Any) -> Written:

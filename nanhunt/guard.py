@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _fsdp1
 from ._dispatch import tensor_version
 from ._errors import GuardError
 from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
@@ -170,6 +171,10 @@ class Guard:
     ``dump_all_ranks=True``). Under FSDP2 (DTensor weights) every rank writes its
     part of one capture directory ``step{N}/`` instead (DCP shards, each rank's
     batch, ``manifest.json``; ``nanhunt replay DIR``), nothing gathered onto one rank.
+    Under FSDP1 (``FullyShardedDataParallel``) every rank gathers the full state dict and
+    optimizer state (collectives on the failure path; the whole model in each rank's host
+    memory for a moment) and the ranks that saw it write the ordinary per-rank files;
+    ``on_fail="rollback"`` and ``snapshot_every`` are refused there.
     A skip counts towards the policy when any rank skipped.
 
     Clean-path cost per step: at entry the RNG state, two scalar copies (the
@@ -252,6 +257,9 @@ class Guard:
             raise ValueError(f"on_fail must be 'raise', 'dump', 'warn' or 'rollback', not {on_fail!r}")
         if max_rollbacks < 0:
             raise ValueError("max_rollbacks must be >= 0")
+        refused = _fsdp1.refusal(model, on_fail=on_fail, snapshot_every=snapshot_every)
+        if refused is not None:
+            raise ValueError(refused)
         self._policy = SkipPolicy(max_consecutive_skips, skip_window)
         self.model = model
         self.optimizer = optimizer
@@ -634,7 +642,9 @@ class Guard:
         cur = plan.entry
         snap = None
         reason: str | None = None
-        if self.rollbacks >= self.max_rollbacks:
+        if self._capture.fsdp1 is not None:
+            reason = _fsdp1.NO_ROLLBACK
+        elif self.rollbacks >= self.max_rollbacks:
             reason = f"max_rollbacks={self.max_rollbacks} reached (pass a larger max_rollbacks to nanhunt.Guard)"
         else:
             live = plan.live and plan.target == cur.index and not cur.updated
