@@ -92,6 +92,9 @@ def fsdp_layout(module: nn.Module) -> list[dict[str, Any]]:
             group = state._fsdp_param_group
             if group is not None:
                 entry["mesh"] = [int(n) for n in group.mesh_info.mesh.shape]
+                names = group.mesh_info.mesh.mesh_dim_names
+                if names is not None:  # HSDP's 2-D mesh needs them
+                    entry["mesh_dim_names"] = [str(n) for n in names]
                 if not state._auto_reshard_after_forward:
                     entry["reshard_after_forward"] = group.post_forward_mesh_info is not None
             mp = state._mp_policy

@@ -16,6 +16,7 @@ next collective, so no rank waits on a collective another rank never reaches.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -96,7 +97,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
             step = ranks.together(lambda: load_capture_dir(path, rank=me, **options))
             step = dataclasses.replace(step, model=_ddp(step.model, _ddp_options(man, path), dev))
         else:
-            step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout), **options))
+            step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout, dev), **options))
             _dcp.load_sharded(os.path.join(path, _dcp.STATE), step.model, step.optimizer)  # a collective: raises on all
         said = (f"capture of {world} ranks ({man['wrapper']}) replayed on {world} ranks under torchrun, each rank "
                 "its own batch and RNG state")
@@ -189,12 +190,16 @@ def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]] | None:
         if not isinstance(e, dict) or not isinstance(e.get("module"), str):
             raise bad("entries naming a module")
         mesh, reshard, mp = e.get("mesh"), e.get("reshard_after_forward"), e.get("mp_policy")
-        if mesh is not None and not (isinstance(mesh, list) and all(type(n) is int for n in mesh)):
-            raise bad("a mesh shape (a list of integers) or null")
-        if mesh is not None and mesh != [world]:
+        names = e.get("mesh_dim_names")
+        if mesh is not None and not (isinstance(mesh, list) and all(type(n) is int and n > 0 for n in mesh)):
+            raise bad("a mesh shape (a list of positive integers) or null")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)
+                                      and isinstance(mesh, list) and len(names) == len(mesh) == len(set(names))):
+            raise bad("mesh dimension names (distinct strings, one per mesh dimension) or none")
+        if mesh is not None and (len(mesh) > 2 or math.prod(mesh) != world):
             raise CommandError(f"{where}: module {e['module']!r} was sharded on a device mesh of shape {mesh}; the "
-                               f"distributed replay rebuilds a 1-D mesh of the {world} ranks only; replay it in one "
-                               "process, without torchrun")
+                               f"distributed replay rebuilds a 1-D (FSDP) or 2-D (HSDP) mesh of the {world} ranks "
+                               "only; replay it in one process, without torchrun")
         if reshard is not None and not isinstance(reshard, bool):
             raise bad("reshard_after_forward true, false or null")
         if mp is not None and not (isinstance(mp, dict) and isinstance(mp.get("cast_forward_inputs", True), bool)
@@ -206,8 +211,10 @@ def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]] | None:
     return layout
 
 
-def _wrap(model: nn.Module, layout: list[dict[str, Any]]) -> None:
-    """``fully_shard`` on the modules the capture recorded, children first, with the recorded options."""
+def _wrap(model: nn.Module, layout: list[dict[str, Any]], device: torch.device) -> None:
+    """``fully_shard`` on the modules the capture recorded, children first, with the recorded options, on a
+    device mesh of the recorded shape (2-D: HSDP, replicated over the first dimension, sharded over the second)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     named = dict(model.named_modules())
@@ -215,8 +222,22 @@ def _wrap(model: nn.Module, layout: list[dict[str, Any]]) -> None:
     if missing:
         raise CommandError(f"the capture was sharded on module(s) {_dcp._few(missing)}, which this model does not "
                            "have; is --model the factory that built this capture?")
+    meshes: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+    for e in layout:
+        shape = tuple(e.get("mesh") or ())
+        if len(shape) == 2:
+            names = tuple(e.get("mesh_dim_names") or ("replicate", "shard"))
+            if (shape, names) not in meshes:
+                meshes[(shape, names)] = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    # a module with no parameters of its own (the root, often) records no mesh: the others' one, when they share it
+    shared = next(iter(meshes.values())) if len(meshes) == 1 else None
     for e in layout:
         kw: dict[str, Any] = {}
+        shape = tuple(e.get("mesh") or ())
+        if len(shape) == 2:
+            kw["mesh"] = meshes[(shape, tuple(e.get("mesh_dim_names") or ("replicate", "shard")))]
+        elif not shape and shared is not None:
+            kw["mesh"] = shared
         if e.get("reshard_after_forward") is not None:
             kw["reshard_after_forward"] = e["reshard_after_forward"]
         mp = e.get("mp_policy")

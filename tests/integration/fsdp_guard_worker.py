@@ -1,4 +1,5 @@
-"""One rank of a 2-process gloo FSDP2 (or, with ``wrapper="ddp"``, DDP) training loop watched by ``nanhunt.Guard``
+"""One rank of a 2-process gloo FSDP2 (or, with ``wrapper="ddp"``, DDP; ``"hsdp"``: 4 processes, FSDP2 on a 2 x 2 mesh)
+training loop watched by ``nanhunt.Guard``
 (bfloat16 autocast, no GradScaler, a tiny MLP on the CPU). Only rank ``bad_rank``'s batch at ``bad_step`` overflows: inputs of 3e38
 (finite in bfloat16) summed by fc1, whose weights are made positive, pass bfloat16's 3.4e38. Writes
 ``rank{R}.json``; rank 1 also saves its ``state_dict()`` as a plain .pt file (DTensor shards)."""
@@ -57,6 +58,12 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
             model.fc1.weight.abs_()
         if wrapper == "ddp":
             model = DistributedDataParallel(model)
+        elif wrapper == "hsdp":  # replicated over mesh dimension 0, sharded over dimension 1
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            for m in (model.fc1, model.fc2, model):
+                fully_shard(m, mesh=mesh)
         else:
             fully_shard(model.fc1)
             fully_shard(model.fc2)
@@ -74,6 +81,7 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
                 # the pre-update state gathered whole (a collective), for the test to compare with the capture's
                 inner = getattr(model, "module", model)  # DDP's names say module.fc1
                 full = {k: getattr(v, "full_tensor", v.clone)() for k, v in inner.state_dict().items()}
+                res["mesh"] = [list(p.device_mesh.shape) for p in inner.parameters() if hasattr(p, "device_mesh")][:1]
                 if rank == 0:
                     torch.save(full, os.path.join(out, "full-state.pt"))
                 break
