@@ -8,11 +8,12 @@ input error, 3 not reproducible.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ._errors import CommandError, NanhuntError, visible, first_line as _first_line
@@ -66,6 +67,10 @@ class ReplayCommand:
         p.add_argument("--bundle", metavar="DIR", help="write report.md/.json/.html/.png and a verified repro of the "
                        "origin op (repro.py, repro_inputs.pt) into DIR")
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
+        p.add_argument("--snapshot", choices=("auto", "memory", "disk"), default="auto",
+                       help="where the copy of the weights and optimizer state restored between runs lives: memory, "
+                       "or disk (a temporary file in TMPDIR, mapped: a model that fills the RAM replays); auto "
+                       "(default): disk for a CPU model whose copy would take over half the free memory")
 
     def run(self, args: argparse.Namespace) -> int:
         from ._dist_replay import replay_ranks, under_torchrun
@@ -107,6 +112,8 @@ class ReplayCommand:
             return show(report)
 
         directory = args.batch is None
+        if torchrun and args.snapshot != "auto":
+            raise CommandError("--snapshot applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
                 with _Progress() as progress:
@@ -127,15 +134,80 @@ class ReplayCommand:
             step = load_step(args.checkpoint, args.batch, **options)
         for i, n in enumerate(step.notes):
             print(visible(n if directory and i == 0 else f"warning: {n}"), file=sys.stderr)
-        try:
-            with _Progress() as progress:
-                report = hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
-                              progress=progress.update, bundle=args.bundle, command=_command_line())
-        except NanhuntError:
-            raise
-        except Exception as e:  # the user's model failed on this batch: an input problem, not ours
-            raise _step_failed("replaying the step", e) from e
+
+        def hunted(step: Any) -> Any:
+            step.snapshot = "disk" if args.snapshot == "disk" else "memory" if args.snapshot == "memory" else None
+            try:
+                with _Progress() as progress:
+                    return hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
+                                progress=progress.update, bundle=args.bundle, command=_command_line())
+            except NanhuntError:
+                raise
+            except Exception as e:  # the user's model failed on this batch: an input problem, not ours
+                raise _step_failed("replaying the step", e) from e
+
+        report = hunted(step)
+        if directory and args.rank is None and report.status == "clean":
+            del step  # one model in memory at a time
+            report = _other_ranks(args.checkpoint, report, hunted, options)
+        elif report.status == "clean":
+            report = _received_note(report)
         return show(report)
+
+
+MAX_OTHER_RANKS = 8  # replayed in turn when the first rank that saw a failure replays finite
+
+
+def _other_ranks(path: str, report: Any, hunted: Callable[[Any], Any], options: dict[str, Any]) -> Any:
+    """A capture directory whose first rank that saw the failure replays finite: under DDP / FSDP every rank's
+    gradients go non-finite through the collective when one rank's backward overflows, so every rank saw it. The
+    other ranks' batches are replayed in turn (those that saw it first), up to :data:`MAX_OTHER_RANKS`; the first
+    that is not clean is reported, with a first note saying which replayed finite. None: the first report, noted."""
+    from . import _dcp
+    from .capture import load_capture_dir
+
+    man = _dcp.read_manifest(path)
+    first = _dcp.pick_rank(man, None, path)
+    seen = sorted(set(man["ranks_seen"]) - {first})
+    order = seen + [r for r in range(man["world_size"]) if r != first and r not in seen]
+    finite = [first]
+    head = f"capture of {man['world_size']} ranks ({man['wrapper']})"
+    for r in order[:MAX_OTHER_RANKS]:
+        print(visible(f"rank {r}'s batch replayed: rank(s) {_few_ranks(finite)} replay finite"), file=sys.stderr)
+        step = load_capture_dir(path, rank=r, **options)
+        got = hunted(step)
+        del step
+        if got.status != "clean":
+            who = (f"rank {finite[0]}'s replays finite: the failure it saw" if len(finite) == 1 else
+                   f"ranks {_few_ranks(finite)} replay finite: the failure they saw")
+            note = f"{head}: rank {r}'s batch replayed ({who} came from another rank)"
+            print(visible(note), file=sys.stderr)
+            return dataclasses.replace(got, notes=(note, *got.notes[1:]))
+        finite.append(r)
+    left = order[MAX_OTHER_RANKS:]
+    note = (f"every rank's batch replays finite ({_few_ranks(finite)})" if not left else
+            f"rank(s) {_few_ranks(finite)} replay finite; {len(left)} more not replayed: pass --rank R, or replay "
+            f"under torchrun")
+    print(visible(note), file=sys.stderr)
+    return dataclasses.replace(report, notes=(*report.notes, note))
+
+
+def _received_note(report: Any) -> Any:
+    """A rank's capture files (DDP given unwrapped, FSDP1) that replay finite although the Guard saw the failure on
+    that rank and others: its non-finite values came through a collective; say whose capture to replay."""
+    ev = report.guard_event
+    others = [] if ev is None or ev.rank is None else [r for r in ev.ranks if r != ev.rank]
+    if not others:
+        return report
+    note = (f"the Guard saw the failure at step {ev.step} on rank(s) {_few_ranks(list(ev.ranks))}; this capture's "
+            f"batch (rank {ev.rank}'s) replays finite: what it saw arrived from another rank through a collective; "
+            f"replay the capture of rank {_few_ranks(others)}")
+    print(visible(note), file=sys.stderr)
+    return dataclasses.replace(report, notes=(*report.notes, note))
+
+
+def _few_ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 class _Progress:

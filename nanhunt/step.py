@@ -11,14 +11,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import inspect
 import itertools
 import operator
+import os
 import random
+import shutil
+import tempfile
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -29,7 +34,11 @@ from ._errors import CommandError
 from ._interrupt import atomic, deferred_interrupts
 from .precision import LOSS_REGION, UPDATE_REGION, float32_master, float32_weights, fp32_call, keep_fp32, to_fp32
 
-__all__ = ["Step", "StepState", "run_step", "split_batch", "rng_state", "set_rng_state"]
+__all__ = ["Step", "StepState", "Snapshot", "run_step", "split_batch", "rng_state", "set_rng_state"]
+
+# Where a step's snapshot of its weights, buffers and optimizer state lives (StepState); None: chosen by size.
+Snapshot = Literal["memory", "host", "disk"]
+SNAPSHOTS: tuple[Snapshot, ...] = ("memory", "host", "disk")
 
 
 def rng_state(*, python_numpy: bool = False) -> dict[str, Any]:
@@ -87,8 +96,9 @@ class Step:
     ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``). ``rng`` is the
     generator state the step starts from (default: the state when it is isolated); ``train`` sets the
     model's mode for every run (default: as it is). A ``torch.compile``'d model is replayed through its
-    eager original (``compiled`` says so). ``host_snapshot``: where the snapshot of the weights and optimizer
-    state lives (see :class:`StepState`; ``None``: in host memory when they are on an accelerator).
+    eager original (``compiled`` says so). ``host_snapshot`` or ``snapshot``: where the snapshot of the weights
+    and optimizer state lives (see :class:`StepState`; ``None``: in host memory when they are on an accelerator,
+    in a temporary file when they are on the CPU and would not fit comfortably in the memory left).
 
     Example::
 
@@ -110,6 +120,7 @@ class Step:
     compiled: bool = False
     notes: tuple[str, ...] = ()
     host_snapshot: bool | None = None
+    snapshot: Snapshot | None = None
     # where the Guard's event of the capture the step was loaded from would be (the replay's report reads it)
     event_file: str | None = None
     _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -142,7 +153,7 @@ class Step:
         if self._state is not None:
             yield self._state
             return
-        state = StepState(self.model, self.optimizer, self.scaler, host=self.host_snapshot)
+        state = StepState(self.model, self.optimizer, self.scaler, host=self.host_snapshot, snapshot=self.snapshot)
         with state:
             self._state, self._start_rng = state, dict(self.rng) if self.rng is not None else state.rng
             try:
@@ -208,15 +219,29 @@ class StepState:
             ...  # run steps; state.reset() between them
 
     One copy of each parameter, buffer and optimizer state tensor is kept, and restored in place
-    (``copy_`` into the live tensor). ``host``: keep those copies in host memory, pinned under CUDA, so a
-    replay needs no more device memory than the step (``None``: for tensors on an accelerator, not for CPU
-    ones, where host and device are the same memory). The GradScaler's two scalars stay on the device.
+    (``copy_`` into the live tensor). ``snapshot`` says where those copies live:
+
+    - ``"memory"``: clones, where the tensors are (``host=False``);
+    - ``"host"``: host memory, pinned under CUDA, so a replay needs no more device memory than the step
+      (``host=True``);
+    - ``"disk"``: each tensor of 1 MiB or more in one temporary file in ``directory`` (default: the temp
+      dir, or ``/var/tmp`` when that is a tmpfs), mapped: its pages are the page cache's, written back and
+      dropped under memory pressure, so a CPU replay needs little more anonymous memory than the step. The
+      file has no name by the time it is mapped (nothing left on disk, even after a crash); its space is
+      reserved up front. Smaller tensors are kept as with ``None``;
+    - ``None`` (default): host memory for tensors on an accelerator; for CPU tensors, the file when their
+      copies would take more than half the memory available (MemAvailable, or the cgroup's limit; always
+      where it cannot be read), else clones.
+
+    The GradScaler's two scalars stay on the device.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scaler: torch.amp.GradScaler | None = None, *, host: bool | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, *, host: bool | None = None,
+                 snapshot: Snapshot | None = None, directory: str | None = None) -> None:
         self.model = model
         self.host = host
+        self.snapshot = _snapshot_mode(host, snapshot)
         self._pinned: set[torch.device] = set()  # devices copying into pinned memory: synchronised before use
         self.optimizer = optimizer
         self.scaler = scaler
@@ -230,6 +255,8 @@ class StepState:
         self._hooked = [(d, saved) for d, saved in self.hooks if saved]
         self.attrs = [(m, {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS}) for m in model.modules()]
         self.homes: dict[int, torch.device] = {}  # id of a host copy -> the device of the tensor it copies
+        self.on_disk = 0  # bytes of the copies held in the mapped file
+        self._slots = self._map_slots(optimizer, directory)  # id of a tensor -> its copy's place in the file
         self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[int] = set()
         for _, params, buffers, _ in self.modules:
@@ -261,17 +288,26 @@ class StepState:
         self.scaler_dict: dict[str, Any] | None = None
         if scaler is not None:
             self.scaler_dict = {k: _clone(v) for k, v in vars(scaler).items()}
+        self._slots.clear()
         for device in self._pinned:
             torch.cuda.synchronize(device)  # the copies into pinned memory were asynchronous
         self._interrupts: deferred_interrupts | None = None
         self._fsdp = fsdp_modules(model)
 
     def _save(self, v: Any) -> Any:
-        """One value's copy: a tensor on the host when asked (or on an accelerator), else where it is."""
+        """One value's copy: a tensor in its slot of the file when it has one, on the host when asked (or on
+        an accelerator), else where it is."""
         if not isinstance(v, torch.Tensor):
             return copy.deepcopy(v)
         t = v.detach()
-        to_host = self.host if self.host is not None else t.device.type not in ("cpu", "meta")
+        slot = self._slots.pop(id(v), None)
+        if slot is not None:
+            slot.copy_(t)
+            if t.device.type != "cpu":
+                self.homes[id(slot)] = t.device
+            return slot
+        mode = self.snapshot
+        to_host = mode == "host" or (mode != "memory" and t.device.type not in ("cpu", "meta"))
         # a tensor subclass (a DTensor shard) is copied as it is: its copy_ takes no plain host tensor
         if not to_host or t.__class__ is not torch.Tensor or t.device.type == "meta":
             return t.clone()
@@ -282,6 +318,53 @@ class StepState:
             self._pinned.add(t.device)
         self.homes[id(saved)] = t.device
         return saved
+
+    def _map_slots(self, optimizer: torch.optim.Optimizer | None, directory: str | None) -> dict[int, torch.Tensor]:
+        """The copies that go to the file (see the class docstring): for each such tensor (by id), a tensor
+        of its shape, dtype and strides over its part of one new, unnamed temporary file, mapped."""
+        mode = self.snapshot
+        if mode not in (None, "disk"):
+            return {}
+        found = [t for _, params, buffers, _ in self.modules for t in (*params.values(), *buffers.values())]
+        if optimizer is not None:
+            found += [p for g in optimizer.param_groups for p in g["params"]]
+            found += [v for s in optimizer.state.values() for v in s.values()]
+        big: dict[int, torch.Tensor] = {}
+        for t in found:
+            # a tensor subclass (a DTensor shard) keeps its own copy: its copy_ takes no plain tensor
+            if (isinstance(t, torch.Tensor) and t.nbytes >= max(_DISK_MIN_BYTES, 1) and t.device.type != "meta"
+                    and t.detach().__class__ is torch.Tensor and (mode == "disk" or t.device.type == "cpu")):
+                big.setdefault(id(t), t)
+        total = sum(map(_slot_bytes, big.values()))
+        if not big or (mode is None and (os.name != "posix" or total <= _available_memory() / 2)):
+            return {}
+        where, on_disk = _disk_dir(directory)
+        size = f"{total / 2**20:.0f} MiB"
+        if not on_disk:
+            if mode is None:  # a file there takes the same memory, and none of it can be dropped
+                warnings.warn(f"nanhunt: the step's snapshot ({size}) would take more than half the memory left, and "
+                              f"{where} is in memory (tmpfs): kept in memory; set TMPDIR to a directory on a disk",
+                              stacklevel=4)
+                return {}
+            warnings.warn(f"nanhunt: {where} is in memory (tmpfs): a disk snapshot there saves no memory; "
+                          "set TMPDIR to a directory on a disk", stacklevel=4)
+        try:
+            storage = _map_file(where, total)
+        except OSError as e:
+            why = f"cannot put the step's {size} snapshot in {where} ({e.strerror or e})"
+            if mode is None:
+                warnings.warn(f"nanhunt: {why}: kept in memory; set TMPDIR to a directory with room", stacklevel=4)
+                return {}
+            raise CommandError(f"{why}; set TMPDIR to a directory with room, or keep it in memory "
+                               "(--snapshot memory)") from e
+        slots: dict[int, torch.Tensor] = {}
+        at = 0
+        for key, t in big.items():
+            stride = torch.empty_like(t, device="meta").stride()  # clone()'s strides: dense ones kept
+            slots[key] = torch.empty(0, dtype=t.dtype).set_(storage, at // t.element_size(), t.shape, stride)
+            at += _slot_bytes(t)
+        self.on_disk = total
+        return slots
 
     def _back(self, v: Any) -> Any:
         """A new tensor from a saved value, on the device it was taken from (a state entry the step
@@ -420,6 +503,97 @@ def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict
         d = getattr(p, name, None)
         out[name] = (d, dict(d)) if isinstance(d, dict) else (None, {})
     return out
+
+
+_DISK_MIN_BYTES = 1 << 20  # smaller tensors stay clones: a file offers them nothing worth a slot
+
+
+def _snapshot_mode(host: bool | None, snapshot: Snapshot | None) -> Snapshot | None:
+    if snapshot is not None and snapshot not in SNAPSHOTS:
+        raise ValueError(f"snapshot={snapshot!r}: expected one of {', '.join(map(repr, SNAPSHOTS))} or None (by size)")
+    implied: Snapshot | None = None if host is None else "host" if host else "memory"
+    if snapshot is not None and implied is not None and snapshot != implied:
+        raise ValueError(f"host={host} and snapshot={snapshot!r} disagree; give one of them")
+    return snapshot if snapshot is not None else implied
+
+
+def _slot_bytes(t: torch.Tensor) -> int:
+    return -(-t.nbytes // 64) * 64  # every slot starts 64-byte aligned, as an allocator's tensors do
+
+
+def _available_memory() -> float:
+    """Bytes of memory this process can still take: MemAvailable, or less under a cgroup (v2) limit;
+    0 where neither can be read (not Linux)."""
+    avail = []
+    try:
+        with open("/proc/meminfo") as f:
+            avail += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                avail.append(int(limit) - int(g.read()))
+    except (OSError, ValueError, IndexError):
+        pass
+    return float(min(avail, default=0))
+
+
+def _in_memory_fs(path: str) -> bool:
+    """Is ``path`` on a file system held in RAM (tmpfs, ramfs), where a file saves no memory?"""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return False
+    real, best, kind = os.path.realpath(path), "", ""
+    for point, fs in mounts:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fs
+    return kind in ("tmpfs", "ramfs")
+
+
+def _disk_dir(directory: str | None) -> tuple[str, bool]:
+    """Where a disk snapshot goes, and whether that is on a disk: ``directory``, else the temp dir, or
+    /var/tmp where the temp dir is a tmpfs (Fedora's and Arch's /tmp)."""
+    if directory is not None:
+        return directory, not _in_memory_fs(directory)
+    for d in (tempfile.gettempdir(), "/var/tmp"):
+        if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK) and not _in_memory_fs(d):
+            return d, True
+    return tempfile.gettempdir(), False
+
+
+@atomic  # Ctrl-C waits until the file has no name left
+def _map_file(directory: str, nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of a new file in ``directory``, mapped shared. The file has no name by the time this returns
+    (Linux's O_TMPFILE: never one; else unlinked at once): nothing is left on disk, even after a crash, and its
+    blocks are freed when the mapping goes."""
+    if shutil.disk_usage(directory).free < nbytes:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
+    fd, path, named = -1, "", False
+    try:
+        if getattr(os, "O_TMPFILE", 0) and os.path.isdir("/proc/self/fd"):
+            try:
+                fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+                path = f"/proc/self/fd/{fd}"
+            except OSError:  # a file system without unnamed files
+                pass
+        if fd < 0:
+            fd, path = tempfile.mkstemp(prefix="nanhunt-snapshot-", dir=directory)
+            named = True
+        try:
+            # blocks reserved now: a full disk fails here, not as a SIGBUS on a write through the mapping
+            os.posix_fallocate(fd, 0, nbytes)
+        except (AttributeError, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, nbytes)
+        return cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes))
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if named:
+            os.unlink(path)
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

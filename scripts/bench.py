@@ -687,7 +687,11 @@ print(json.dumps(out))
 # Per case: replays (bisection trials), wall time of the replay as a multiple of the plain step timed in
 # the same process, dataflow-graph edges of one traced failing step (graph.nonfinite_graph), and the peak
 # RSS of the replay against the plain step's (each measured alone after a VmHWM reset, above the RSS the
-# process had before the model existed). float16 steps where this CPU runs them at most 2x slower than
+# process had before the model existed), and its peak anonymous memory (RssAnon, sampled every millisecond by a
+# thread: the kernel keeps no high-water mark of it) against the plain step's. The wide case also replays with the
+# snapshot on disk (StepState(snapshot="disk"): a mapped temporary file, whose resident pages count in RSS but are
+# the page cache's, written back and dropped under memory pressure): both peaks, and whether the verdict is the
+# same. float16 steps where this CPU runs them at most 2x slower than
 # float32; else a float32 step with an overflow injected (gain 1e39): the table says which ran.
 # The op-level trace cost (level="op" / plain, forward + backward, bfloat16 autocast) on the tiny and a
 # ~23 M-parameter GPT-2 runs in this process, interleaved like the workloads above.
@@ -726,9 +730,47 @@ def _pick_dtype(kind: str, n: int) -> tuple[torch.dtype, dict[str, Any]]:
     return dtype, {"float16_step_s": times["float16"], "float32_step_s": times["float32"], "float16_slowdown": ratio}
 
 
+class _AnonPeak:
+    """The peak RssAnon (MiB) while the block runs, sampled every ``every_s`` by a thread."""
+
+    def __init__(self, every_s: float = 1e-3) -> None:
+        import threading
+
+        self.every_s, self.peak_mib = every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_mib = max(self.peak_mib, _status_kib("RssAnon") / 1024)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> _AnonPeak:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def _peaks(run: Callable[[], Any]) -> tuple[float, float, float]:
+    """(peak RSS above the level before ``run``, absolute peak RSS, absolute peak RssAnon), MiB."""
+    _quiesce()  # before the first sample: what the last run freed may sit in malloc's heap until trimmed
+    with _AnonPeak() as anon:
+        extra, peak = measure_peak(run, "cpu")
+    return extra, peak, anon.peak_mib
+
+
 def scale_case(kind: str, n: int) -> dict[str, Any]:
     """One case, in this (fresh) process: see the section comment."""
     from nanhunt.graph import nonfinite_graph
+    from nanhunt.hunt import hunt
+    from nanhunt.step import Step
 
     hwm = _can_reset_hwm()
     dtype, pick = _pick_dtype(kind, n) if kind != "wide" else (torch.float32, {"note": "float32: the memory case"})
@@ -737,6 +779,7 @@ def scale_case(kind: str, n: int) -> dict[str, Any]:
     gc.collect()
     _malloc_trim()
     rss_floor = _status_kib("VmRSS") / 1024
+    anon_floor = _status_kib("RssAnon") / 1024 if hwm else 0.0
     w = _make_case(kind, n, dtype).prime()
     out: dict[str, Any] = {"case": w.name, "desc": w.desc, "dtype": str(dtype)[6:], **pick,
                            "torch_threads": torch.get_num_threads(),
@@ -748,15 +791,38 @@ def scale_case(kind: str, n: int) -> dict[str, Any]:
                                     device_type=w.device_type, scaler=w.scaler, optimizer=w.optimizer, bisect=True)
     reports: list[Any] = []
     if hwm:
-        plain_extra, plain_abs = measure_peak(w.step, "cpu")
+        plain_extra, plain_abs, plain_anon = _peaks(w.step)
+        disk: dict[str, Any] = {}
+        if kind == "wide":  # the memory case: the replay with its snapshot in a mapped temporary file, first (the
+            # in-memory replay's freed heap would count in its anonymous peak otherwise)
+            disk_reports: list[Any] = []
+            t0 = time.perf_counter()
+            _, disk_abs, disk_anon = _peaks(lambda: disk_reports.append(hunt(Step.of(
+                w.model, w.batch, loss_fn=w.loss_fn, dtype=w.dtype, device_type=w.device_type, scaler=w.scaler,
+                optimizer=w.optimizer, snapshot="disk"), prove=True)))
+            disk = {"replay_s": time.perf_counter() - t0, "replay_footprint_mib": disk_abs - rss_floor,
+                    "replay_over_plain": (disk_abs - rss_floor) / (plain_abs - rss_floor),
+                    "replay_anon_mib": disk_anon - anon_floor,
+                    "replay_anon_over_plain": (disk_anon - anon_floor) / (plain_anon - anon_floor),
+                    # the step's .grad tensors, kept alive by the snapshot (restored as the same objects)
+                    "held_grads_mib": sum(p.grad.nbytes for p in w.model.parameters() if p.grad is not None) / 2**20,
+                    "verdict": disk_reports[0].verdict}
         t0 = time.perf_counter()
-        rep_extra, rep_abs = measure_peak(lambda: reports.append(replay()), "cpu")
+        rep_extra, rep_abs, rep_anon = _peaks(lambda: reports.append(replay()))
         out["replay_s"] = time.perf_counter() - t0
-        out["memory"] = {"method": "VmHWM reset (clear_refs), RSS", "rss_floor_mib": rss_floor,
+        out["memory"] = {"method": "VmHWM reset (clear_refs), RSS; RssAnon sampled every 1 ms", "rss_floor_mib": rss_floor,
                          "plain_peak_mib": plain_abs, "replay_peak_mib": rep_abs,
                          "plain_extra_mib": plain_extra, "replay_extra_mib": rep_extra,
                          "plain_footprint_mib": plain_abs - rss_floor, "replay_footprint_mib": rep_abs - rss_floor,
-                         "replay_over_plain": (rep_abs - rss_floor) / (plain_abs - rss_floor)}
+                         "replay_over_plain": (rep_abs - rss_floor) / (plain_abs - rss_floor),
+                         "anon_floor_mib": anon_floor, "plain_anon_mib": plain_anon - anon_floor,
+                         "replay_anon_mib": rep_anon - anon_floor,
+                         "replay_anon_over_plain": (rep_anon - anon_floor) / (plain_anon - anon_floor)}
+        if disk:
+            dv, mv = disk.pop("verdict"), reports[0].verdict
+            disk["same_verdict"] = (dv is None) == (mv is None) and (
+                dv is None or (dv.kind, dv.culprits) == (mv.kind, mv.culprits))
+            out["memory"]["disk"] = disk
     else:
         t0 = time.perf_counter()
         reports.append(replay())
@@ -863,8 +929,20 @@ def print_scale(sc: dict[str, Any]) -> None:
         if "plain_footprint_mib" in mem:
             line += (f"; RSS footprint (above the {mem['rss_floor_mib']:.0f} MiB before the model): plain step "
                      f"{mem['plain_footprint_mib']:.0f} MiB, replay + bisection {mem['replay_footprint_mib']:.0f} MiB")
+        if "replay_anon_over_plain" in mem:
+            line += (f"; anonymous (RssAnon): plain {mem['plain_anon_mib']:.0f} MiB, replay {mem['replay_anon_mib']:.0f} "
+                     f"MiB ({mem['replay_anon_over_plain']:.2f}x)")
         print(line + f"; graph built in {c['graph']['build_s'] * 1e3:.0f} ms; other processes' load "
               f"{c.get('foreign_cores', math.nan):.2f} cores")
+        if "disk" in mem:
+            d = mem["disk"]
+            print(f"  {c['case']} with the snapshot on disk (snapshot=\"disk\"), against the same plain step: RSS "
+                  f"{d['replay_footprint_mib']:.0f} MiB ({d['replay_over_plain']:.2f}x; the mapped file's pages "
+                  f"included, the page cache's), anonymous {d['replay_anon_mib']:.0f} MiB ({d['replay_anon_over_plain']:.2f}x; "
+                  f"target <= 1.10x); in memory: RSS {mem['replay_over_plain']:.2f}x, anonymous "
+                  f"{mem['replay_anon_over_plain']:.2f}x; of the anonymous, {d['held_grads_mib']:.0f} MiB are the "
+                  f"step's .grad tensors, kept to be put back; replay {d['replay_s']:.1f} s vs {c['replay_s']:.1f} s; "
+                  f"{'same verdict' if d['same_verdict'] else 'VERDICT DIFFERS'}")
     blocks = {c["case"]: c for c in sc["cases"] if c["case"].startswith("blocks") and "replay_over_step" in c}
     if "blocks128" in blocks and "blocks512" in blocks:
         print(f"  N=128 -> 512: replay / plain step grows {blocks['blocks512']['replay_over_step'] / blocks['blocks128']['replay_over_step']:.2f}x "

@@ -23,11 +23,11 @@ D_IN = 64
 BIG = 3e38
 
 
-def batch(rank: int, i: int, *, big: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, i: int, *, big: bool, value: float = BIG) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + i)
     x = torch.rand(4, D_IN, generator=g)
     y = torch.randn(4, 4, generator=g)
-    return (torch.full_like(x, BIG) if big else x), y
+    return (torch.full_like(x, value) if big else x), y
 
 
 def guarded_step(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
@@ -43,7 +43,11 @@ def guarded_step(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.
 
 
 def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, bad_step: int,
-        wrapper: str = "fsdp2") -> None:
+        wrapper: str = "fsdp2", fault: str = "forward") -> None:
+    """``fault="backward"``: fc1's weights tiny (1e-21) and the bad batch 3e30 (at step 0: Adam's first update makes
+    the weights ~1e-3), so the forward and the loss stay finite (fc1 makes ~4e9, the loss ~8e18) and fc1's weight
+    gradient (the batch times ~1e8) overflows bfloat16 in backward: every rank's gradients go non-finite through
+    the collective, the Guard sees it on every rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     res: dict[str, Any] = {"rank": rank, "stopped_at": None}
@@ -56,6 +60,8 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
         model: torch.nn.Module = MLP(d_in=D_IN)
         with torch.no_grad():
             model.fc1.weight.abs_()
+            if fault == "backward":
+                model.fc1.weight.mul_(1e-21)
         if wrapper == "ddp":
             model = DistributedDataParallel(model)
         elif wrapper == "hsdp":  # replicated over mesh dimension 0, sharded over dimension 1
@@ -71,7 +77,7 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         guard = nanhunt.Guard(model, opt, None, dump_dir=dump, loss_fn=F.mse_loss, model_kwargs={"d_in": D_IN})
         for i in range(5):
-            x, y = batch(rank, i, big=rank == bad_rank and i == bad_step)
+            x, y = batch(rank, i, big=rank == bad_rank and i == bad_step, value=BIG if fault == "forward" else 3e30)
             try:
                 guarded_step(guard, model, opt, x, y)
             except nanhunt.GuardError as e:

@@ -123,3 +123,43 @@ def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_fi
     assert "(repro verified)" in proc.stderr
     ran = subprocess.run([sys.executable, str(bundle / "repro.py")], capture_output=True, text=True, timeout=120)
     assert "inf" in ran.stdout.lower(), ran.stdout + ran.stderr
+
+
+@pytest.fixture(scope="module")
+def ddp_backward_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """(dump dir, each rank's result) of a 2-rank DDP run whose rank 1's batch at step 0 overflows in backward only."""
+    base = tmp_path_factory.mktemp("ddp-backward")
+    dump, out = base / "caps", base / "out"
+    out.mkdir()
+    run_ranks(run, lambda r, port: (r, 2, port, str(dump), str(out), BAD_RANK, 0, "ddp", "backward"),
+              timeout=120)
+    return dump, rank_results(out)
+
+
+def test_a_backward_overflow_every_rank_received_replays_on_the_rank_that_made_it(
+        ddp_backward_run: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    dump, results = ddp_backward_run
+    cap = dump / "step000000"
+    # GIVEN a DDP step whose loss is finite on both ranks and whose gradients overflow on rank 1 only, so that
+    # after DDP's all-reduce both ranks see non-finite gradients: the Guard says both saw it
+    for res in results.values():
+        assert "error" not in res, res.get("error")
+        assert (res["stopped_at"], res["event"]["kind"], res["event"]["ranks"]) == (0, "grads", [0, 1])
+    # WHEN the capture is replayed in one process with no --rank (rank 0 is the first rank that saw it)
+    report = tmp_path / "r.json"
+    code = main(["replay", str(cap), "--model", "fixtures.models:MLP", "--report", str(report)])
+    err = capsys.readouterr().err
+    rep = Report.from_json(report.read_text())
+    # THEN it is not called clean: rank 0's batch replays finite, so rank 1's is replayed, and its backward
+    # overflow in fc1's weight gradient is the culprit
+    assert code == 1 and rep.status == "nonfinite", err
+    assert rep.first is not None
+    assert (rep.first.phase.value, rep.first.module, rep.first.kind) == ("backward", "fc1", "inf")
+    said = ("capture of 2 ranks (ddp): rank 1's batch replayed (rank 0's replays finite: the failure it saw came "
+            "from another rank)")
+    assert rep.notes[0] == said and said in err.splitlines()
+    # AND an explicit --rank 0 replays rank 0's batch as asked, clean
+    assert main(["replay", str(cap), "--model", "fixtures.models:MLP", "--rank", "0", "--no-bisect"]) == 0
+    capsys.readouterr()

@@ -265,3 +265,29 @@ def test_golden_report_with_event_source_line_and_advice(fmt: str, name: str) ->
     back = Report.from_json(report.to_json())
     assert back.to_json() == report.to_json()
     assert (back.advice, back.guard_event, back.first) == (report.advice, report.guard_event, report.first)
+
+
+def test_a_rank_capture_that_replays_finite_says_whose_to_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from fixtures.models import MLP
+
+    from nanhunt.cli import main
+
+    monkeypatch.chdir(ROOT)
+    # GIVEN rank 0's capture files of a step whose failure every rank saw (rank 1's backward overflowed and the
+    # gradient collective carried it), rank 0's batch finite
+    torch.manual_seed(0)
+    files = (str(tmp_path / "step000004-rank0-checkpoint.pt"), str(tmp_path / "step000004-rank0-batch.pt"))
+    nanhunt.save_capture(*files, model=MLP(), batch=(torch.randn(4, 16), torch.randn(4, 4)), loss_fn=F.mse_loss,
+                         model_factory="fixtures.models:MLP")
+    event = {"step": 4, "kind": "grads", "detail": "non-finite gradients", "rank": 0, "ranks": [0, 1]}
+    (tmp_path / "step000004-rank0-event.json").write_text(json.dumps(event))
+    # WHEN it is replayed
+    report = tmp_path / "r.json"
+    assert main(["replay", *files, "--model", "fixtures.models:MLP", "--report", str(report)]) == 0
+    err = capsys.readouterr().err
+    # THEN the clean replay says why the Guard saw it here, and whose capture to replay
+    said = ("the Guard saw the failure at step 4 on rank(s) 0, 1; this capture's batch (rank 0's) replays finite: "
+            "what it saw arrived from another rank through a collective; replay the capture of rank 1")
+    assert said in err.splitlines()
+    assert Report.from_json(report.read_text()).notes[-1] == said
