@@ -279,6 +279,13 @@ class StepState:
         self._saved = [saved for _, saved in self.values]
         self.param_hooks = [(p, _param_hooks(p)) for p in self.params]
         self.grads = [p.grad for p in self.params]
+        # (grad, its copy in the file, its storage's bytes): values moved there by __enter__, back by restore()
+        self._spill: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for grad in {id(gr): gr for gr in self.grads if gr is not None}.values():
+            slot = self._slots.pop(id(grad), None)
+            if slot is not None and _owns_storage(grad):
+                self._spill.append((grad, slot, grad.untyped_storage().nbytes()))
+        self._spilled = False
         self.requires_grad = [p.requires_grad for p in self.params]
         self.opt_state: dict[Any, dict[str, Any]] | None = None
         self.opt_groups: list[dict[str, Any]] | None = None
@@ -329,6 +336,8 @@ class StepState:
         if optimizer is not None:
             found += [p for g in optimizer.param_groups for p in g["params"]]
             found += [v for s in optimizer.state.values() for v in s.values()]
+        # the .grad tensors the step began with: their values wait in the file, their memory freed meanwhile
+        found += [t.grad for t in found if isinstance(t, nn.Parameter) and _owns_storage(t.grad)]
         big: dict[int, torch.Tensor] = {}
         for t in found:
             # a tensor subclass (a DTensor shard) keeps its own copy: its copy_ takes no plain tensor
@@ -380,7 +389,44 @@ class StepState:
         interrupts = deferred_interrupts()
         interrupts.__enter__()  # nothing has changed yet: a Ctrl-C before this point needs no restore
         self._interrupts = interrupts
+        try:
+            self._spill_grads()
+        except BaseException:
+            self._interrupts = None
+            try:
+                self._unspill_grads()
+            finally:
+                interrupts.__exit__(None, None, None)
+            raise
         return self
+
+    def _spill_grads(self) -> None:
+        """A disk snapshot: the ``.grad`` tensors the step began with are copied into the file and their memory
+        freed (their storage resized to nothing; the same objects, put back by :meth:`restore`). The runs
+        start with no ``.grad``: a plain step's ``zero_grad(set_to_none=True)`` frees them the same way."""
+        if not self._spill:
+            return
+        self._spilled = True
+        spilled = {id(g) for g, _, _ in self._spill}
+        for g, slot, _ in self._spill:
+            slot.copy_(g.detach())
+        for p in self.params:
+            if p.grad is not None and id(p.grad) in spilled:
+                p.grad = None
+        for g, _, _ in self._spill:
+            g.untyped_storage().resize_(0)
+        _release_freed_memory()
+
+    def _unspill_grads(self) -> None:
+        """The ``.grad`` tensors' memory and values back (see :meth:`_spill_grads`)."""
+        if not self._spilled:
+            return
+        for g, slot, nbytes in self._spill:
+            storage = g.untyped_storage()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+                g.detach().copy_(slot)
+        self._spilled = False
 
     @atomic
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -395,7 +441,7 @@ class StepState:
     @atomic
     def reset(self, rng: Mapping[str, Any] | None = None) -> None:
         """Back to the snapshot, with no ``.grad`` (a replayed step starts from zero gradients)."""
-        self.restore()
+        self.restore(grads=False)
         for p in self.params:
             p.grad = None
         fsdp_fresh_buffers(self._fsdp)
@@ -403,7 +449,9 @@ class StepState:
             set_rng_state(rng)
 
     @atomic
-    def restore(self) -> None:
+    def restore(self, *, grads: bool = True) -> None:
+        """Everything back as it was; without ``grads``, the ``.grad`` tensors a disk snapshot holds stay in the
+        file (a reset, which drops every ``.grad`` next)."""
         # unchanged (the common case) when every registry has its old size and the non-empty ones their old keys
         if list(map(len, self._hook_dicts)) != self._hook_sizes or any(
                 d.keys() != saved.keys() for d, saved in self._hooked):
@@ -438,6 +486,10 @@ class StepState:
                 m.training = training
         dst = [t.data for t in self._targets]  # .data: a restore is no write the tracer or autograd sees
         src = list(self._saved)
+        if grads and self._spilled:
+            for param in self.params:  # the last run's .grad freed before the step's own come back
+                param.grad = None
+            self._unspill_grads()
         for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
             param.grad = grad
             param.requires_grad_(rg)
@@ -506,6 +558,30 @@ def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict
 
 
 _DISK_MIN_BYTES = 1 << 20  # smaller tensors stay clones: a file offers them nothing worth a slot
+
+
+_LIBC: Any = None
+
+
+def _release_freed_memory() -> None:
+    """Give the memory just freed back to the system (glibc keeps large freed blocks in its heap, where the
+    runs' new tensors, aligned differently, do not always fit): ``malloc_trim``; nothing elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except (OSError, ImportError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+def _owns_storage(g: torch.Tensor | None) -> bool:
+    """A plain tensor that is the whole of its storage (not a view of a bucket, DDP's gradient_as_bucket_view)."""
+    return (isinstance(g, torch.Tensor) and g.__class__ is torch.Tensor and g.device.type == "cpu"
+            and g.storage_offset() == 0 and g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes)
 
 
 def _snapshot_mode(host: bool | None, snapshot: Snapshot | None) -> Snapshot | None:

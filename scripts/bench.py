@@ -780,6 +780,19 @@ def scale_case(kind: str, n: int) -> dict[str, Any]:
     _malloc_trim()
     rss_floor = _status_kib("VmRSS") / 1024
     anon_floor = _status_kib("RssAnon") / 1024 if hwm else 0.0
+    healthy: tuple[float, float] | None = None
+    if hwm and kind == "wide":
+        # The step a training run must fit is a healthy one: the failing step below skips AdamW's update (the
+        # GradScaler found an Inf), whose temporaries a healthy step and the replay's finite trials allocate. The
+        # same model, unplanted, alone in the process: its peaks above the same floors.
+        h = _make_case(kind, n, dtype)
+        h.plant = None
+        h.prime().step()  # warm, and its .grad tensors as a user's step leaves them
+        _, h_abs, h_anon = _peaks(h.step)
+        healthy = (h_abs - rss_floor, h_anon - anon_floor)
+        del h
+        gc.collect()
+        _malloc_trim()
     w = _make_case(kind, n, dtype).prime()
     out: dict[str, Any] = {"case": w.name, "desc": w.desc, "dtype": str(dtype)[6:], **pick,
                            "torch_threads": torch.get_num_threads(),
@@ -804,9 +817,12 @@ def scale_case(kind: str, n: int) -> dict[str, Any]:
                     "replay_over_plain": (disk_abs - rss_floor) / (plain_abs - rss_floor),
                     "replay_anon_mib": disk_anon - anon_floor,
                     "replay_anon_over_plain": (disk_anon - anon_floor) / (plain_anon - anon_floor),
-                    # the step's .grad tensors, kept alive by the snapshot (restored as the same objects)
-                    "held_grads_mib": sum(p.grad.nbytes for p in w.model.parameters() if p.grad is not None) / 2**20,
+                    # the step's .grad tensors: in the file too while the replay runs, their memory freed
+                    "spilled_grads_mib": sum(p.grad.nbytes for p in w.model.parameters() if p.grad is not None) / 2**20,
                     "verdict": disk_reports[0].verdict}
+            if healthy is not None:
+                disk["replay_over_healthy"] = (disk_abs - rss_floor) / healthy[0]
+                disk["replay_anon_over_healthy"] = (disk_anon - anon_floor) / healthy[1]
         t0 = time.perf_counter()
         rep_extra, rep_abs, rep_anon = _peaks(lambda: reports.append(replay()))
         out["replay_s"] = time.perf_counter() - t0
@@ -818,6 +834,10 @@ def scale_case(kind: str, n: int) -> dict[str, Any]:
                          "anon_floor_mib": anon_floor, "plain_anon_mib": plain_anon - anon_floor,
                          "replay_anon_mib": rep_anon - anon_floor,
                          "replay_anon_over_plain": (rep_anon - anon_floor) / (plain_anon - anon_floor)}
+        if healthy is not None:
+            out["memory"].update(healthy_footprint_mib=healthy[0], healthy_anon_mib=healthy[1],
+                                 replay_over_healthy=(rep_abs - rss_floor) / healthy[0],
+                                 replay_anon_over_healthy=(rep_anon - anon_floor) / healthy[1])
         if disk:
             dv, mv = disk.pop("verdict"), reports[0].verdict
             disk["same_verdict"] = (dv is None) == (mv is None) and (
@@ -940,9 +960,16 @@ def print_scale(sc: dict[str, Any]) -> None:
                   f"{d['replay_footprint_mib']:.0f} MiB ({d['replay_over_plain']:.2f}x; the mapped file's pages "
                   f"included, the page cache's), anonymous {d['replay_anon_mib']:.0f} MiB ({d['replay_anon_over_plain']:.2f}x; "
                   f"target <= 1.10x); in memory: RSS {mem['replay_over_plain']:.2f}x, anonymous "
-                  f"{mem['replay_anon_over_plain']:.2f}x; of the anonymous, {d['held_grads_mib']:.0f} MiB are the "
-                  f"step's .grad tensors, kept to be put back; replay {d['replay_s']:.1f} s vs {c['replay_s']:.1f} s; "
+                  f"{mem['replay_anon_over_plain']:.2f}x; the step's .grad tensors ({d['spilled_grads_mib']:.0f} MiB) "
+                  f"wait in the file too; replay {d['replay_s']:.1f} s vs {c['replay_s']:.1f} s; "
                   f"{'same verdict' if d['same_verdict'] else 'VERDICT DIFFERS'}")
+            if "replay_over_healthy" in d:
+                print(f"  {c['case']} against a healthy step of the same model (AdamW's update runs; the failing step "
+                      f"skips it, the replay's finite trials run it): healthy step RSS {mem['healthy_footprint_mib']:.0f} "
+                      f"MiB, anonymous {mem['healthy_anon_mib']:.0f} MiB; replay with the disk snapshot: RSS "
+                      f"{d['replay_over_healthy']:.2f}x, anonymous {d['replay_anon_over_healthy']:.2f}x (target <= "
+                      f"1.10x); in memory: RSS {mem['replay_over_healthy']:.2f}x, anonymous "
+                      f"{mem['replay_anon_over_healthy']:.2f}x")
     blocks = {c["case"]: c for c in sc["cases"] if c["case"].startswith("blocks") and "replay_over_step" in c}
     if "blocks128" in blocks and "blocks512" in blocks:
         print(f"  N=128 -> 512: replay / plain step grows {blocks['blocks512']['replay_over_step'] / blocks['blocks128']['replay_over_step']:.2f}x "

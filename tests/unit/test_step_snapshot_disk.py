@@ -278,18 +278,19 @@ def test_ctrl_c_while_the_file_is_made_leaves_no_file(every_tensor: None, file_k
 
 # ----------------------------------------------------------------------- when the disk is used
 def _big_cpu_model() -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """Linear(512, 512) with AdamW state: three 1 MiB tensors for the file, the rest tiny."""
+    """Linear(512, 512) with AdamW state and its .grad: four 1 MiB tensors for the file, the rest tiny."""
     m = nn.Linear(512, 512)
     opt = torch.optim.AdamW(m.parameters())
     m(torch.randn(2, 512)).sum().backward()
     opt.step()
-    return m, opt, 3 * MIB
+    return m, opt, 4 * MIB
 
 
-@pytest.mark.parametrize("available_mib, on_disk", [(7, 0), (6, 0), (5, 3 * MIB), (0, 3 * MIB)])
+@pytest.mark.parametrize("available_mib, on_disk", [(9, 0), (8, 0), (7, 4 * MIB), (0, 4 * MIB)])
 def test_by_default_the_disk_holds_a_cpu_snapshot_bigger_than_half_the_free_memory(
         available_mib: int, on_disk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # GIVEN a CPU model whose file-worthy copies take 3 MiB, and this much memory available (0: unknown)
+    # GIVEN a CPU model whose file-worthy copies take 4 MiB (weight, two Adam moments, the weight's .grad), and
+    # this much memory available (0: unknown)
     m, opt, _ = _big_cpu_model()
     monkeypatch.setattr(step_module, "_available_memory", lambda: float(available_mib * MIB))
     # WHEN a snapshot is taken with no choice given
@@ -320,7 +321,7 @@ def test_memory_and_host_snapshots_never_use_the_disk(tmp_path: Path, monkeypatc
 
 def test_a_temp_dir_in_memory_is_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN a temp dir on tmpfs (a file there takes memory as well) and no memory to spare
-    m, opt, _ = _big_cpu_model()
+    m, opt, total = _big_cpu_model()
     monkeypatch.setattr(step_module, "_available_memory", lambda: 0.0)
     monkeypatch.setattr(step_module, "_in_memory_fs", lambda path: True)
     # WHEN a snapshot is taken by default, then on disk by request
@@ -329,7 +330,7 @@ def test_a_temp_dir_in_memory_is_passed_over(tmp_path: Path, monkeypatch: pytest
     with pytest.warns(UserWarning, match=r"a disk snapshot there saves no memory"):
         asked = StepState(m, opt, snapshot="disk", directory=str(tmp_path))
     # THEN the default keeps it in memory; the request is honoured
-    assert auto.on_disk == 0 and asked.on_disk == 3 * MIB
+    assert auto.on_disk == 0 and asked.on_disk == total
 
 
 # ----------------------------------------------------------------------- Ctrl-C and replay
@@ -423,3 +424,37 @@ def test_cli_snapshot_flag_reaches_the_step(tmp_path: Path, monkeypatch: pytest.
     # THEN each replay's snapshot was taken as asked, and each found the overflow
     assert codes == [1, 1, 1]
     assert seen == ["disk", "memory", None]
+
+
+def test_the_grads_the_step_began_with_wait_in_the_file_and_come_back_as_the_same_objects(tmp_path: Path) -> None:
+    # GIVEN a CPU model whose parameters hold .grad tensors of 1 MiB (as after a user's step), and their bits
+    m, opt, _ = _big_cpu_model()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None for g in grads)
+    before = [(g.clone(), g.data_ptr() != 0) for g in grads if g is not None]
+    big = [g for g in grads if g is not None and g.nbytes >= MIB]
+    assert len(big) == 1  # the weight's; the bias's 2 KiB stays in memory
+    # WHEN a disk snapshot is used and a step runs inside it
+    with StepState(m, opt, snapshot="disk", directory=str(tmp_path)) as state:
+        # THEN the big grad's memory is freed meanwhile, its values in the file, and the runs start with no .grad
+        assert big[0].untyped_storage().nbytes() == 0
+        assert m.weight.grad is None
+        state.reset()
+        m(torch.randn(2, 512)).sum().backward()
+        assert m.weight.grad is not None and m.weight.grad is not big[0]
+    # AND on leaving, every parameter holds its own .grad object again, bit for bit
+    assert [p.grad for p in m.parameters()] == grads
+    for g, (b, _) in zip(grads, before):
+        assert g is not None and torch.equal(g, b) and g.untyped_storage().nbytes() == b.nbytes
+
+
+def test_the_grads_come_back_when_the_block_raises(tmp_path: Path) -> None:
+    # GIVEN a disk snapshot holding a model's grad WHEN the block raises
+    m, opt, _ = _big_cpu_model()
+    g = m.weight.grad
+    assert g is not None
+    copy = g.clone()
+    with pytest.raises(ValueError), StepState(m, opt, snapshot="disk", directory=str(tmp_path)):
+        raise ValueError("the user's model failed")
+    # THEN the grad is back, the same object, bit for bit
+    assert m.weight.grad is g and torch.equal(g, copy)
