@@ -26,6 +26,7 @@ from ._tensors import FLOATISH, MAX_NEST, floatish, input_shapes, storage_key, t
 from ._tree import map_tensors
 from ._watch import NOT_USER, OriginWatch
 from .records import Phase, Role
+from .stats import full_stats
 
 __all__ = ["OpRecorder"]
 
@@ -201,14 +202,29 @@ class OpRecorder:
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))
             return out
-        self._outputs(info, args, kwargs, out, ins, phase, module, call, src, scalar, node)
+        outs = self._outputs(info, args, kwargs, out, ins, phase, module, call, src, scalar, node)
         if match:
             made = len(self._raw) - start  # each of its records has the op's context
             self._catch_seen = before + made
             if saved is not None and nth < made:
                 self.caught = (func, saved, phase)
                 self.catch = None
+                if not isinstance(catch, int):
+                    self._zoom_caught(info, saved, ins, start + nth, outs[nth])
         return out
+
+    def _zoom_caught(self, info: _dispatch.OpInfo, saved: tuple[tuple[Any, ...], dict[str, Any]], ins: list[int],
+                     idx: int, made: torch.Tensor) -> None:
+        """The culprit caught by its key measured in full, as ``zoom`` measures records by index: its output,
+        the inputs it read (their values as the op read them: the clones taken before it ran) and their shapes.
+        By key, not by the first run's indices, which shift when a wrapper records more in one run (DDP)."""
+        raws = self._raw
+        raws[idx].full = full_stats(made)
+        args, kwargs = saved
+        raws[idx].in_shapes = input_shapes(args, kwargs)
+        for i, t in zip(ins, _read_tensors(info, args, kwargs)):
+            if raws[i].full is None:
+                raws[i].full = full_stats(t)
 
     def _node_made(self, first: int, seq: int, module: str | None, call: int, src: Source | None) -> None:
         """The op running made autograd node ``seq - 1``: it is this op's, with the line that made it;
@@ -237,8 +253,9 @@ class OpRecorder:
 
     def _outputs(self, info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
                  ins: list[int], phase: Phase, module: str | None, call: int, src: Source | None,
-                 scalar: str | None, node: Any) -> None:
-        """Record an op's new values: its floating outputs (distinct) and the arguments it wrote."""
+                 scalar: str | None, node: Any) -> Sequence[torch.Tensor]:
+        """Record an op's new values: its floating outputs (distinct) and the arguments it wrote; return those
+        tensors, one per record made, in order."""
         written_ids: Sequence[int] = ()
         hidden_ids: Sequence[int] = ()
         if not info.writes:
@@ -246,7 +263,7 @@ class OpRecorder:
             if isinstance(out, torch.Tensor):
                 if out.dtype not in FLOATISH:
                     self._index_uses.update(ins)
-                    return
+                    return ()
                 outs: list[torch.Tensor] = [out]
             elif isinstance(out, (tuple, list)):
                 outs = []
@@ -255,13 +272,13 @@ class OpRecorder:
                         outs.append(o)
                 if not outs:
                     self._index_uses.update(ins)
-                    return
+                    return ()
             else:
-                return
+                return ()
         else:
             outs, written_ids, hidden_ids = _written(info, args, kwargs, out)
             if not outs:
-                return
+                return ()
         raws = self._raw
         # A view of uninitialised memory is no value either, until something writes it; a
         # partial write (index_put_, a slice copy) leaves some of it unwritten: still no value,
@@ -305,6 +322,7 @@ class OpRecorder:
             new.append(idx)
         if self._watching:
             self._watch.hold(new, args, kwargs, outs, node)
+        return outs
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
                   module: str | None, call: int, want_src: bool) -> Any:
@@ -498,6 +516,21 @@ def _written(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
             seen_ids.add(id(o))
             unique.append(o)
     return unique, [id(w) for w in written], hidden_ids
+
+
+def _read_tensors(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The floating tensors an op reads, in the order :meth:`OpRecorder._scan` records them (the op's ``ins``)."""
+    write_only = bool(info.write_only_args or info.write_only_kwargs)
+    values = [*(a for i, a in enumerate(args) if not (write_only and i in info.write_only_args)),
+              *(v for k, v in kwargs.items() if not (write_only and k in info.write_only_kwargs))]
+    out: list[torch.Tensor] = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            if a.dtype in FLOATISH:
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(b for b in a if isinstance(b, torch.Tensor) and floatish(b))
+    return out
 
 
 def _cloned(obj: Any) -> Any:

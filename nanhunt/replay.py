@@ -55,8 +55,9 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
         for _ in range(2):
             # the second run also keeps the culprit op's call (the repro's inputs): no third run
             catch = traces[0].first if traces and level == "op" else None
-            t = Trace._zooming(step.model, zoom, catch=catch, catch_records=traces[0].records if catch else None,
-                               level=level, allow=allow)
+            # op level: the culprit is measured in full where it is caught, by its key (record indices can shift)
+            t = Trace._zooming(step.model, () if catch is not None else zoom, catch=catch,
+                               catch_records=traces[0].records if catch else None, level=level, allow=allow)
             loss = step.run(within=t)
             loss_value = float(loss.detach().float())
             traces.append(t)

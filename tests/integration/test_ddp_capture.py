@@ -107,6 +107,12 @@ def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_fi
     assert rep.first is not None
     assert (rep.status, rep.first.phase.value, rep.first.module, rep.first.op, rep.first.kind) == (
         "nonfinite", "forward", "fc1", "aten::addmm", "inf")
+    # AND measured in full, with the shapes the op read, though DDP's second run records more ops than its first
+    # (it rebuilds its buckets), so the first run's record indices are not the second's
+    out = rep.first.output
+    assert out.full is not None and out.full.posinf == 4 * 32 and out.full.numel == 4 * 32
+    assert out.input_shapes == ((32,), (4, 64), (64, 32))
+    assert [r.full is not None for r in rep.first.inputs] == [True, True, True]
     assert rep.notes[0] == ("capture of 2 ranks (ddp) replayed on 2 ranks under torchrun, each rank its own batch "
                             "and RNG state")
     assert rep.notes[1].startswith("rank 1 went first: the report is its replay; rank 1: Inf born in phase forward, "
