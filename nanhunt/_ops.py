@@ -69,7 +69,7 @@ class OpRecorder:
 
     __slots__ = ("busy", "scope", "last_seq", "catch", "caught", "_catch_seen", "_last_ctx", "_store", "_phases", "_watch",
                  "_watching", "_code_skip", "_raw", "_kd", "_known", "_writes", "_index_uses", "_zoom", "_stack",
-                 "_updating", "_seqmap", "_draining")
+                 "_updating", "_seqmap", "_draining", "_scanning")
 
     def __init__(self, store: RecordStore, phases: PhaseTracker, watch: OriginWatch, *,
                  scope: tuple[str, ...] = ()) -> None:
@@ -102,6 +102,8 @@ class OpRecorder:
         self._seqmap = phases.nodes
         # While a collective's own wait runs ops (see _collective): (its name, the records it sent).
         self._draining: tuple[str, tuple[int, ...]] | None = None
+        # The op whose arguments are being scanned: (its info, its args)
+        self._scanning: tuple[_dispatch.OpInfo, tuple[Any, ...]] | None = None
 
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one aten op and record what it read and made."""
@@ -155,12 +157,14 @@ class OpRecorder:
         if info.collective is not None:
             return self._collective(info, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
+        self._scanning = (info, args)
         if info.write_only_args or info.write_only_kwargs:  # out=, copy_'s destination: not inputs
             scalar = self._scan_read(info, args, kwargs, ins, phase, module, call)
         else:
             scalar = self._scan(args, ins, phase, module, call, None)
             if kwargs:
                 scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
+        self._scanning = None
         if new_node and phase is _UPDATE and not self._phases.in_update() and self._phases.from_forward(ins):
             # Differentiable work on the forward's values after a backward, outside optimizer.step():
             # a second loss (backward(retain_graph=True) ran first), not an update (an EMA reads weights).
@@ -433,10 +437,12 @@ class OpRecorder:
         if ent is not None:
             if ent[1] == ver and (ver >= 0 or store.unwritten_since(t, ent[0])):
                 return int(ent[0])
-            # Changed in place, perhaps through a view: link the last write into its storage.
+            # Changed in place, perhaps through a view: link the last write into its storage. Uninitialised
+            # memory written through views (in part, perhaps): what was never written is read too.
             w = self._writes.get(storage_key(t))
             links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
-            raw = Raw(phase, module, call, None, Role.REMEASURED, t, links, None)
+            role = Role.UNWRITTEN if store.raws[int(ent[0])].blank and self._reads_values(t) else Role.REMEASURED
+            raw = Raw(phase, module, call, None, role, t, links, None)
         elif self._draining is not None:
             # Read by a collective's own wait: a buffer of the collective's, holding what arrived (whatever
             # an earlier, freed tensor at its address was).
@@ -460,6 +466,17 @@ class OpRecorder:
         if raw.role is Role.RECEIVED:
             self._writes[storage_key(t)] = idx  # a later wait's new view of it finds it received
         return idx
+
+    def _reads_values(self, t: torch.Tensor) -> bool:
+        """Whether the op whose arguments are being scanned reads ``t``'s values: not a view of it (a slice to
+        write through), not a copy (a clone carries what it holds, written later perhaps), not an in-place op
+        writing it (it keeps what it does not overwrite, reading none of it as a value)."""
+        if self._scanning is None:
+            return False
+        info, args = self._scanning
+        if info.is_view or info.copy_of is not None:
+            return False
+        return not any(t is w for i in info.written_args if i < len(args) for w in tensors(args[i], MAX_NEST - 1))
 
     def _source(self, depth: int = 3) -> Source | None:
         """The innermost frame outside torch and nanhunt: the user's line that ran the op.

@@ -49,6 +49,13 @@ def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool 
         if may_mask and r.role in _MASKS and not r.has_nan and r.max < math.inf:
             return None  # only -inf: an intentional mask (a causal-mask buffer, an additive attention mask)
         return "nan" if r.has_nan else "inf"
+    if r.role is Role.UNWRITTEN:
+        # Uninitialised memory written in part and read: the unwritten part made it non-finite only if nothing
+        # non-finite was written since it was allocated (else that, an origin of its own, may explain it).
+        since = min(r.inputs, default=r.index)
+        if all(x.finite for x in records[since:r.index]):
+            return "nan" if r.has_nan else "inf"
+        return None
     if r.role is not Role.OUTPUT:
         return None
     ins = [records[i] for i in r.inputs]

@@ -60,6 +60,9 @@ class Role(str, enum.Enum):
     GRAD = "grad"  # a parameter's .grad after backward
     STATE = "state"  # optimizer or other long-lived state first seen in the update
     REMEASURED = "remeasured"  # a known tensor measured again after an in-place change or view write
+    # memory allocated uninitialised (torch.empty), written only in part (through views), read: its unwritten
+    # part is whatever the memory held; non-finite with nothing non-finite written since, it is an origin
+    UNWRITTEN = "unwritten"
     RECEIVED = "received"  # arrived from another rank through a collective (all-reduce, ...): never an origin here
 
     def __str__(self) -> str:
