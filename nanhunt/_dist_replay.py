@@ -308,24 +308,35 @@ class _Ranks:
 
     # -------------------------------------------------- the report
     def repro(self, make: Callable[[str], Repro | None], bundle: str) -> Repro | None:
-        """The first rank (rank 0 when none went first) writes and verifies the repro in a directory of its own;
-        its files travel to rank 0, which writes them into ``bundle`` (the ranks may not share a filesystem).
-        The inputs are capped (``repro.DEFAULT_CAP``), so the one gather stays small."""
-        maker = self.first_rank if self.first_rank is not None else 0
+        """The first rank (rank 0's word for which; rank 0 when none went first) writes and verifies the repro in
+        a directory of its own, never running the step again (``make`` is built so); the small Repro is gathered
+        by every rank, its files (inputs capped at ``repro.DEFAULT_CAP``) sent to rank 0 alone, which writes them
+        into ``bundle`` (the ranks may not share a filesystem)."""
+        said: list[Any] = [None] * self.world
+        dist.all_gather_object(said, self.first_rank)
+        maker = said[0] if said[0] is not None else 0
         mine: Any = None
+        files: dict[str, bytes] = {}
         if self.rank == maker:
             with tempfile.TemporaryDirectory(prefix="nanhunt-repro-") as d:
                 try:
                     rp = make(d)
                     files = {} if rp is None else {f: Path(d, f).read_bytes() for f in rp.files}
-                    mine = (rp, files, None)
+                    mine = (rp, None)
                 except Exception as e:  # said to every rank, none left waiting in the gather
-                    mine = (None, {}, f"{type(e).__name__}: {e}")
+                    mine = (None, f"{type(e).__name__}: {e}")
         got: list[Any] = [None] * self.world
         dist.all_gather_object(got, mine)
-        rp, files, error = got[maker]
+        rp, error = got[maker]
         if error is not None:
             raise CommandError(f"rank {maker} could not write the repro of its culprit op: {error}")
+        if rp is not None and maker != 0:  # the files, from the maker to rank 0 only
+            box: list[Any] = [files]
+            if self.rank == maker:
+                dist.send_object_list(box, dst=0)
+            elif self.leads:
+                dist.recv_object_list(box, src=maker)
+                files = box[0]
         if self.leads and rp is not None:
             os.makedirs(bundle, exist_ok=True)
             for name, data in files.items():

@@ -76,13 +76,13 @@ class OpRecorder:
         self.busy = False
         self.scope = scope
         self.last_seq = -1  # the autograd sequence number after the last op seen
-        # The culprit in a replay's second run, as the user sees it: (phase, module, call, op, n), its record the
-        # n-th (from 0) of that op in that call of that module. The call of the op that makes it is kept, its
+        # The culprit in a replay's second run, as the user sees it: (module, call, op, n), its record the n-th
+        # (from 0) of that op in that call of that module. The call of the op that makes it is kept, its
         # arguments cloned before it ran, as ``caught`` (op, (args, kwargs), phase). Not a record index: a
         # wrapper's first call records more than the next (DDP rebuilds its buckets), so indices shift between runs.
         # (A record index also does, for a run that records as much as the one it came from.)
-        self.catch: tuple[Phase, str | None, int, str, int] | int | None = None
-        self._catch_seen = 0  # records of the catch's (phase, module, call, op) made so far
+        self.catch: tuple[str | None, int, str, int] | int | None = None
+        self._catch_seen = 0  # records of the catch's (module, call, op) made so far
         self.caught: tuple[Any, tuple[tuple[Any, ...], dict[str, Any]], Phase] | None = None
         self._last_ctx: NodeContext | None = None  # the last op's
         self._store = store
@@ -193,15 +193,15 @@ class OpRecorder:
         catch = self.catch
         start = len(self._raw)
         before = self._catch_seen
+        first = args[0] if args else None
+        n = 8 + (len(first) if isinstance(first, (list, tuple)) else 0)  # a fused op's outputs: one per tensor
         if isinstance(catch, int):  # a record index: of a run of the same step that recorded as much
-            first = args[0] if args else None
-            n = 8 + (len(first) if isinstance(first, (list, tuple)) else 0)  # a fused op's outputs: one per tensor
             match, nth = start <= catch < start + n, catch - start
         else:
             assert catch is not None
-            match = phase is catch[0] and module == catch[1] and call == catch[2] and info.name == catch[3]
-            nth = catch[4] - before
-        saved = _cloned((args, kwargs)) if match and nth >= 0 else None
+            match = module == catch[0] and call == catch[1] and info.name == catch[2]
+            nth = catch[3] - before
+        saved = _cloned((args, kwargs)) if match and 0 <= nth < n else None
         out = info.run(*args, **kwargs)
         if info.same_set_view and ins and isinstance(out, torch.Tensor) and out.dtype in FLOATISH:
             self._known[out] = (ins[0], _version(args[0]) if isinstance(args[0], torch.Tensor) else _version(out))

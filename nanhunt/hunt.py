@@ -69,7 +69,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         repro = None
         if bundle is not None:
             def make(directory: str) -> Repro | None:
-                return make_repro(step, first, directory, call=_caught_call(step, replayed))
+                return make_repro(step, first, directory, call=_caught_call(step, replayed), rerun=ranks is None)
 
             repro = make(bundle) if ranks is None else ranks.repro(make, bundle)
     report = _report(step, replayed, config, verdict, repro, command)

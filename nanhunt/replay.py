@@ -54,8 +54,10 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     with step.isolated():
         for _ in range(2):
             # the second run also keeps the culprit op's call (the repro's inputs): no third run
-            catch = traces[0].first if traces and level == "op" else None
-            # op level: the culprit is measured in full where it is caught, by its key (record indices can shift)
+            first = traces[0].first if traces and level == "op" else None
+            catch = first if first is not None and first.op is not None else None
+            # an op's culprit is measured in full where it is caught, by its key (record indices can shift); a
+            # value entering the step (no op), by its record index
             t = Trace._zooming(step.model, () if catch is not None else zoom, catch=catch,
                                catch_records=traces[0].records if catch else None, level=level, allow=allow)
             loss = step.run(within=t)

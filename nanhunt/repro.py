@@ -453,16 +453,22 @@ def make_repro(
     cap_bytes: int = DEFAULT_CAP,
     verify: bool = True,
     call: OriginCall | None = None,
+    rerun: bool = True,
 ) -> Repro | None:
     """Catch the origin op, write its repro into ``directory`` and run it in a fresh process.
 
     ``None`` when there is no op to reproduce (a clean step, or a value that entered the step
     non-finite: batch, weights, optimizer state). Otherwise a :class:`Repro`; put it in the report
     with ``dataclasses.replace(report, repro=...)``. ``call``: the origin's call when a trace already caught
-    it (a replay's second run); otherwise the step runs once more to catch it.
+    it (a replay's second run); otherwise the step runs once more to catch it, unless ``rerun`` is False (one
+    rank of a distributed replay: a run of its own would wait in collectives no other rank joins).
     """
     if occurrence is None or occurrence.op is None:
         return None
+    if call is None and not rerun:
+        return Repro(op=occurrence.op, device_type=step.device_type,
+                     result="the replay's second run did not catch the op's call; for a repro, replay this rank's "
+                     "batch in one process (--rank R --bundle DIR)")
     if call is None:
         call = capture_origin_call(step, occurrence)
     if call is None:

@@ -396,6 +396,8 @@ class StepState:
             try:
                 self._unspill_grads()
             finally:
+                for param, grad in zip(self.params, self.grads):
+                    param.grad = grad
                 interrupts.__exit__(None, None, None)
             raise
         return self
@@ -486,12 +488,11 @@ class StepState:
                 m.training = training
         dst = [t.data for t in self._targets]  # .data: a restore is no write the tracer or autograd sees
         src = list(self._saved)
-        if grads and self._spilled:
-            for param in self.params:  # the last run's .grad freed before the step's own come back
-                param.grad = None
-            self._unspill_grads()
+        # a disk snapshot's .grad tensors grow back last (an allocation, which may fail when memory is short:
+        # everything else is back by then); the last run's gradients are freed first
+        unspill = grads and self._spilled
         for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
-            param.grad = grad
+            param.grad = None if unspill else grad
             param.requires_grad_(rg)
         opt = self.optimizer
         if opt is not None and self.opt_state is not None and self.opt_groups is not None:
@@ -528,6 +529,10 @@ class StepState:
                     setattr(self.scaler, k, _clone(v))
         set_rng_state(self.rng)
         torch.set_grad_enabled(self.grad_enabled)
+        if unspill:
+            self._unspill_grads()
+            for param, grad in zip(self.params, self.grads):
+                param.grad = grad
 
 
 _MISSING = object()
@@ -581,7 +586,10 @@ def _release_freed_memory() -> None:
 def _owns_storage(g: torch.Tensor | None) -> bool:
     """A plain tensor that is the whole of its storage (not a view of a bucket, DDP's gradient_as_bucket_view)."""
     return (isinstance(g, torch.Tensor) and g.__class__ is torch.Tensor and g.device.type == "cpu"
-            and g.storage_offset() == 0 and g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes)
+            and g.storage_offset() == 0 and g.is_contiguous() and g.untyped_storage().nbytes() == g.nbytes
+            # shared memory (model.share_memory()) and memory torch did not allocate (numpy's, DLPack's) cannot
+            # be resized to nothing and back
+            and not g.untyped_storage().is_shared() and g.untyped_storage().resizable())
 
 
 def _snapshot_mode(host: bool | None, snapshot: Snapshot | None) -> Snapshot | None:

@@ -126,11 +126,12 @@ class Trace:
         if catch is not None and catch_records is None:
             t._ops.catch = catch.output.index
         elif catch is not None and catch_records is not None and catch.op is not None:
+            # (module, call, op, n-th): no phase, which the tracer may change after an op ran (loss work found
+            # to be the next model call's glue turns forward)
             out = catch.output
             nth = sum(1 for r in catch_records[:out.index]
-                      if r.phase is out.phase and r.module == out.module and r.call_index == out.call_index
-                      and r.op == catch.op)
-            t._ops.catch = (out.phase, out.module, out.call_index, catch.op, nth)
+                      if r.module == out.module and r.call_index == out.call_index and r.op == catch.op)
+            t._ops.catch = (out.module, out.call_index, catch.op, nth)
         return t
 
     @property
