@@ -65,3 +65,14 @@ def torchrun(args: list[str], *, cwd: Path, nproc: int = 2, timeout: float = 400
     except subprocess.TimeoutExpired as e:
         said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         pytest.fail(f"torchrun did not finish in {e.timeout} s; its stderr ended with:\n{said[-3000:]}")
+
+
+def finish_rank(out: str, rank: int, res: dict[str, Any]) -> None:
+    """A worker rank's last act (in its ``finally``): its result into ``out/rank{R}.json``, which
+    :func:`rank_results` reads, then its process group torn down."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
+        json.dump(res, fh)
+    if dist.is_initialized():
+        dist.destroy_process_group()

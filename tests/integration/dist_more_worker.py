@@ -14,7 +14,6 @@ entry when the rank failed) into ``out``:
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from torch import nn
 
 import nanhunt
 from fixtures.models import MLP
-from tests.helpers_dist import rank_results, run_ranks
+from tests.helpers_dist import finish_rank, rank_results, run_ranks
 from tests.integration.fsdp_guard_worker import guarded_step
 
 
@@ -49,10 +48,7 @@ def _rank(rank: int, world: int, port: int, out: str, body: Callable[[dict[str, 
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-            json.dump(res, fh)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank(out, rank, res)
 
 
 # --------------------------------------------------------------------- DDP / FSDP1 traces

@@ -9,7 +9,6 @@ dict gathered when the Guard stopped (``full-state.pt``), for the test to compar
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from datetime import timedelta
@@ -23,6 +22,7 @@ from torch import nn
 import nanhunt
 from fixtures.models import MLP
 from tests.integration.fsdp_guard_worker import D_IN, batch, guarded_step
+from tests.helpers_dist import finish_rank
 
 BIG_F16 = 6e4
 
@@ -116,7 +116,4 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-            json.dump(res, fh)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank(out, rank, res)

@@ -6,7 +6,6 @@ training loop watched by ``nanhunt.Guard``
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from datetime import timedelta
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
+from tests.helpers_dist import finish_rank
 
 D_IN = 64
 BIG = 3e38
@@ -101,7 +101,4 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-            json.dump(res, fh)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank(out, rank, res)

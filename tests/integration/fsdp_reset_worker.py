@@ -5,7 +5,6 @@ next all-gather, without an op a trace sees). Writes ``rank{R}.json``: what the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import traceback
@@ -20,6 +19,7 @@ import nanhunt
 from fixtures.models import MLP
 from nanhunt.step import Step
 from nanhunt.tracer import Trace
+from tests.helpers_dist import finish_rank
 
 D_IN = 64
 
@@ -85,7 +85,4 @@ def run(rank: int, world: int, port: int, out: str, live: bool = False) -> None:
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-            json.dump(res, fh)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank(out, rank, res)

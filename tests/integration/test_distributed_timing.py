@@ -9,7 +9,6 @@ address of a freed tensor an earlier op had written. These tests force both orde
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from datetime import timedelta
@@ -24,6 +23,7 @@ from torch import nn
 import nanhunt
 
 from .dist_more_worker import two_ranks
+from tests.helpers_dist import finish_rank
 
 TIMEOUT_S = 60
 
@@ -55,10 +55,7 @@ def _rank(rank: int, world: int, port: int, case: str, out: str) -> None:
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as fh:
-            json.dump(res, fh)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish_rank(out, rank, res)
 
 
 def _late_wait(rank: int) -> nanhunt.Trace:

@@ -4,7 +4,7 @@ under ranks never runs the step a third time on one rank only (collectives no ot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,8 @@ from nanhunt.tracer import Trace
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of the module on one torch thread (conftest's ``one_thread``)."""
 
 
 class _BodyHead(nn.Module):

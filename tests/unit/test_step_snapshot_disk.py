@@ -32,13 +32,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of the module on one torch thread (conftest's ``one_thread``)."""
 
 
 @pytest.fixture()

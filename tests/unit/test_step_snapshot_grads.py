@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _one_thread(one_thread: None) -> None:
+    """Every test of the module on one torch thread (conftest's ``one_thread``)."""
 
 
 def test_a_grad_in_a_numpy_array_s_memory_stays_on_its_parameter(tmp_path: Path) -> None:
