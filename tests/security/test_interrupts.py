@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
+from nanhunt import step as step_module
 from nanhunt.bisect import bisect
 from nanhunt.guard import _StepContext
 from nanhunt.step import Step, StepState
@@ -224,15 +225,20 @@ def _one_thread_default_sigint() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ restores
-def test_step_state_holds_sigint_at_every_line_event_of_reset_and_restore() -> None:
-    # GIVEN a trained model, Adam and a GradScaler, and a StepState of them used as a context manager
+@pytest.mark.parametrize("snapshot", [None, "disk"])
+def test_step_state_holds_sigint_at_every_line_event_of_reset_and_restore(
+        snapshot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a trained model, Adam and a GradScaler, and a StepState of them used as a context manager, its copies
+    # in memory or (every tensor, the .grad ones too) in a mapped temporary file
+    monkeypatch.setattr(step_module, "_DISK_MIN_BYTES", 0)
     model, opt, scaler = _setup()
     before = _state(model, opt, scaler)
     rng = {"torch": torch.get_rng_state()}
 
     def run(inject: _Inject) -> None:
         try:
-            with StepState(model, opt, scaler) as state:
+            with StepState(model, opt, scaler, snapshot=snapshot, directory=str(tmp_path)) as state:
+                assert (state.on_disk > 0) == (snapshot == "disk")
                 _train(model, opt, scaler, _batch(2))
                 _traced(inject, lambda: state.reset(rng))
                 _train(model, opt, scaler, _batch(3))
@@ -249,6 +255,7 @@ def test_step_state_holds_sigint_at_every_line_event_of_reset_and_restore() -> N
 
     # WHEN Ctrl-C arrives at each line event of reset() and of the final restore
     assert _inject_everywhere(RESTORES, _sigint, run) > 500
+    assert os.listdir(tmp_path) == []  # and no file is left
 
 
 def test_replay_holds_sigint_at_every_line_of_its_restores() -> None:

@@ -24,8 +24,6 @@ from nanhunt.hunt import hunt
 from nanhunt.records import Phase
 from nanhunt.step import Step, StepState
 from tests.models import fp16_overflow_mlp, where
-from tests.security.test_interrupts import (RESTORES, _batch, _inject_everywhere, _same, _setup, _sigint, _state,
-                                            _train)
 
 MIB = 1 << 20
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (maps, status)")
@@ -329,43 +327,6 @@ def test_a_temp_dir_in_memory_is_passed_over(tmp_path: Path, monkeypatch: pytest
 
 
 # ----------------------------------------------------------------------- Ctrl-C and replay
-def test_disk_snapshot_holds_sigint_at_every_line_event_of_reset_and_restore(every_tensor: None, tmp_path: Path) -> None:
-    # GIVEN a trained model, Adam and a GradScaler, and a disk StepState of them used as a context manager
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    model, opt, scaler = _setup()
-    before = _state(model, opt, scaler)
-    rng = {"torch": torch.get_rng_state()}
-
-    def run(inject: Any) -> None:
-        try:
-            with StepState(model, opt, scaler, snapshot="disk", directory=str(tmp_path)) as state:
-                assert state.on_disk > 0
-                _train(model, opt, scaler, _batch(2))
-                sys.settrace(inject)
-                try:
-                    state.reset(rng)
-                finally:
-                    sys.settrace(None)
-                _train(model, opt, scaler, _batch(3))
-                sys.settrace(inject)  # and through the restore on leaving the block
-        except KeyboardInterrupt:
-            interrupted = True
-        else:
-            interrupted = False
-        finally:
-            sys.settrace(None)
-        # THEN the interrupt propagates, after a restore that put back every bit
-        assert interrupted == inject.fired
-        _same(before, _state(model, opt, scaler))
-
-    try:
-        # WHEN Ctrl-C arrives at each line event of reset() and of the final restore
-        assert _inject_everywhere(RESTORES, _sigint, run) > 500
-        assert os.listdir(tmp_path) == []
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _fp16_step(snapshot: Any) -> Step:
     m = fp16_overflow_mlp()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
