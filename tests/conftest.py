@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,22 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def snapshots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Every ``nanhunt.step.StepState`` made while the test runs."""
+    from nanhunt import step as step_module
+
+    made: list[Any] = []
+    init = step_module.StepState.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(step_module.StepState, "__init__", counting)
+    yield made
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ on an accelerator) that snapshot lives in host memory, pinned under CUDA, and is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt import step as step_module
 from nanhunt.hunt import hunt
 from nanhunt.step import Step, StepState
 
@@ -65,20 +63,6 @@ def _bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
         for x, y in zip(a, b))
-
-
-@pytest.fixture()
-def snapshots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[StepState]]:
-    """Every StepState made while the test runs."""
-    made: list[StepState] = []
-    init = StepState.__init__
-
-    def counting(self: StepState, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(step_module.StepState, "__init__", counting)
-    yield made
 
 
 def test_replay_and_bisection_take_one_snapshot(snapshots: list[StepState]) -> None:

@@ -336,16 +336,9 @@ def _fp16_step(snapshot: Any) -> Step:
 
 
 def test_replay_and_bisection_on_a_disk_snapshot_name_the_same_culprit(every_tensor: None,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      snapshots: list[StepState]) -> None:
     # GIVEN the same float16-overflowing step twice, its snapshot in memory and on disk
-    made: list[StepState] = []
-    init = StepState.__init__
-
-    def counting(self: StepState, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(step_module.StepState, "__init__", counting)
+    made = snapshots
     memory, disk = _fp16_step("memory"), _fp16_step("disk")
     assert disk.optimizer is not None
     before = _bits([*disk.model.parameters()])
