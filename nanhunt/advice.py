@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
-from .records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, Occurrence, Phase, Record, Report
+from .records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, Occurrence, Phase, Record, Report, Role
 
 __all__ = ["advise", "PATTERNS"]
 
@@ -36,6 +36,8 @@ PATTERNS: dict[str, str] = {
                           "smallest normal (6.1e-05)",
     "fp16-grad-underflow": "no (enabled) GradScaler, and float16 tensors of the backward whose largest |x| is "
                            "below float16's smallest normal",
+    "uninitialised-read": "the origin is a read of memory allocated uninitialised (torch.empty) and written only in "
+                          "part, non-finite while every write into it since was finite",
 }
 
 _EXP = frozenset({"aten::exp", "aten::exp_"})
@@ -270,8 +272,24 @@ def _real(x: Any) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _uninitialised_read(occ: Occurrence, report: Report) -> Advice | None:
+    if occ.output.role is not Role.UNWRITTEN:  # the locator made it the origin: its writes since were finite
+        return None
+    where = "" if occ.module is None else f" (module {occ.module or '<root>'})"
+    return Advice(
+        pattern="uninitialised-read",
+        advice=("Write every element of a tensor made with torch.empty / new_empty / empty_like before reading it, "
+                "or allocate it with torch.zeros / new_zeros (or torch.full) when part of it may stay unwritten."),
+        fix=("out = torch.zeros(shape, dtype=x.dtype, device=x.device)  # instead of torch.empty(shape, ...)\n"
+             "out = x.new_zeros(shape)  # instead of x.new_empty(shape)"),
+        because=(f"a {occ.output.dtype} {list(occ.output.shape)} tensor read in phase {occ.phase.value}{where} holds "
+                 f"{_kind(occ)} where no op wrote it: it was allocated uninitialised (torch.empty, new_empty, "
+                 "empty_like) and what was written into it since is finite"),
+    )
+
+
 _ORIGIN_RULES: tuple[Callable[[Occurrence, Report], Advice | None], ...] = (
-    _exp_softmax, _log_of_zero, _grad_at_zero, _masked_row, _fp16_matmul, _fp16_eps)
+    _exp_softmax, _log_of_zero, _grad_at_zero, _masked_row, _fp16_matmul, _fp16_eps, _uninitialised_read)
 
 
 # ------------------------------------------------------------------ the step

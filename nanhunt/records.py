@@ -231,7 +231,9 @@ class Occurrence(JSONData):
         where = "outside the model" if self.module is None else f"module {self.module or '<root>'!s}"
         if self.module is not None and self.module_class:
             where += f" ({self.module_class}, call {self.call_index})"
-        op = f"op {self.op}" if self.op else f"role {self.output.role.value}"
+        op = (f"op {self.op}" if self.op else
+              "a read of memory no op wrote (allocated uninitialised, written in part)"
+              if self.output.role is Role.UNWRITTEN else f"role {self.output.role.value}")
         what = "NaN" if self.kind == "nan" else "Inf"
         tail = (" [harmless: it fed only integer / index / boolean results]" if self.harmless else
                 " [silent: absorbed before the loss and gradients]" if self.silent else "")

@@ -172,3 +172,24 @@ def test_inplace_on_view_of_view_is_named() -> None:
         m(torch.ones(8))
     assert where(t.first) == (Phase.FORWARD, "", "aten::mul_", 0, "inf")
     assert t.first is not None and "loss" not in (t.first.reached or ()) and "output" in (t.first.reached or ())
+
+
+@pytest.mark.usefixtures("nan_filled_uninitialised_memory")
+def test_a_replay_of_an_uninitialised_read_says_what_it_is_and_what_to_fix() -> None:
+    from nanhunt.hunt import hunt
+    from nanhunt.step import Step
+
+    # GIVEN the step whose loss reads torch.empty(4) written only in half
+    # WHEN it is replayed
+    report = hunt(Step.of(ReadsGarbage(), (torch.ones(4), None), dtype=torch.float32))
+    # THEN the finding says it is a read of memory no op wrote, and the advice is to allocate it written
+    first = report.first
+    assert first is not None
+    assert first.describe() == ("NaN born in phase forward, module <root> (ReadsGarbage, call 0), a read of memory "
+                                "no op wrote (allocated uninitialised, written in part)")
+    assert [(a.pattern, a.because) for a in report.advice] == [(
+        "uninitialised-read",
+        "a float32 [4] tensor read in phase forward (module <root>) holds NaN where no op wrote it: it was "
+        "allocated uninitialised (torch.empty, new_empty, empty_like) and what was written into it since is "
+        "finite")]
+    assert "torch.zeros" in report.advice[0].fix
