@@ -317,16 +317,19 @@ class _Ranks:
         maker = said[0] if said[0] is not None else 0
         mine: Any = None
         files: dict[str, bytes] = {}
+        raised: BaseException | None = None
         if self.rank == maker:
             with tempfile.TemporaryDirectory(prefix="nanhunt-repro-") as d:
                 try:
                     rp = make(d)
                     files = {} if rp is None else {f: Path(d, f).read_bytes() for f in rp.files}
                     mine = (rp, None)
-                except Exception as e:  # said to every rank, none left waiting in the gather
-                    mine = (None, f"{type(e).__name__}: {e}")
+                except BaseException as e:  # said to every rank (none left waiting in the gather), raised here after
+                    mine, raised = (None, f"{type(e).__name__}: {e}"), e
         got: list[Any] = [None] * self.world
         dist.all_gather_object(got, mine)
+        if raised is not None:
+            raise raised
         rp, error = got[maker]
         if error is not None:
             raise CommandError(f"rank {maker} could not write the repro of its culprit op: {error}")

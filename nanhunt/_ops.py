@@ -158,13 +158,15 @@ class OpRecorder:
             return self._collective(info, args, kwargs, phase, module, call, want_src)
         ins: list[int] = []
         self._scanning = (info, args)
-        if info.write_only_args or info.write_only_kwargs:  # out=, copy_'s destination: not inputs
-            scalar = self._scan_read(info, args, kwargs, ins, phase, module, call)
-        else:
-            scalar = self._scan(args, ins, phase, module, call, None)
-            if kwargs:
-                scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
-        self._scanning = None
+        try:
+            if info.write_only_args or info.write_only_kwargs:  # out=, copy_'s destination: not inputs
+                scalar = self._scan_read(info, args, kwargs, ins, phase, module, call)
+            else:
+                scalar = self._scan(args, ins, phase, module, call, None)
+                if kwargs:
+                    scalar = self._scan(kwargs.values(), ins, phase, module, call, scalar)
+        finally:
+            self._scanning = None
         if new_node and phase is _UPDATE and not self._phases.in_update() and self._phases.from_forward(ins):
             # Differentiable work on the forward's values after a backward, outside optimizer.step():
             # a second loss (backward(retain_graph=True) ran first), not an update (an EMA reads weights).
@@ -317,11 +319,17 @@ class OpRecorder:
             if is_written:
                 # The autograd layer bumps the version of a written tensor after this mode returns.
                 ver = ver + 1 if ver >= 0 else ver
-                self._writes[storage_key(o)] = idx
+                key = storage_key(o)
+                self._writes[key] = idx
                 if raw.blank or info.uninitialised:
                     ver = STALE
+                writes_since = store.fresh.get(key)
+                if writes_since is not None:
+                    writes_since.append(idx)
             elif oid in hidden_ids:
                 self._writes[storage_key(o)] = idx  # written in place, version untouched
+            if info.uninitialised and not is_written:
+                store.fresh[storage_key(o)] = []  # what is written into it from now on
             kd[oid] = (weakref.ref(o), (idx, ver))
             new.append(idx)
         if self._watching:
@@ -439,9 +447,20 @@ class OpRecorder:
                 return int(ent[0])
             # Changed in place, perhaps through a view: link the last write into its storage. Uninitialised
             # memory written through views (in part, perhaps): what was never written is read too.
-            w = self._writes.get(storage_key(t))
-            links = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
-            role = Role.UNWRITTEN if store.raws[int(ent[0])].blank and self._reads_values(t) else Role.REMEASURED
+            key = storage_key(t)
+            w = self._writes.get(key)
+            links: tuple[int, ...] = (int(ent[0]),) if w is None or w == ent[0] else (int(ent[0]), w)
+            role = Role.REMEASURED
+            prior = int(ent[0])
+            writes_since = store.fresh.get(key)
+            raws = store.raws
+            # The allocation itself is the tensor's record (every write since went through views), each write
+            # since was measured (a partial write into blank memory is not: it may have written non-finite
+            # values), and the op reads its values: what was never written is read too.
+            if (writes_since is not None and raws[prior].blank and prior not in writes_since
+                    and not any(raws[i].blank for i in writes_since) and self._reads_values(t)):
+                role = Role.UNWRITTEN
+                links = (prior, *writes_since)
             raw = Raw(phase, module, call, None, role, t, links, None)
         elif self._draining is not None:
             # Read by a collective's own wait: a buffer of the collective's, holding what arrived (whatever
@@ -470,12 +489,15 @@ class OpRecorder:
     def _reads_values(self, t: torch.Tensor) -> bool:
         """Whether the op whose arguments are being scanned reads ``t``'s values: not a view of it (a slice to
         write through), not a copy (a clone carries what it holds, written later perhaps), not an in-place op
-        writing it (it keeps what it does not overwrite, reading none of it as a value)."""
+        that overwrites it in part or whole (it keeps what it does not overwrite, reading none of it as a value:
+        ``index_put_``, ``masked_fill_``, ``copy_``...; ``mul_`` and ``add_`` do read it)."""
         if self._scanning is None:
             return False
         info, args = self._scanning
         if info.is_view or info.copy_of is not None:
             return False
+        if info.name not in _OVERWRITES:
+            return True
         return not any(t is w for i in info.written_args if i < len(args) for w in tensors(args[i], MAX_NEST - 1))
 
     def _source(self, depth: int = 3) -> Source | None:
@@ -493,6 +515,13 @@ class OpRecorder:
                 return (code.co_filename, f.f_lineno, code.co_name)
             f = f.f_back
         return None
+
+
+# In-place ops whose written argument's old values are kept or replaced, never combined into the new ones.
+_OVERWRITES = frozenset(f"aten::{n}" for n in (
+    "copy_", "fill_", "zero_", "index_put_", "_index_put_impl_", "index_copy_", "index_fill_", "masked_fill_",
+    "masked_scatter_", "scatter_", "put_", "set_", "resize_", "uniform_", "normal_", "bernoulli_", "random_",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "fill_diagonal_", "slice_scatter", "select_scatter"))
 
 
 def _received_into(store: RecordStore, written: int | None) -> int | None:

@@ -112,8 +112,8 @@ class RecordStore:
     facts ``locate`` reads with them: module classes, the model's outputs, module-level calls.
     """
 
-    __slots__ = ("raws", "pending", "zoom", "known", "kd", "writes", "made", "last_loss", "not_masks", "index_uses",
-                 "checked", "classes", "root_outputs", "spans", "calls")
+    __slots__ = ("raws", "pending", "zoom", "known", "kd", "writes", "fresh", "made", "last_loss", "not_masks",
+                 "index_uses", "checked", "classes", "root_outputs", "spans", "calls")
 
     def __init__(self, zoom: Iterable[int] = ()) -> None:
         self.raws: list[Raw] = []
@@ -122,6 +122,8 @@ class RecordStore:
         self.known: TensorMap[tuple[int, int]] = TensorMap()  # tensor -> (record index, version)
         self.kd = self.known.entries  # the same, read directly on the op path
         self.writes: dict[int, int] = {}  # storage data_ptr -> last record that wrote into it
+        # memory allocated uninitialised (torch.empty): storage data_ptr -> every record written into it since
+        self.fresh: dict[int, list[int]] = {}
         self.made: dict[int, Record] = {}
         self.last_loss = -1  # the last record made in phase loss
         self.not_masks: set[int] = set()  # records that cannot be -inf masks (running statistics)

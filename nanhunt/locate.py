@@ -50,10 +50,9 @@ def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool 
             return None  # only -inf: an intentional mask (a causal-mask buffer, an additive attention mask)
         return "nan" if r.has_nan else "inf"
     if r.role is Role.UNWRITTEN:
-        # Uninitialised memory written in part and read: the unwritten part made it non-finite only if nothing
-        # non-finite was written since it was allocated (else that, an origin of its own, may explain it).
-        since = min(r.inputs, default=r.index)
-        if all(x.finite for x in records[since:r.index]):
+        # Uninitialised memory written in part and read: its inputs are the allocation and every write into it
+        # since (each measured); when all of those are finite, the unwritten part made it non-finite.
+        if all(records[i].finite for i in r.inputs):
             return "nan" if r.has_nan else "inf"
         return None
     if r.role is not Role.OUTPUT:

@@ -281,9 +281,15 @@ class StepState:
         self.grads = [p.grad for p in self.params]
         # (grad, its copy in the file, its storage's bytes): values moved there by __enter__, back by restore()
         self._spill: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        # a .grad the step also holds elsewhere (an optimizer keeping the last gradient in its state, a buffer)
+        # is restored through that too: its memory stays
+        held = {_storage_ptr(t) for t in self._targets}
+        if optimizer is not None:
+            held.update(_storage_ptr(v) for st in optimizer.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor))
         for grad in {id(gr): gr for gr in self.grads if gr is not None}.values():
             slot = self._slots.pop(id(grad), None)
-            if slot is not None and _owns_storage(grad):
+            if slot is not None and _owns_storage(grad) and _storage_ptr(grad) not in held:
                 self._spill.append((grad, slot, grad.untyped_storage().nbytes()))
         self._spilled = False
         self.requires_grad = [p.requires_grad for p in self.params]
@@ -453,7 +459,23 @@ class StepState:
     @atomic
     def restore(self, *, grads: bool = True) -> None:
         """Everything back as it was; without ``grads``, the ``.grad`` tensors a disk snapshot holds stay in the
-        file (a reset, which drops every ``.grad`` next)."""
+        file (a reset, which drops every ``.grad`` next). Those grow back last (an allocation, which may fail
+        when memory is short), and are put back on their parameters whatever failed before."""
+        unspill = grads and self._spilled
+        try:
+            self._restore(unspill)
+        finally:
+            if unspill:
+                try:
+                    self._unspill_grads()
+                finally:
+                    for param, grad in zip(self.params, self.grads):
+                        # a .grad whose memory could not be grown back stays off its parameter (reading it would
+                        # crash), the others are back
+                        if grad is None or grad.nbytes == 0 or grad.untyped_storage().nbytes() > 0:
+                            param.grad = grad
+
+    def _restore(self, unspill: bool) -> None:
         # unchanged (the common case) when every registry has its old size and the non-empty ones their old keys
         if list(map(len, self._hook_dicts)) != self._hook_sizes or any(
                 d.keys() != saved.keys() for d, saved in self._hooked):
@@ -488,9 +510,7 @@ class StepState:
                 m.training = training
         dst = [t.data for t in self._targets]  # .data: a restore is no write the tracer or autograd sees
         src = list(self._saved)
-        # a disk snapshot's .grad tensors grow back last (an allocation, which may fail when memory is short:
-        # everything else is back by then); the last run's gradients are freed first
-        unspill = grads and self._spilled
+        # a disk snapshot's .grad tensors grow back last (restore()): the last run's gradients are freed first
         for param, grad, rg in zip(self.params, self.grads, self.requires_grad):
             param.grad = None if unspill else grad
             param.requires_grad_(rg)
@@ -529,10 +549,6 @@ class StepState:
                     setattr(self.scaler, k, _clone(v))
         set_rng_state(self.rng)
         torch.set_grad_enabled(self.grad_enabled)
-        if unspill:
-            self._unspill_grads()
-            for param, grad in zip(self.params, self.grads):
-                param.grad = grad
 
 
 _MISSING = object()
@@ -581,6 +597,13 @@ def _release_freed_memory() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage (a DTensor): its own
+        return -id(t)
 
 
 def _owns_storage(g: torch.Tensor | None) -> bool:

@@ -35,7 +35,8 @@ from nanhunt.guard import _StepContext
 from nanhunt.step import Step, StepState
 
 NANHUNT = os.path.dirname(os.path.abspath(nanhunt.__file__)) + os.sep
-RESTORES = {StepState.restore.__code__, StepState.reset.__code__, StepState.__exit__.__code__}
+RESTORES = {StepState.restore.__code__, StepState._restore.__code__, StepState._unspill_grads.__code__,
+            StepState.reset.__code__, StepState.__exit__.__code__}
 ENTER, EXIT = {_StepContext.__enter__.__code__}, {_StepContext.__exit__.__code__}
 Event = tuple[int, str, int]  # (which top-level call of a target, file, line)
 
