@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
+from tests.helpers_dist import meet_again
 
 D_IN = 64
 BIG_INPUT = 6e4  # finite in float16, but 64 of them summed by fc1 overflow its float16 output
@@ -98,10 +99,7 @@ def dist_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: str, b
                 result["event"] = e.event.to_dict()
                 break
         result["iterations"] = guard.iterations
-        # A last collective: a rank that had not stopped would leave the other one waiting here.
-        flag = torch.ones(1)
-        dist.all_reduce(flag)
-        result["after"] = float(flag)
+        meet_again(result)
         guard.close()
     except Exception:
         result["error"] = traceback.format_exc()

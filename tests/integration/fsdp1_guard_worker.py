@@ -22,7 +22,7 @@ from torch import nn
 import nanhunt
 from fixtures.models import MLP
 from tests.integration.fsdp_guard_worker import D_IN, batch, guarded_step
-from tests.helpers_dist import finish_rank
+from tests.helpers_dist import finish_rank, meet_again
 
 BIG_F16 = 6e4
 
@@ -109,9 +109,7 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
                     torch.save(full, os.path.join(out, "full-state.pt"))
                 break
         res["iterations"] = guard.iterations
-        flag = torch.ones(1)
-        dist.all_reduce(flag)  # a rank that had not stopped would leave the other waiting here
-        res["after"] = float(flag)
+        meet_again(res)
         guard.close()
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

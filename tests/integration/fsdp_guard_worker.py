@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from tests.helpers_dist import finish_rank
+from tests.helpers_dist import finish_rank, meet_again
 
 D_IN = 64
 BIG = 3e38
@@ -94,9 +94,7 @@ def run(rank: int, world: int, port: int, dump: str, out: str, bad_rank: int, ba
         res["iterations"] = guard.iterations
         if rank == 1 and wrapper == "fsdp2":  # what a user saving one rank's state_dict gets: DTensor shards
             torch.save(model.state_dict(), os.path.join(out, "rank1-state.pt"))
-        flag = torch.ones(1)
-        dist.all_reduce(flag)  # a rank that had not stopped would leave the other waiting here
-        res["after"] = float(flag)
+        meet_again(res)
         guard.close()
     except BaseException as e:  # reported to the test, which fails on it
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

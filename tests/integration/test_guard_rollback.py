@@ -25,6 +25,7 @@ from nanhunt.guard import GuardWarning
 
 from helpers_guard import batch as mlp_batch
 from helpers_guard import guard_for, mlp_setup
+from tests.helpers_dist import meet_again
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -492,9 +493,7 @@ def rollback_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: st
         result["warnings"] = [str(w.message) for w in caught]
         result["events"] = [(e.step, e.kind, e.ranks) for e in guard.events]
         result["counters"] = [guard.iterations, guard.updates, guard.skipped, guard.rollbacks]
-        flag = torch.ones(1)
-        dist.all_reduce(flag)  # a rank left behind in a collective would leave the other one waiting here
-        result["after"] = float(flag)
+        meet_again(result)
         guard.close()
         # the same rank's batches without step 3, unguarded and undistributed
         ref_model, ref_opt, ref_scaler = mlp_setup()
