@@ -173,7 +173,8 @@ def _other_ranks(path: str, report: Any, hunted: Callable[[Any], Any], options: 
     finite = [first]
     head = f"capture of {man['world_size']} ranks ({man['wrapper']})"
     for r in order[:MAX_OTHER_RANKS]:
-        print(visible(f"rank {r}'s batch replayed: rank(s) {_few_ranks(finite)} replay finite"), file=sys.stderr)
+        done = f"rank {finite[0]}'s batch replays" if len(finite) == 1 else f"ranks {_few_ranks(finite)} replay"
+        print(visible(f"{done} finite; replaying rank {r}'s"), file=sys.stderr)
         step = load_capture_dir(path, rank=r, **options)
         got = hunted(step)
         del step
