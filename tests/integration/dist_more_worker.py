@@ -5,7 +5,7 @@ entry when the rank failed) into ``out``:
 - ``trace_run``: a step of ``fixtures.models.MLP`` under DDP or FSDP1 traced by ``nanhunt.trace``; only rank 1's
   batch overflows fc1's float16 matmul. Under DDP the Guard then watches a fresh model on the same batches and
   captures rank 1's step (per-rank files).
-- ``gpt2_run``: a tiny GPT-2 (config built here) under FSDP2 watched by the Guard; at step 1 every label of rank 1's
+- ``gpt2_run``: a tiny GPT-2 (config built here) under FSDP2 or DDP watched by the Guard; at step 1 every label of rank 1's
   batch is -100, so its mean cross entropy divides 0 by 0.
 - ``snapshot_run``: the MLP under FSDP2 with ``snapshot_every=1`` and ``check_params``; fc2 starts at zero and the
   targets are zero, so no step moves the weights until rank 1's targets at step 2 make a gradient that SGD's huge
@@ -127,18 +127,22 @@ def gpt2_batch(rank: int, i: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def gpt2_run(rank: int, world: int, port: int, dump: str, out: str) -> None:
+def gpt2_run(rank: int, world: int, port: int, dump: str, wrapper: str, out: str) -> None:
     def body(res: dict[str, Any]) -> None:
         from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
         from transformers import GPT2Config, GPT2LMHeadModel
 
         torch.manual_seed(0)
         config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
                             attn_implementation="eager")
-        model = GPT2LMHeadModel(config)
-        for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+        model: torch.nn.Module = GPT2LMHeadModel(config)
+        if wrapper == "ddp":
+            model = DistributedDataParallel(model)
+        else:
+            for block in model.transformer.h:  # type: ignore[union-attr]
+                fully_shard(block)
+            fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         guard = nanhunt.Guard(model, opt, None, dump_dir=dump)
         res["stopped_at"] = None

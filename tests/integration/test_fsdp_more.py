@@ -59,12 +59,14 @@ def test_fsdp1_trace_names_the_op_on_rank1_and_rank0_received_it(tmp_path: Path)
                                      "rank 0 received it through the gradient reduce-scatter")
 
 
-# ---------------------------------------------------------------------------- transformers under FSDP2
+# ---------------------------------------------------------------------------- transformers under FSDP2 and DDP
+@pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
 def test_gpt2_capture_directory_keeps_its_config_and_replays_without_model(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # GIVEN a tiny GPT-2 under FSDP2 whose rank 1 has only masked labels (-100) at step 1: mean cross entropy 0/0
+        wrapper: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a tiny GPT-2 under FSDP2 (or DDP, the Guard given the DDP module) whose rank 1 has only masked labels
+    # (-100) at step 1: mean cross entropy 0/0
     dump = tmp_path / "caps"
-    res = two_ranks(gpt2_run, tmp_path, str(dump), timeout=240)
+    res = two_ranks(gpt2_run, tmp_path, str(dump), wrapper, timeout=240)
     # THEN both ranks stop at step 1, and the capture directory's manifest records the class and JSON config
     assert [res[r]["stopped_at"] for r in (0, 1)] == [1, 1]
     cap = dump / "step000001"
@@ -83,7 +85,7 @@ def test_gpt2_capture_directory_keeps_its_config_and_replays_without_model(
     assert code == 1
     assert _where(rep) == ("forward", "", "GPT2LMHeadModel", "aten::nll_loss_forward", "nan")
     assert rep.verdict is not None and rep.verdict.kind == "not-precision"
-    assert "capture of 2 ranks (fsdp2): rank 1's batch replayed (the first rank that saw the failure)" in rep.notes
+    assert f"capture of 2 ranks ({wrapper}): rank 1's batch replayed (the first rank that saw the failure)" in rep.notes
 
 
 # ---------------------------------------------------------------------------- snapshot_every under FSDP2
