@@ -32,6 +32,7 @@ from torch import nn
 from ._dispatch import foreach_copy, fsdp_fresh_buffers, fsdp_modules
 from ._errors import CommandError
 from ._interrupt import atomic, deferred_interrupts
+from ._tensors import storage_key
 from .precision import LOSS_REGION, UPDATE_REGION, float32_master, float32_weights, fp32_call, keep_fp32, to_fp32
 
 __all__ = ["Step", "StepState", "Snapshot", "run_step", "split_batch", "rng_state", "set_rng_state"]
@@ -283,13 +284,13 @@ class StepState:
         self._spill: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         # a .grad the step also holds elsewhere (an optimizer keeping the last gradient in its state, a buffer)
         # is restored through that too: its memory stays
-        held = {_storage_ptr(t) for t in self._targets}
+        held = {storage_key(t) for t in self._targets}
         if optimizer is not None:
-            held.update(_storage_ptr(v) for st in optimizer.state.values() for v in st.values()
+            held.update(storage_key(v) for st in optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor))
         for grad in {id(gr): gr for gr in self.grads if gr is not None}.values():
             slot = self._slots.pop(id(grad), None)
-            if slot is not None and _owns_storage(grad) and _storage_ptr(grad) not in held:
+            if slot is not None and _owns_storage(grad) and storage_key(grad) not in held:
                 self._spill.append((grad, slot, grad.untyped_storage().nbytes()))
         self._spilled = False
         self.requires_grad = [p.requires_grad for p in self.params]
@@ -597,13 +598,6 @@ def _release_freed_memory() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage (a DTensor): its own
-        return -id(t)
 
 
 def _owns_storage(g: torch.Tensor | None) -> bool:
