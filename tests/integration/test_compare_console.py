@@ -23,7 +23,7 @@ from torch import nn
 from nanhunt import compare
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report
-from tests._golden import check_golden, render
+from tests._golden import check_golden, fixed_environment, render
 from tests.helpers_compare import FLIP_SCORES, FLIP_X, FLIP_Y, Flip
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,8 @@ def _cmp(report: Report) -> Comparison:
 
 
 def _mixed() -> Report:
-    return compare(Mixed(), mixed_batch(), loss_fn=F.cross_entropy, dtype=torch.float16, task="classify")
+    return fixed_environment(
+        compare(Mixed(), mixed_batch(), loss_fn=F.cross_entropy, dtype=torch.float16, task="classify"))
 
 
 def test_nonfinite_samples_are_no_flips() -> None:
