@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._tree import map_tensors
+from ._tree import iter_tensors, map_tensors
 from ._wrappers import user_modules
 
 __all__ = ["keep_fp32", "keep_fp32_permanently", "fp32_call", "float32_weights", "float32_master", "has_half_weights",
@@ -163,6 +163,11 @@ def _nothing() -> None:
     pass
 
 
+def _low_dtype(obj: Any) -> torch.dtype | None:
+    """The float16/bfloat16 dtype of the first such tensor in ``obj`` (nested containers), or None."""
+    return next((t.dtype for t in iter_tensors(obj) if t.dtype in _LOW), None)
+
+
 def _wrap(module: nn.Module) -> Callable[[], None]:
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
@@ -180,9 +185,14 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
                 out = orig(*to_fp32(args), **to_fp32(kwargs))
         finally:
             undo_weights()
-        if half is not None and not outer_autocast:
-            # A half-precision model without autocast: the rest of it takes its own dtype, as before.
-            out = map_tensors(out, lambda t: t.to(half) if t.dtype == torch.float32 else t)
+        # Without autocast nothing downstream casts for us: a half-precision model's next module (half
+        # weights) would fail on a float32 input. The region hands back the dtype it was handed (its inputs',
+        # else its weights'), as the module would have; a parameter-free one (a dropout) has only its inputs.
+        # The cast is in the graph, so gradients flow back into the region in float32, and out of it (to_fp32's
+        # cast) in the input's dtype.
+        home = None if outer_autocast else _low_dtype((args, kwargs)) or half
+        if home is not None:
+            out = map_tensors(out, lambda t: t.to(home) if t.dtype == torch.float32 else t)
         return out
 
     forward.__nanhunt_fp32__ = True  # type: ignore[attr-defined]
@@ -230,7 +240,10 @@ def keep_fp32_permanently(model: nn.Module, names: Iterable[str]) -> Callable[[]
 def keep_fp32(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     """Inside the block, the named submodules run with autocast disabled and float32 inputs.
 
-    Names are ``named_modules()`` names; everything is restored on exit, also on an exception.
+    Names are ``named_modules()`` names; everything is restored on exit, also on an exception. In a
+    float16/bfloat16 model run without autocast, each region hands its float32 outputs back in the dtype it
+    was given (its inputs', else its weights'), and the gradients flowing out of it come back in its inputs'
+    dtype: the rest of the model sees the dtypes it had there.
 
     Example::
 
