@@ -5,6 +5,9 @@ control characters are written as visible escapes (``\\n``, ``\\x1b``); as text,
 Markdown's punctuation is backslash-escaped; as code, the span's backtick fence is
 longer than any backtick run inside it; in a table, pipes are escaped too (GFM
 splits cells before it reads code spans); a code block keeps its line breaks only.
+As text, a mention (``@everyone``, ``@org/team``) gets a zero-width space after its ``@`` and a URL
+(``https://...``, ``www.``) is put in a code span: a hostile file neither pings people nor plants a link
+in the ticket (code spans and blocks are neither).
 """
 
 from __future__ import annotations
@@ -28,9 +31,43 @@ _RANK_SHOWN = 10  # module calls in the ranking table
 _CALLS_SHOWN = 100  # module calls in the folded table of all calls
 
 
+# What GitHub and GitLab turn into a ping or a link in text: an @ before a name (a user, @org/team; an e-mail
+# address's too), and an autolink: scheme://... (with whatever letters run before it), www. (not inside a dotted
+# name), mailto: / xmpp:. A URL ends at a space, a table pipe, a backtick or an angle bracket, and leaves its
+# trailing punctuation to the sentence.
+_MENTION = re.compile(r"@(?=[\w-])")
+_URL = re.compile(r"(?:[A-Za-z][A-Za-z0-9+.-]*://|(?<![\w.])www\.|(?:mailto|xmpp):)(?P<rest>[^\s<>`|]+)")
+_URL_TAIL = ".,:;!?*_~'\")]"
+
+
 def escape(s: str) -> str:
-    """``s`` as literal inline text: no emphasis, link, HTML, table cell break or heading."""
-    return _SPECIAL.sub(r"\\\1", visible(s))
+    """``s`` as literal inline text: no emphasis, link, HTML, table cell break or heading, mention or URL."""
+    s = visible(s)
+    out: list[str] = []
+    at = 0
+    for m in _URL.finditer(s):
+        url = _url_end(m.group())
+        if len(url) <= m.start("rest") - m.start():
+            continue  # a scheme alone links nowhere
+        out += [_text(s[at:m.start()]), f"`{url}`"]
+        at = m.start() + len(url)
+    out.append(_text(s[at:]))
+    return "".join(out)
+
+
+def _url_end(url: str) -> str:
+    """``url`` without the punctuation that ends the sentence around it; a ``)`` closing one of its own stays."""
+    while url and url[-1] in _URL_TAIL and not (url[-1] == ")" and url.count("(") >= url.count(")")):
+        url = url[:-1]
+    return url
+
+
+def _text(s: str) -> str:
+    return _unmention(_SPECIAL.sub(r"\\\1", s))
+
+
+def _unmention(s: str) -> str:
+    return _MENTION.sub("@\u200b", s)
 
 
 def code(s: str, *, table: bool = False) -> str:
@@ -64,7 +101,7 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, right_fr
 
 def _details(summary: str, body: str) -> str:
     # A blank line after <summary> and before </details>: GitHub then reads the body as Markdown.
-    return f"<details>\n<summary>{html.escape(visible(summary))}</summary>\n\n{body.strip()}\n\n</details>"
+    return f"<details>\n<summary>{html.escape(_unmention(visible(summary)))}</summary>\n\n{body.strip()}\n\n</details>"
 
 
 def _occurrence_line(o: Occurrence) -> str:
