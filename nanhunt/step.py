@@ -181,23 +181,34 @@ class Step:
         batch and optimizer state in float32 too); ``unscaled``: without the GradScaler; ``within``: a
         context entered around the step itself (a :class:`~nanhunt.Trace`); ``before``: called after the
         reset (hooks to register for this run only); ``after(loss)``: called while the float32 weights of
-        the control are still in place (to check what the update made)."""
-        self.reset()
-        if before is not None:
-            before()
-        inputs, targets = self.inputs, self.targets
-        control = dtype == torch.float32  # asked for: the float32 control
-        if control:
-            inputs, targets = to_fp32(inputs), to_fp32(targets)
-        with float32_weights(self.model, enabled=control, optimizer=self.optimizer), keep_fp32(self.model, fp32):
-            with within if within is not None else contextlib.nullcontext():
-                loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn, dtype=dtype or self.dtype,
-                                device_type=self.device_type, scaler=None if unscaled else self.scaler,
-                                optimizer=self.optimizer, fp32_loss=LOSS_REGION in fp32,
-                                fp32_update=UPDATE_REGION in fp32)
-            if after is not None:
-                after(loss)
-            return loss
+        the control are still in place (to check what the update made).
+
+        Hooks registered since :meth:`isolated` (the user's, a trace entered around this call) stay for the run;
+        those the run registers (a forward adding one, ``before``'s) are gone when it returns."""
+        state = self._state
+        if state is None:
+            raise RuntimeError("Step.run() and Step.reset() need Step.isolated()")
+        kept = state.hooks_now()
+        self.reset()  # the snapshot's hooks: the ones added since are put back
+        state.put_hooks(kept)
+        try:
+            if before is not None:
+                before()
+            inputs, targets = self.inputs, self.targets
+            control = dtype == torch.float32  # asked for: the float32 control
+            if control:
+                inputs, targets = to_fp32(inputs), to_fp32(targets)
+            with float32_weights(self.model, enabled=control, optimizer=self.optimizer), keep_fp32(self.model, fp32):
+                with within if within is not None else contextlib.nullcontext():
+                    loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn, dtype=dtype or self.dtype,
+                                    device_type=self.device_type, scaler=None if unscaled else self.scaler,
+                                    optimizer=self.optimizer, fp32_loss=LOSS_REGION in fp32,
+                                    fp32_update=UPDATE_REGION in fp32)
+                if after is not None:
+                    after(loss)
+                return loss
+        finally:
+            state.put_hooks(kept)
 
 
 class StepState:
@@ -476,6 +487,18 @@ class StepState:
                         if grad is None or grad.nbytes == 0 or grad.untyped_storage().nbytes() > 0:
                             param.grad = grad
 
+    def hooks_now(self) -> Hooks:
+        """The model's module and parameter hook registries as they are now, for :meth:`put_hooks`."""
+        return Hooks([(d, dict(d)) for d in self._hook_dicts], [(p, _param_hooks(p)) for p in self.params])
+
+    def put_hooks(self, hooks: Hooks) -> None:
+        """The hook registries back as ``hooks`` (from :meth:`hooks_now`) holds them."""
+        for d, saved_hooks in hooks.modules:
+            if len(d) != len(saved_hooks) or (saved_hooks and d.keys() != saved_hooks.keys()):
+                d.clear()
+                d.update(saved_hooks)
+        _put_param_hooks(hooks.params)
+
     def _restore(self, unspill: bool) -> None:
         # unchanged (the common case) when every registry has its old size and the non-empty ones their old keys
         if list(map(len, self._hook_dicts)) != self._hook_sizes or any(
@@ -484,16 +507,7 @@ class StepState:
                 if d.keys() != saved_hooks.keys():
                     d.clear()
                     d.update(saved_hooks)
-        for param, registries in self.param_hooks:
-            for name, (obj, content) in registries.items():
-                if obj is None:
-                    if getattr(param, name) is not None:
-                        setattr(param, name, None)
-                else:
-                    obj.clear()
-                    obj.update(content)
-                    if getattr(param, name) is not obj:
-                        setattr(param, name, obj)
+        _put_param_hooks(self.param_hooks)
         for m, attrs in self.attrs:
             current = vars(m)
             if len(current) != len(attrs) + _N_INTERNALS or not all(map(_is, map(current.get, attrs, _MISSINGS), attrs.values())):
@@ -570,13 +584,38 @@ def _hook_dicts(m: nn.Module) -> list[dict[Any, Any]]:
     return [d for d in (getattr(m, name, None) for name in _HOOK_ATTRS) if isinstance(d, dict)]
 
 
-def _param_hooks(p: torch.Tensor) -> dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]]:
+_ParamHooks = dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]]
+
+
+def _param_hooks(p: torch.Tensor) -> _ParamHooks:
     """A parameter's hook registries: ``None`` until a hook is registered, then a dict."""
-    out: dict[str, tuple[dict[Any, Any] | None, dict[Any, Any]]] = {}
+    out: _ParamHooks = {}
     for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
         d = getattr(p, name, None)
         out[name] = (d, dict(d)) if isinstance(d, dict) else (None, {})
     return out
+
+
+def _put_param_hooks(saved: list[tuple[torch.Tensor, _ParamHooks]]) -> None:
+    for param, registries in saved:
+        for name, (obj, content) in registries.items():
+            if obj is None:
+                if getattr(param, name) is not None:
+                    setattr(param, name, None)
+            else:
+                obj.clear()
+                obj.update(content)
+                if getattr(param, name) is not obj:
+                    setattr(param, name, obj)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """The hook registries of a model's modules and parameters, with their content at one moment
+    (:meth:`StepState.hooks_now`)."""
+
+    modules: list[tuple[dict[Any, Any], dict[Any, Any]]]
+    params: list[tuple[torch.Tensor, _ParamHooks]]
 
 
 _DISK_MIN_BYTES = 1 << 20  # smaller tensors stay clones: a file offers them nothing worth a slot

@@ -253,3 +253,49 @@ def test_replay_restores_module_attributes_changed_by_forward() -> None:
     m = Counting()
     nanhunt.replay(m, (torch.ones(2, 4), torch.zeros(2, 4)), loss_fn=F.mse_loss)
     assert m.calls == 0
+
+
+# ============================================================== hooks added while isolated
+
+
+def test_trace_and_hooks_added_after_isolated_survive_run(tmp_path: Path) -> None:
+    # GIVEN a loaded capture of a step whose fc1 overflows float16, isolated, then (as in a notebook) a hook of the
+    # user's and a trace entered around run()
+    from fixtures.models import MLP
+
+    size = {"d_in": 4, "d_hidden": 8, "d_out": 3}
+    model = MLP(**size)
+    with torch.no_grad():
+        model.fc1.weight.fill_(1000.0)  # 4 inputs of 100: 4e5 > 65504
+    ck, bt = tmp_path / "ck.pt", tmp_path / "bt.pt"
+    nanhunt.save_capture(ck, bt, model=model, batch=(torch.full((2, 4), 100.0), torch.zeros(2, 3)),
+                         loss_fn=F.mse_loss, model_kwargs=size)
+    step = nanhunt.load_capture(ck, bt)
+    seen: list[str] = []
+    with step.isolated():
+        step.model.fc2.register_forward_hook(lambda *a: seen.append("fc2"))
+        hooks = len(step.model.fc2._forward_hooks)
+        with nanhunt.trace(step.model) as t:
+            step.run()
+        # WHEN it runs again, the trace gone
+        step.run()
+        after = len(step.model.fc2._forward_hooks)
+    # THEN the trace saw the model's modules: the Inf is born in fc1's addmm; the user's hook ran in both runs
+    # and is still there after them; leaving the isolation removes it (everything back as it was)
+    assert t.first is not None and (t.first.phase.value, t.first.module, t.first.op) == ("forward", "fc1", "aten::addmm")
+    assert seen == ["fc2", "fc2"] and after == hooks
+    assert len(step.model.fc2._forward_hooks) == 0
+
+
+def test_hooks_a_forward_registers_do_not_pile_up_between_runs() -> None:
+    # GIVEN a model whose forward registers a hook on every call
+    torch.manual_seed(0)
+    step = Step.of(SelfHooking(), (torch.ones(2, 4), torch.zeros(2, 4)), loss_fn=F.mse_loss)
+    with step.isolated():
+        counts = []
+        for _ in range(3):
+            # WHEN the step runs three times
+            step.run()
+            counts.append(len(step.model.fc2._forward_hooks))
+    # THEN each run leaves none of the hooks its forward registered: they do not pile up
+    assert counts == [0, 0, 0]
