@@ -6,6 +6,10 @@ question, is the whole step finite?) with the chosen modules run by
 fine, trying the child on the path to the origin first, then splitting the
 children in halves; with one culprit it costs about two trials per tree level
 plus two per halving, i.e. it grows with log(modules), not with their number.
+
+The set found is the proof; the fix proposed is then measured, in a traced replay with it in float32: the
+origins still born there (silent ones included) extend it, a few rounds at most, and those it cannot remove are
+said (``Verdict.remaining``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +29,7 @@ from ._dispatch import foreach_norm, local_tensor
 from ._wrappers import user_modules
 from .precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from ._errors import CommandError
-from .records import Occurrence, Verdict
+from .records import Occurrence, Phase, Verdict
 from .step import Step
 from .tracer import Trace
 
@@ -53,8 +58,10 @@ class Team(Protocol):
 class _Trials:
     """Runs one finite/non-finite trial of the step per call and counts them."""
 
-    def __init__(self, step: Step, progress: Callable[[int, str], None] | None, team: Team | None = None) -> None:
+    def __init__(self, step: Step, progress: Callable[[int, str], None] | None, team: Team | None = None, *,
+                 level: str = "op", allow: Sequence[str] = ()) -> None:
         self.step, self.progress, self.team = step, progress, team
+        self.level, self.allow = level, tuple(allow)  # the hunt's trace: what counts as an origin
         self.count = 0
         self.cache: dict[tuple[Any, ...], bool] = {}
         # a silent origin (the step stays finite): a trial is "finite" when that origin is gone too
@@ -104,6 +111,31 @@ class _Trials:
         return result[0] and not (tracer is not None and watch is not None
                                   and any(_same_place(o, watch) for o in tracer.origins))
 
+    def measure(self, fp32: frozenset[str]) -> tuple[bool, tuple[Occurrence, ...]]:
+        """One traced replay of the whole step with ``fp32`` in float32 (counted, never cached): whether the step
+        is finite, and the origins born in it (leading and silent; harmless and allowed ones are no question)."""
+        self.count += 1
+        if self.progress is not None:
+            self.progress(self.count, "the fix, traced: " + ", ".join(sorted(n or "<root>" for n in fp32)))
+        if self.team is not None:
+            self.team.send(("measure", fp32))
+        ok, origins = self.traced(fp32)
+        if self.team is not None:
+            ok = self.team.all_finite(ok)
+        return ok, origins
+
+    def traced(self, fp32: frozenset[str]) -> tuple[bool, tuple[Occurrence, ...]]:
+        """:meth:`measure` on this rank."""
+        step = self.step
+        tracer = Trace(step.model, level=self.level, allow=self.allow)
+        result: list[bool] = []
+        try:
+            step.run(fp32=fp32, within=tracer,
+                     after=lambda loss: result.append(_step_finite(step.model, loss, step.optimizer)))
+        except KeyboardInterrupt as e:
+            raise _Interrupted from e
+        return result[0], tuple(o for o in tracer.origins if not o.harmless and not o.allowed)
+
 
 def _same_place(o: Occurrence, watch: Occurrence) -> bool:
     """``o`` is the watched silent origin born again: same phase and module (and op, outside modules)."""
@@ -137,12 +169,19 @@ def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Op
     return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
 
 
-def suggested_fix(culprits: Sequence[str]) -> str | None:
+def suggested_fix(culprits: Sequence[str], classes: Sequence[str] = ()) -> str | None:
+    """The code to paste for ``culprits`` (modules, ``<loss>``, ``<update>``) and every module of ``classes``
+    (``"package.module:Class"``; ``__main__``'s: the training script's own, not imported) in float32."""
     mods = [c for c in culprits if c not in REGIONS]
     lines = []
-    if mods:
+    if mods or classes:
         lines.append("import nanhunt")
-        lines.append(f"nanhunt.keep_fp32_permanently(model, {mods!r})  # after building the model")
+        for path in classes:
+            module, _, qualname = path.partition(":")
+            if module != "__main__":
+                lines.append(f"from {module} import {qualname.split('.')[0]}")
+        items = [path.partition(":")[2] for path in classes] + [repr(m) for m in mods]
+        lines.append(f"nanhunt.keep_fp32_permanently(model, [{', '.join(items)}])  # after building the model")
     if LOSS_REGION in culprits:
         lines.append("# compute the loss in float32, outside autocast:")
         lines.append("with torch.autocast(device_type, enabled=False):")
@@ -199,11 +238,14 @@ def bisect(
     progress: Callable[[int, str], None] | None = None,
     locate_fp32: Callable[[], Occurrence | None] | None = None,
     team: Team | None = None,
+    level: str = "op",
+    allow: Sequence[str] = (),
 ) -> Verdict:
     """Find a minimal set of modules (and the regions ``<loss>``, ``<update>``) whose float32 execution makes
     ``step`` finite.
 
-    ``origin`` is the leading origin, ``origins`` all of them (default: ``origin`` alone). Restores the
+    ``origin`` is the leading origin, ``origins`` all of them (default: ``origin`` alone); ``level`` and
+    ``allow`` as the hunt traced them (the fix's traced replay finds origins as it did). Restores the
     model, optimizer, scaler and RNG afterwards, also on Ctrl-C (the verdict then says ``interrupted``
     and holds what was found so far).
 
@@ -211,11 +253,12 @@ def bisect(
     origin of the rank that went first) runs the search and sends each trial; the others run them and
     return the verdict rank 0 sends at the end.
     """
+    trials = _Trials(step, progress, team, level=level, allow=allow)
     if team is not None and not team.leads:
-        return _follow(step, team, locate_fp32)
+        return _follow(trials, team, locate_fp32)
     if team is not None:
         locate_fp32 = _announced(team, locate_fp32)
-    proof = _Proof(step, origin, tuple(origins) or ((origin,) if origin is not None else ()), progress, team)
+    proof = _Proof(step, origin, tuple(origins) or ((origin,) if origin is not None else ()), trials)
     try:
         verdict = _bisect(step, proof, locate_fp32)
     except BaseException:
@@ -250,16 +293,21 @@ def _announced(team: Team, locate_fp32: Callable[[], Occurrence | None] | None,
     return locate
 
 
-def _follow(step: Step, team: Team, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
+def _follow(trials: _Trials, team: Team, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
     """A rank other than the leader: run each trial the leader sends until it sends its verdict."""
-    trials = _Trials(step, None)
-    with step.isolated():
+    with trials.step.isolated():
         while True:
             order = team.send(None)
             if order[0] == "trial":
                 _, fp32, dtype, unscaled, watch = order
                 try:
                     ok = trials.run(fp32, dtype=dtype, unscaled=unscaled, watch=watch)
+                except _Interrupted:
+                    ok = False
+                team.all_finite(ok)
+            elif order[0] == "measure":  # the leader's origins decide the fix; this rank's trace takes part
+                try:
+                    ok = trials.traced(order[1])[0]
                 except _Interrupted:
                     ok = False
                 team.all_finite(ok)
@@ -276,9 +324,9 @@ class _Proof:
     """One bisection: its trials, what it found so far, and the verdict it gives."""
 
     def __init__(self, step: Step, origin: Occurrence | None, origins: tuple[Occurrence, ...],
-                 progress: Callable[[int, str], None] | None, team: Team | None = None) -> None:
+                 trials: _Trials) -> None:
         self.step, self.origin, self.origins = step, origin, origins
-        self.trials = _Trials(step, progress, team)
+        self.trials = trials
         # The first origin whose value reached the loss or the gradients; silent ones were absorbed.
         self.reaching = next((o for o in origins if not o.silent), None)
         # Only silent origins: the step stays finite, and the question becomes "is the origin gone?"
@@ -291,7 +339,8 @@ class _Proof:
         model = step.model
         self.children = _children(model)
         self.root = ""  # the model, or the module a torch wrapper wraps (named as a trace names it)
-        self.modules = set(user_modules(model))
+        self.table = user_modules(model)
+        self.modules = set(self.table)
         self.with_loss = step.loss_fn is not None
         # a half-precision model's update is a candidate of its own: float32 master copies (the fix)
         self.with_update = step.optimizer is not None and has_half_weights(model)
@@ -300,11 +349,59 @@ class _Proof:
         self.found: list[str] = []
         self.origin_alone: bool | None = None
 
-    def verdict(self, kind: str, culprits: tuple[str, ...] = (), **kw: Any) -> Verdict:
+    def verdict(self, kind: str, culprits: tuple[str, ...] = (), *, fix: _Fix | None = None,
+                remaining: tuple[Occurrence, ...] | None = None, **kw: Any) -> Verdict:
+        """``fix``: the one measured (``remaining`` what it left); else, on a ``precision`` verdict, the culprits."""
+        proposed = fix or _Fix(frozenset(culprits), ())
+        text = suggested_fix(sorted(proposed.named, key=_region_last), [p for p, _ in proposed.classes])
         return Verdict(kind=kind, culprits=culprits, replays=self.trials.count, seconds=time.perf_counter() - self.t0,
-                       alternatives=dict(self.alternatives), fix=suggested_fix(culprits) if kind == "precision" else None,
+                       alternatives=dict(self.alternatives), fix=text if kind == "precision" else None,
                        candidates=len(self.children) + len(self.regions),
-                       silent=self.silent is not None and kind == "precision", **kw)
+                       silent=self.silent is not None and kind == "precision",
+                       fix_regions=tuple(sorted(proposed.regions(self.table), key=_region_last)) if fix else (),
+                       fix_classes=tuple(p for p, _ in proposed.classes), remaining=remaining, **kw)
+
+    def fix(self, found: Sequence[str]) -> tuple[_Fix, tuple[Occurrence, ...]]:
+        """The fix to propose, from ``found`` (the proof), and the origins a traced replay with it still has:
+        while some remain, it grows (:meth:`grow`) and is measured again, :data:`FIX_ROUNDS` times at most; a
+        growth is kept when that replay is finite and left fewer origins, or others (it moved them on)."""
+        fix = _Fix(frozenset(found), ())
+        left = self.trials.measure(fix.regions(self.table))[1]
+        for _ in range(FIX_ROUNDS):
+            grown = self.grow(fix, left) if left else None
+            if grown is None:
+                break
+            ok, after = self.trials.measure(grown.regions(self.table))
+            if not ok or len(after) > len(left) or _places(after) == _places(left):
+                break
+            fix, left = grown, after
+        return fix, left
+
+    def grow(self, fix: _Fix, left: Sequence[Occurrence]) -> _Fix | None:
+        """``fix`` with the places of the origins ``left`` added (their modules; ``<loss>``, ``<update>``). A class
+        whose modules hold two or more of the step's origins, and are most of its modules, is named instead of
+        them (every RMSNorm). None: nothing to add."""
+        named = set(fix.named)
+        for o in left:
+            if o.module is not None and o.module in self.modules:
+                named.add(o.module)
+            elif o.module is None and o.phase is Phase.LOSS and self.with_loss:
+                named.add(LOSS_REGION)
+            elif o.phase is Phase.UPDATE and self.with_update:
+                named.add(UPDATE_REGION)
+        held = {o.module for o in (*self.origins, *left) if o.module}  # not the root: no class to name
+        classes = dict(fix.classes)
+        same: dict[type[nn.Module], list[str]] = {}
+        for n in named & held & self.modules:
+            same.setdefault(type(self.table[n]), []).append(n)
+        for cls, names in same.items():
+            path = _class_path(cls)
+            of_class = sum(isinstance(m, cls) for m in self.table.values())
+            if path is not None and len(names) >= 2 and 2 * len(names) > of_class:
+                classes[path] = cls
+        kept = _Fix(frozenset(n for n in named if not (n in self.table and isinstance(
+            self.table[n], tuple(classes.values())))), tuple(sorted(classes.items(), key=lambda kv: kv[0])))
+        return None if kept.regions(self.table) == fix.regions(self.table) else kept
 
     def alone(self) -> bool | None:
         """Does the origin's module (or region) alone in float32 fix the step? One replay; None: no such place."""
@@ -361,7 +458,39 @@ class _Proof:
         # The confirmation is one more clean run of exactly that set, not a cached answer.
         trials.cache.pop((frozenset(self.found), None, False), None)
         confirmed = trials.finite(frozenset(self.found), label="confirm (clean run)")
-        return self.verdict("precision", tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed)
+        fix, left = self.fix(self.found)
+        return self.verdict("precision", tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed,
+                            fix=fix, remaining=left)
+
+
+FIX_ROUNDS = 3  # growths of the proposed fix tried (one traced replay each) while origins remain
+
+
+@dataclass(frozen=True)
+class _Fix:
+    """A proposed fix: modules and regions named one by one, and classes (``"package.module:Class"``, the class)
+    whose every module runs in float32."""
+
+    named: frozenset[str]
+    classes: tuple[tuple[str, type[nn.Module]], ...]
+
+    def regions(self, table: Mapping[str, nn.Module]) -> frozenset[str]:
+        """What runs in float32, by name (as a trace names modules)."""
+        kinds = tuple(c for _, c in self.classes)
+        return self.named | {n for n, m in table.items() if kinds and isinstance(m, kinds)}
+
+
+def _class_path(cls: type) -> str | None:
+    """``"package.module:Class"``, None for a class defined in a function (nothing can import it)."""
+    return None if "<locals>" in cls.__qualname__ else f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _places(origins: Sequence[Occurrence]) -> set[tuple[Phase, str | None, str | None]]:
+    return {(o.phase, o.module, o.op) for o in origins}
+
+
+def _region_last(c: str) -> tuple[bool, str]:
+    return c in REGIONS, c
 
 
 def _on_path(c: str, origin_mod: str | None) -> bool:
@@ -427,4 +556,4 @@ def _refine(trials: _Trials, found: list[str], children: Mapping[str, list[str]]
             result = [x for x in result if x != m] + sub
             changed = True
             break
-    return sorted(result, key=lambda c: (c in REGIONS, c))
+    return sorted(result, key=_region_last)

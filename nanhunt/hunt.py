@@ -102,7 +102,8 @@ def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],
     first, origins = final.first, tuple(final.origins)
     if ranks is not None:
         first, origins = ranks.leading(first, origins, final.first_rank)
-    return bisect(step, origin=first, origins=origins, progress=progress, locate_fp32=locate_fp32, team=ranks)
+    return bisect(step, origin=first, origins=origins, progress=progress, locate_fp32=locate_fp32, team=ranks,
+                  level=level, allow=allow)
 
 
 def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Verdict | None, repro: Repro | None,

@@ -207,25 +207,37 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
     return undo
 
 
-def _modules(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
+Fp32Modules = Iterable[str | type[nn.Module]]  # module names, and module classes (every module of the class)
+
+
+def _modules(model: nn.Module, names: Fp32Modules) -> list[nn.Module]:
     # the names a trace gives (``fc2`` in a DDP-wrapped model) and the wrapper's own (``module.fc2``)
     table = {**dict(model.named_modules()), **user_modules(model)}
-    out = []
+    out: dict[int, nn.Module] = {}  # once each: a module named and of a named class is wrapped once
     for n in names:
+        if isinstance(n, type):
+            found = [m for m in table.values() if isinstance(m, n)]
+            if not found:
+                raise KeyError(f"no module of the model is a {n.__qualname__}")
+            out.update((id(m), m) for m in found)
+            continue
         if n in REGIONS:
             continue
         if n not in table:
             raise KeyError(f"{n!r} is not a module of the model (see model.named_modules())")
-        out.append(table[n])
-    return out
+        out[id(table[n])] = table[n]
+    return list(out.values())
 
 
-def keep_fp32_permanently(model: nn.Module, names: Iterable[str]) -> Callable[[], None]:
+def keep_fp32_permanently(model: nn.Module, names: Fp32Modules) -> Callable[[], None]:
     """Run the named submodules in float32 from now on (the fix to keep). Returns an undo function.
+
+    ``names``: ``named_modules()`` names, and module classes (every module of the model that is an instance of
+    one: ``[RMSNorm]`` keeps every norm in float32).
 
     Example::
 
-        nanhunt.keep_fp32_permanently(model, ["encoder.block.3.ff"])
+        nanhunt.keep_fp32_permanently(model, ["encoder.block.3.ff", RMSNorm])
     """
     undos = [_wrap(m) for m in _modules(model, names)]
 
@@ -237,13 +249,14 @@ def keep_fp32_permanently(model: nn.Module, names: Iterable[str]) -> Callable[[]
 
 
 @contextlib.contextmanager
-def keep_fp32(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
+def keep_fp32(model: nn.Module, names: Fp32Modules) -> Iterator[None]:
     """Inside the block, the named submodules run with autocast disabled and float32 inputs.
 
-    Names are ``named_modules()`` names; everything is restored on exit, also on an exception. In a
-    float16/bfloat16 model run without autocast, each region hands its float32 outputs back in the dtype it
-    was given (its inputs', else its weights'), and the gradients flowing out of it come back in its inputs'
-    dtype: the rest of the model sees the dtypes it had there.
+    Names are ``named_modules()`` names, or module classes (every instance in the model); everything is
+    restored on exit, also on an exception. In a float16/bfloat16 model run without autocast, each region
+    hands its float32 outputs back in the dtype it was given (its inputs', else its weights'), and the
+    gradients flowing out of it come back in its inputs' dtype: the rest of the model sees the dtypes it had
+    there.
 
     Example::
 

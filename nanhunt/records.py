@@ -398,6 +398,25 @@ class Verdict(JSONData):
     scale overflows the gradients), ``not-reproducible``, ``clean``, ``interrupted``
     (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
     ``precision`` verdict).
+
+    A step is *fixed* when its loss, every gradient and what the update wrote (parameters,
+    buffers, optimizer state) are finite and no origin is born in it (the silent ones
+    included; harmless and allowed ones do not count).
+
+    ``culprits``: a minimal set of modules (and ``<loss>`` / ``<update>``) whose float32 makes
+    the step finite; when every origin is silent, makes the leading origin no longer born.
+    ``origin_alone_fixes``: the same question for the leading origin's module (or region)
+    alone, one replay: True when that replay was finite (and, every origin silent, the leading
+    one was not born again); it says nothing of the other origins (see ``remaining``). None:
+    the origin is in no module or region that can run in float32.
+
+    The proposed fix (``precision``): ``fix_regions`` run in float32, the culprits extended
+    while origins remain (their modules added, or, when two or more of them and most of a
+    class's modules hold origins, every module of that class: ``fix_classes``, as
+    ``"package.module:Class"``), at most three rounds; ``fix`` is its code to paste.
+    ``remaining``: the origins born in a traced replay with ``fix_regions`` in float32 (an
+    extension is kept only when that replay is finite): ``()`` with ``confirmed`` means the fix
+    fixes the step. None: not measured (no fix, or Ctrl-C first).
     """
 
     kind: str = field(metadata=absent("clean"))
@@ -414,6 +433,9 @@ class Verdict(JSONData):
     # precision, for a step that stays finite: the culprits make its only (silent) origin go away
     silent: bool = False
     corrupted: tuple[str, ...] = ()  # silent: the values that took the origin's non-finite values in
+    fix_regions: tuple[str, ...] = ()
+    fix_classes: tuple[str, ...] = ()
+    remaining: tuple[Occurrence, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ..records import DTYPE_MAX, Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed, TensorDiff
+from ..records import (DTYPE_MAX, Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed,
+                       TensorDiff, Verdict)
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans", "path_label",
@@ -22,7 +23,7 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "CANDIDATE_COLUMNS", "candidate_cells", "batch_columns", "batch_cells", "quality_text", "SPEED_COLUMNS",
            "speed_cells", "speed_rows", "sample_list", "candidate_head", "decision_categories", "decision_kind",
            "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines",
-           "ADVICE_TITLE", "ADVICE_INTRO", "guard_rows", "guard_text"]
+           "ADVICE_TITLE", "ADVICE_INTRO", "guard_rows", "guard_text", "origin_alone"]
 
 LIMITS = DTYPE_MAX
 
@@ -126,7 +127,7 @@ def verdict_text(report: Report) -> list[Span]:
         if v.silent:
             out.append(Span(" The step stayed finite, but with wrong values: the non-finite value was absorbed"
                             + (f" into {'; '.join(v.corrupted)}." if v.corrupted else ".")))
-        return out
+        return out + _fix_spans(v)
     if v.kind == "not-precision":
         out = [Span("Not a precision problem: the step fails in float32 too")]
         if v.float32_first is not None:
@@ -144,6 +145,36 @@ def verdict_text(report: Report) -> list[Span]:
     if v.kind == "interrupted":
         return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
+
+
+def origin_alone(v: Verdict) -> tuple[str, str] | None:
+    """``origin_alone_fixes`` as what its one replay measured (other origins may remain: the fix says), and the
+    answer; None when not measured."""
+    if v.origin_alone_fixes is None:
+        return None
+    what = "makes it no longer born" if v.silent else "makes the step finite (loss, gradients, update)"
+    return f"The leading origin's module alone in float32 {what}", "yes" if v.origin_alone_fixes else "no"
+
+
+def _fix_spans(v: Verdict) -> list[Span]:
+    """What the suggested fix runs in float32 and what a traced replay with it left; nothing when not measured."""
+    if v.remaining is None:
+        return []
+    out = [Span(" The suggested fix (")]
+    if v.fix_classes:  # its own modules are in fix_regions; the code to paste names the rest
+        for i, path in enumerate(v.fix_classes):
+            out += [Span(", " if i else ""), Span("every "), Span(path.partition(":")[2], True)]
+        out.append(Span(f"; {len(v.fix_regions)} in float32 in all"))
+    else:
+        out += _culprits(v.fix_regions)
+        out.append(Span(" in float32"))
+    out.append(Span("), measured in a traced replay: "))
+    if not v.remaining:
+        return out + [Span("no origin is left.")]
+    out.append(Span(f"{len(v.remaining)} origin(s) left: "))
+    for i, o in enumerate(v.remaining[:5]):
+        out += ([Span("; ")] if i else []) + occurrence_spans(o)
+    return out + [Span("; ...." if len(v.remaining) > 5 else ".")]
 
 
 def alternatives(report: Report) -> list[tuple[str, str]]:

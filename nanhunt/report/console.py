@@ -122,8 +122,9 @@ def render(report: Report) -> RenderableType:
     if report.verdict is not None:
         parts.append(_text([_c.Span("verdict: ")] + _c.verdict_text(report), style="bold"))
         v = report.verdict
-        if v.origin_alone_fixes is not None:
-            parts.append(Text(f"origin module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}"))
+        alone = _c.origin_alone(v)
+        if alone is not None:
+            parts.append(Text(f"{alone[0][0].lower()}{alone[0][1:]}: {alone[1]}"))
         alts = _c.alternatives(report)
         if alts:
             parts.append(_t("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))

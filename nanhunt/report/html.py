@@ -228,9 +228,9 @@ def _bisection(report: Report) -> list[str]:
     """The bisection by local float32: the verdict, the alternatives tried and the suggested fix."""
     v = report.verdict
     parts = ["<section><h2>Bisection by local float32</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
-    if v is not None and v.origin_alone_fixes is not None:
-        parts.append(f"<p>The origin's module alone in float32 fixes the step: "
-                     f"<b>{'yes' if v.origin_alone_fixes else 'no'}</b>.</p>")
+    alone = None if v is None else c.origin_alone(v)
+    if alone is not None:
+        parts.append(f"<p>{_e(alone[0])}: <b>{alone[1]}</b>.</p>")
     alts = c.alternatives(report)
     if alts:
         parts.append(_kv([(f"whole step, {k}", f'<span class="{"ok" if s == "finite" else "bad"}">{_e(s)}</span>')

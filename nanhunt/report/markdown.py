@@ -144,8 +144,9 @@ def render(report: Report) -> str:
     if report.status != "clean" or report.verdict is not None:
         out += ["", "#### Bisection by local float32", "", _spans(c.verdict_text(report))]
         v = report.verdict
-        if v is not None and v.origin_alone_fixes is not None:
-            out += ["", f"The origin's module alone in float32 fixes the step: {'yes' if v.origin_alone_fixes else 'no'}."]
+        alone = None if v is None else c.origin_alone(v)
+        if alone is not None:
+            out += ["", f"{alone[0]}: {alone[1]}."]
         alts = c.alternatives(report)
         if alts:
             out += ["", "Whole step instead: " + "; ".join(f"{escape(k)}: {escape(s)}" for k, s in alts) + "."]

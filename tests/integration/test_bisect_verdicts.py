@@ -390,3 +390,190 @@ def test_update_overflow_in_optimizer_state_is_not_called_not_reproducible() -> 
     v = rep.verdict
     assert v is not None and v.kind != "not-reproducible", v
     assert v.kind == "not-precision"  # float32 throughout: no precision to blame
+
+
+# ---------------------------------------------------------------- the proposed fix, measured: which origins remain
+
+
+V, T = 16, 4  # vocabulary and sequence length of the Llama-style models
+
+
+class RMSNorm(nn.Module):
+    """Llama's, hand-written: in float16 ``x * x`` overflows for |x| > 256; the mean is inf, rsqrt makes it 0 and
+    the output 0: absorbed (silent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal self-attention; with ``cap`` its scores are soft-capped (``cap * tanh(s / cap)``, Gemma 2's):
+    an overflowing ``q @ k`` becomes ``cap``, silently."""
+
+    def __init__(self, cap: float | None = None, qk: float | None = None) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.cap = cap
+        if qk is not None:
+            with torch.no_grad():
+                self.q.weight.fill_(qk)
+                self.k.weight.fill_(qk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        if self.cap is not None:
+            s = self.cap * torch.tanh(s / self.cap)
+        causal = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).triu(1)
+        return self.o(s.masked_fill(causal, float("-inf")).softmax(-1) @ self.v(x))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, w: float | None = None) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(D, 2 * D, bias=False), nn.Linear(D, 2 * D, bias=False)
+        self.down_proj = nn.Linear(2 * D, D, bias=False)
+        if w is not None:
+            with torch.no_grad():
+                for lin in (self.gate, self.up, self.down_proj):
+                    lin.weight.fill_(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: Attention, mlp: GatedMLP) -> None:
+        super().__init__()
+        self.rms_1, self.attn, self.rms_2, self.mlp = RMSNorm(), attn, RMSNorm(), mlp
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.rms_1(h))
+        return h + self.mlp(self.rms_2(h))
+
+
+class Llama(nn.Module):
+    """Embedding (every entry ``emb``), ``blocks`` blocks, a final norm and the head."""
+
+    def __init__(self, blocks: list[Block], emb: float) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        with torch.no_grad():
+            self.emb.weight.fill_(emb)
+        self.h = nn.ModuleList(blocks)
+        self.norm = RMSNorm()
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.h:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1))
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.arange(T).view(1, T)
+    return ids, (ids + 1) % V
+
+
+def _norm_inputs(m: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """max |x| entering each RMSNorm, by hand (forward pre-hooks)."""
+    seen: dict[str, float] = {}
+    hooks = [mod.register_forward_pre_hook(lambda _m, a, n=n: seen.__setitem__(n, float(a[0].abs().max())))
+             for n, mod in m.named_modules() if isinstance(mod, RMSNorm)]
+    with torch.no_grad():
+        m(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+NORMS = ("h.0.rms_1", "h.0.rms_2", "h.1.rms_1", "h.1.rms_2", "norm")
+
+
+def test_a_fix_for_silent_overflows_in_every_norm_names_the_class_and_leaves_no_origin() -> None:
+    # GIVEN a Llama-style model in pure float16 whose residual stream holds 300 everywhere: every RMSNorm's x * x
+    # (9e4 > 65504) overflows and is absorbed (rsqrt(inf) = 0): five silent origins, one per norm, a finite step
+    torch.manual_seed(0)
+    m = Llama([Block(Attention(), GatedMLP()) for _ in range(2)], emb=300.0).half()
+    ids, y = _tokens()
+    assert set(_norm_inputs(m, ids)) == set(NORMS) and min(_norm_inputs(m, ids).values()) > 256
+    # WHEN it is replayed and bisected
+    rep = nanhunt.replay(m, (ids, y), loss_fn=_lm_loss, dtype=torch.float32, bisect=True)
+    assert [o.module for o in rep.origins] == list(NORMS) and all(o.silent for o in rep.origins)
+    v = verdict_of(rep)
+    # THEN the proof is the first norm, and the fix is every RMSNorm, by its class: measured with it, no origin
+    # is left
+    assert (v.kind, v.culprits, v.confirmed) == ("precision", ("h.0.rms_1",), True)
+    assert v.fix_classes == (f"{__name__}:RMSNorm",)
+    assert v.fix_regions == NORMS
+    assert v.remaining == ()
+    assert v.fix is not None and "nanhunt.keep_fp32_permanently(model, [RMSNorm])" in v.fix
+    assert f"from {__name__} import RMSNorm" in v.fix
+    # AND the fix, as written, leaves no norm overflowing (by hand: every norm's input in float32)
+    calls: list[torch.dtype] = []
+    hooks = [mod.register_forward_hook(lambda _m, a, o: calls.append(a[0].dtype))
+             for mod in m.modules() if isinstance(mod, RMSNorm)]
+    with nanhunt.keep_fp32(m, [RMSNorm]), torch.no_grad():
+        out = m(ids)
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 5 and out.dtype == torch.float16 and bool(torch.isfinite(out).all())
+
+
+def test_a_fix_for_the_overflow_that_reaches_the_loss_also_covers_a_silent_one_before_it() -> None:
+    # GIVEN autocast float16: block 0's soft-capped attention scores overflow (q @ k = 8 * 320 * 320) and the cap
+    # absorbs it (tanh(inf) = 1), then its MLP's down_proj overflows (16 * 6400 * 10) and that reaches the loss
+    torch.manual_seed(0)
+    m = Llama([Block(Attention(cap=30.0, qk=40.0), GatedMLP(w=10.0))], emb=1.0)
+    ids, y = _tokens()
+    assert not step_finite(m, ids, y, _lm_loss)
+    assert step_finite(m, ids, y, _lm_loss, fp32=["h.0.mlp.down_proj"])
+    rep = nanhunt.replay(m, (ids, y), loss_fn=_lm_loss, bisect=True)
+    assert rep.first is not None and (rep.first.module, rep.first.silent) == ("h.0.mlp.down_proj", False)
+    # (then the final norm's inf * rsqrt(inf) = inf * 0 makes NaN of down_proj's inf)
+    assert [(o.module, o.silent) for o in rep.origins][:2] == [("h.0.attn", True), ("h.0.mlp.down_proj", False)]
+    v = verdict_of(rep)
+    # THEN the proof is down_proj alone, and the fix covers the attention too: measured with both, nothing is left
+    assert (v.kind, v.culprits, v.confirmed, v.origin_alone_fixes) == ("precision", ("h.0.mlp.down_proj",), True,
+                                                                        True)
+    assert (v.fix_regions, v.fix_classes, v.remaining) == (("h.0.attn", "h.0.mlp.down_proj"), (), ())
+    assert v.fix is not None and "['h.0.attn', 'h.0.mlp.down_proj']" in v.fix
+
+
+class SqrtGate(nn.Module):
+    """``sqrt(x - 2)`` is NaN where x < 2, in any precision; ``nan_to_num`` absorbs it (no gradient flows
+    through it: sqrt's would be NaN): a silent origin float32 cannot remove."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(x.detach() - 2.0).nan_to_num(0.0)
+
+
+def test_a_fix_that_cannot_remove_every_origin_says_which_remain() -> None:
+    from tests._golden import render
+
+    # GIVEN down_proj's overflow reaching the loss (as above, no soft-capped attention) and, before it, a NaN
+    # that float32 does not prevent, absorbed
+    torch.manual_seed(0)
+    m = Llama([Block(Attention(), GatedMLP(w=10.0))], emb=1.0)
+    m.h[0].rms_2 = nn.Sequential(SqrtGate(), RMSNorm())
+    ids, y = _tokens()
+    assert step_finite(m, ids, y, _lm_loss, fp32=["h.0.mlp.down_proj"])
+    rep = nanhunt.replay(m, (ids, y), loss_fn=_lm_loss, bisect=True)
+    assert [(o.module, o.op, o.silent) for o in rep.origins][:2] == [
+        ("h.0.rms_2.0", "aten::sqrt", True), ("h.0.mlp.down_proj", "aten::mm", False)]
+    v = verdict_of(rep)
+    # THEN the fix is down_proj (the sqrt's module in float32 changed nothing), and the verdict says the sqrt's
+    # NaN remains with it
+    assert (v.kind, v.culprits, v.fix_regions) == ("precision", ("h.0.mlp.down_proj",), ("h.0.mlp.down_proj",))
+    assert v.remaining is not None and [(o.module, o.op, o.kind) for o in v.remaining] == [
+        ("h.0.rms_2.0", "aten::sqrt", "nan")]
+    assert ("The suggested fix (`h.0.mlp.down_proj` in float32), measured in a traced replay: 1 origin(s) left: NaN "
+            "in phase forward, `h.0.rms_2.0` at `aten::sqrt` (silent).") in render("md", rep)
