@@ -54,9 +54,10 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import CommandError
 from ._tree import map_tensors
-from .records import Comparison, Decision, Failure, Quality, Regression, Report, Rule, Speed, TensorDiff
+from .records import Comparison, Decision, Failure, Occurrence, Quality, Regression, Report, Rule, Speed, TensorDiff
 from ._env import environment
 from .step import Step, _backward, _call_model, _loss_of, split_batch
+from .tracer import Trace
 
 __all__ = ["compare", "History", "HISTORY_FILE", "rule_from", "settle_rule", "default_tolerances", "top_two", "TIE_RULE",
            "TASKS"]
@@ -250,6 +251,36 @@ def _run(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any
             g = p.grad.detach().to("cpu", torch.float32, copy=True)
             grads[name] = g / scale if scale != 1.0 else g  # unscaled as GradScaler.unscale_ would
     return _Run(rec.calls, copies[0] if copies else None, dtypes[0] if dtypes else "", loss_copy, grads, weights_bad)
+
+
+def _absorbed(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None, *, dtype: torch.dtype,
+              device_type: str, scale: float, allow: Sequence[str]) -> tuple[str, ...]:
+    """The autocast step once more, traced op by op: its silent origins (a non-finite value born and absorbed before
+    the loss and the gradients, as a hand-written RMSNorm's float16 square of a large value: rsqrt(Inf) = 0), one
+    line each. Module-level copies cannot see them: every value entering and leaving a module is finite. Harmless
+    origins (feeding only indices) and those inside modules the rule allows are left out."""
+    from .hunt import _line_text
+
+    with Trace(model, level="op") as t:
+        with torch.autocast(device_type, dtype=dtype):
+            out = _call_model(model, inputs)
+            loss = _loss_of(out, targets, loss_fn)
+        if loss.requires_grad:
+            _backward(loss * scale if scale != 1.0 else loss)
+    lines = []
+    for o in t.origins:
+        if o.silent and not o.harmless and not (o.module is not None and _allowed(o.module, allow)):
+            text = _line_text(o.source)
+            lines.append(_origin_text(o) + (f", at {o.source}" if o.source else "") + (f": {text}" if text else ""))
+    return tuple(lines)
+
+
+def _origin_text(o: Occurrence) -> str:
+    what = "NaN" if o.kind == "nan" else "Inf"
+    where = "outside the model" if o.module is None else f"module {o.module or '<root>'}"
+    if o.module is not None and o.module_class:
+        where += f" ({o.module_class}, call {o.call_index})"
+    return f"{what} born in phase {o.phase.value}, {where}, " + (f"op {o.op}" if o.op else f"role {o.output.role.value}")
 
 
 def _upcast(obj: Any) -> Any:
@@ -1006,7 +1037,8 @@ def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -
         n_samples=at, flipped=flipped, near_boundary=near, nonfinite=nonfinite, decisions=decisions,
         regression=regression,
         unmatched=tuple(f"{b.batch}: {u}" for b in bs for u in b.unmatched), quality=quality,
-        allowed=tuple(f"{b.batch}: {a}" for b in bs for a in b.allowed), batches=tuple(bs),
+        allowed=tuple(f"{b.batch}: {a}" for b in bs for a in b.allowed),
+        absorbed=tuple(f"{b.batch}: {a}" for b in bs for a in b.absorbed), batches=tuple(bs),
     )
 
 
@@ -1389,10 +1421,16 @@ class _Comparer:
                                                       ref_loss=float(ref.loss.double().sum())))
                 continue
             amp = self._run(inputs, targets, cand.dt, amp=True)
-            cand.batches.append(_compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
-                                               ref_allowed=ref_allowed, scale=self.scale, metric_fn=self.metric_fn,
-                                               need_quality=self.need_quality))
+            result = _compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
+                                    ref_allowed=ref_allowed, scale=self.scale, metric_fn=self.metric_fn,
+                                    need_quality=self.need_quality)
             del amp
+            if result.amp_finite:  # a non-finite run already says where it went non-finite first
+                self.step.reset()
+                absorbed = _absorbed(self.model, inputs, targets, self.loss_fn, dtype=cand.dt,
+                                     device_type=self.device_type, scale=self.scale, allow=rule.allow_nonfinite)
+                result = dataclasses.replace(result, absorbed=tuple(f"autocast {cand.name}: {a}" for a in absorbed))
+            cand.batches.append(result)
         del ref
 
     def execute(self, speed: int) -> tuple[list[_Candidate], list[Comparison], dict[str, Speed]]:

@@ -715,6 +715,10 @@ class Comparison(JSONData):
     failures: tuple[Failure, ...] = ()  # the failed clauses, one per violation, in the same order
     quality: Quality | None = None
     allowed: tuple[str, ...] = ()  # non-finite values the rule allowed: where, in which run
+    # Non-finite values a finite autocast run made and absorbed before the loss and the gradients (its silent
+    # origins, op level): which run, then "Inf born in phase forward, module norm (RMSNorm, call 0), op aten::pow,
+    # at file:line in function: <the line>". Written to JSON only when there is one.
+    absorbed: tuple[str, ...] = ()
     batch: str = ""  # the batch's name (its file) in a set
     # A set of batches: one comparison each, in order (the rule applied to that batch alone); the fields above
     # are then the totals: errors the largest over the batches, samples numbered across the set.
@@ -761,7 +765,7 @@ class Comparison(JSONData):
         return ", ".join(parts) + tail
 
     def to_dict(self) -> dict[str, Any]:
-        items = list(_serial.to_dict(self).items())
+        items = [(k, v) for k, v in _serial.to_dict(self).items() if k != "absorbed" or v]
         at = [k for k, _ in items].index("tie_rule") + 1
         return dict(items[:at] + [("rule", self.rule_text())] + items[at:])  # written for readers; never read
 

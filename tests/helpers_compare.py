@@ -145,3 +145,31 @@ class Underflow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x)  # type: ignore[no-any-return]
+
+
+class RMSNorm(nn.Module):
+    """A hand-written RMSNorm: its square runs in the input's dtype (no autocast op), so a float16 value above 256
+    makes Inf, and rsqrt(Inf) = 0 turns the row into zeros, finite."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight  # SQUARE
+
+
+class Absorbed(nn.Module):
+    """``fc`` makes 300 (exact in float16) from inputs of 1: its RMSNorm's square overflows float16 and is absorbed,
+    the autocast run stays finite (but the norm's output is 0 where float32's is 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.norm = RMSNorm(2)
+        self.head = nn.Linear(2, 2)
+        _set(self.fc, [[300, 0], [0, 300]])
+        _set(self.head, [[1, 0], [0, 1]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.fc(x)))  # type: ignore[no-any-return]

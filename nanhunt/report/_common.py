@@ -19,7 +19,8 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows", "RANKING_COLUMNS", "ranking_cells",
            "carrier", "carrier_text", "decisions_head", "decisions_counts", "decision_columns", "decision_cells", "DIFF_COLUMNS",
            "diff_cells", "diff_text", "extremes_text", "worst_text", "gradients_head", "ordered_grads",
-           "module_class_text", "RULE_HASH_LABEL", "rule_hash_text", "violation_lines", "allowed_lines",
+           "module_class_text", "RULE_HASH_LABEL", "rule_hash_text", "violation_lines", "allowed_lines", "absorbed_lines",
+           "ABSORBED_HEAD",
            "CANDIDATE_COLUMNS", "candidate_cells", "batch_columns", "batch_cells", "quality_text", "SPEED_COLUMNS",
            "speed_cells", "speed_rows", "sample_list", "candidate_head", "decision_categories", "decision_kind",
            "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines",
@@ -425,6 +426,19 @@ def allowed_lines(c: Comparison) -> list[str]:
     return [a for x in c.candidates() for a in x.allowed]
 
 
+ABSORBED_HEAD = "born non-finite and absorbed before the loss and gradients (silent origins)"
+
+
+def absorbed_lines(c: Comparison) -> list[str]:
+    """The silent origins of every candidate's finite autocast run (``Comparison.absorbed``)."""
+    return [a for x in c.candidates() for a in x.absorbed]
+
+
+def _absorbed_text(c: Comparison) -> str:
+    n = len(c.absorbed)
+    return f", but {n} non-finite value{'s were' if n != 1 else ' was'} born and absorbed (silent)" if n else ""
+
+
 def candidate_head(c: Comparison) -> str:
     """The heading of one candidate's details, when there are several."""
     return f"autocast {c.dtype}: {_verdict(c)}" + ("" if c.accepted else f" ({_violations(c)})")
@@ -453,7 +467,8 @@ def batch_columns(c: Comparison) -> tuple[str, ...]:
 
 def batch_cells(b: Comparison) -> tuple[str, ...]:
     ref = "finite" if b.reference_finite else "NON-FINITE"
-    amp = "not run" if b.amp_finite is None else ("finite" if b.amp_finite else "NON-FINITE")
+    amp = "not run" if b.amp_finite is None else (
+        ("finite" + (f" ({len(b.absorbed)} absorbed)" if b.absorbed else "")) if b.amp_finite else "NON-FINITE")
     flips = str(len(b.flipped)) + (f" ({sample_list(b, b.flipped, 5)})" if b.flipped else "")
     q = b.quality
     top = f"{b.modules[b.ranking[0]].label()} ({num(b.modules[b.ranking[0]].introduced)})" if b.ranking else "-"
@@ -553,7 +568,7 @@ def amp_state(c: Comparison) -> str:
     """``finite`` or ``NON-FINITE (first at ...)``: how the autocast run ended."""
     if c.amp_finite is None:
         return "not run"
-    return "finite" if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})"
+    return "finite" + _absorbed_text(c) if c.amp_finite else f"NON-FINITE (first at {c.amp_first_nonfinite})"
 
 
 def run_rows(c: Comparison) -> list[tuple[str, str]]:

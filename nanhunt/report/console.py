@@ -361,6 +361,8 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
         parts.append(_t("violation: " + v, style="red"))
     for a in _c.allowed_lines(c):
         parts.append(_t("allowed by the rule: " + a, style="yellow"))
+    for a in _c.absorbed_lines(c):
+        parts.append(_t("absorbed: " + a, style="yellow"))
     if c.alternatives:
         parts.append(_cells_table(_c.CANDIDATE_COLUMNS, [_c.candidate_cells(x) for x in c.candidates()], left=4,
                                   title="candidates against one float32 reference"))

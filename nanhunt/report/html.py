@@ -500,6 +500,10 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
     if allowed:
         items = "".join(f"<li>{_e(a)}</li>" for a in allowed)
         parts.append(f'<p>Allowed by the rule:</p><ul class="allowed">{items}</ul>')
+    absorbed = c.absorbed_lines(cmp)
+    if absorbed:
+        items = "".join(f"<li>{_e(a)}</li>" for a in absorbed)
+        parts.append(f'<p>{_e(c.ABSORBED_HEAD.capitalize())}:</p><ul class="allowed">{items}</ul>')
     parts.append("</header>")
     if cmp.alternatives:
         rows = [c.candidate_cells(x) for x in cmp.candidates()]

@@ -308,6 +308,9 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
     allowed = c.allowed_lines(cmp)
     if allowed:
         out += ["", "Allowed by the rule:", ""] + [f"- {escape(a)}" for a in allowed]
+    absorbed = c.absorbed_lines(cmp)
+    if absorbed:
+        out += ["", f"{escape(c.ABSORBED_HEAD.capitalize())}:", ""] + [f"- {escape(a)}" for a in absorbed]
     if cmp.alternatives:
         rows = [tuple(escape(x) for x in c.candidate_cells(x)) for x in cmp.candidates()]
         out += ["", "#### Candidates against one float32 reference", "",

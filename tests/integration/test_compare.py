@@ -17,8 +17,9 @@ from nanhunt.compare import TIE_RULE, top_two
 from nanhunt.records import Comparison, Report
 from nanhunt.report.console import render_text
 
-from ..helpers_compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Carried, Exploding, Flip, Net, Overflow, Scalar,
-                              Underflow)
+from .. import helpers_compare
+from ..helpers_compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Absorbed, Carried, Exploding, Flip, Net, Overflow,
+                              Scalar, Underflow)
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = "tests.helpers_compare"
@@ -127,6 +128,26 @@ def test_overflow_in_float16_only_is_a_precision_finding() -> None:
     by = {m.label(): m for m in c.modules}
     assert by["head#0"].introduced == 0.0  # it only carries the Inf
     assert c.ranking == (c.modules.index(top),)
+
+
+def test_overflow_absorbed_under_float16_is_listed_though_the_run_stays_finite() -> None:
+    # GIVEN a hand-written RMSNorm whose float16 square of 300 overflows; rsqrt(Inf) = 0 makes the row 0, finite
+    rep = compare(Absorbed(), (torch.ones(2, 2), torch.tensor([0, 1])), loss_fn=F.cross_entropy)
+    c = _cmp(rep)
+    # THEN the autocast run is finite and the rule holds, but the overflow is listed: op, module, source line
+    assert rep.status == "clean" and c.accepted and c.amp_finite is True
+    file = helpers_compare.__file__
+    line = next(i for i, t in enumerate(Path(file).read_text().splitlines(), 1) if t.endswith("# SQUARE"))
+    assert c.absorbed == (f"autocast float16: Inf born in phase forward, module norm (RMSNorm, call 0), op aten::pow, "
+                          f"at {file}:{line} in forward: return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) "
+                          "* self.weight  # SQUARE",)
+    text = render_text(rep, width=400)
+    assert "autocast float16 finite, but 1 non-finite value was born and absorbed (silent), loss 0.6931" in text
+    assert f"absorbed: {c.absorbed[0]}" in text
+    # AND the JSON keeps it; a comparison with none has no such key (reports keep their layout)
+    assert Report.from_json(rep.to_json()).comparison == c
+    clean = compare(Net(), (torch.randn(4, 8), torch.tensor([0, 1, 2, 3])), loss_fn=F.cross_entropy)
+    assert _cmp(clean).absorbed == () and "absorbed" not in json.loads(clean.to_json())["comparison"]
 
 
 def test_underflow_counts_values_flushed_to_zero() -> None:
