@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _fsdp1
-from ._dispatch import tensor_version
+from ._dispatch import local_tensor, tensor_version
 from ._errors import GuardError
 from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
 from ._interrupt import atomic
@@ -31,6 +31,7 @@ from ._skip_policy import SkipPolicy
 from .capture import rng_state
 from .records import GuardEvent
 from .step import set_rng_state
+from ._wrappers import user_modules
 
 __all__ = ["Guard", "GuardEvent", "GuardWarning"]
 
@@ -607,9 +608,12 @@ class Guard:
             p_rank, _ = self._detect.read([None, None, self._detect.weights_flag(self._capture.module), None], [])
             if any_set(p_rank) & PARAMS:
                 self._capture.poison(cur.index)
-                kind, detail, ranks, per_rank = ("params", f"{detail}; the weights were already non-finite when the "
-                                                 f"step began (written by an earlier update)",
-                                                 seen(p_rank, PARAMS), p_rank)
+                ranks = seen(p_rank, PARAMS)
+                # what was measured, not who wrote them: an update, a callback or the user's code may have
+                what = _nonfinite_weights(self._capture.module, self._detect.params) or (
+                    f"on rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}")
+                kind, detail, per_rank = ("params", f"{detail}; the weights were already non-finite when the step "
+                                          f"began: {what}; nanhunt did not see what wrote them", p_rank)
                 live, bad_update = False, (self._capture.poisoned_at or cur.index) - 1
         rank = self._detect.rank
         written = self._capture.capture(cur, seen_here=self._detect.world == 1 or bool(self._detect.own(per_rank)),
@@ -775,3 +779,29 @@ def _fp32_regions(model: nn.Module) -> tuple[str, ...]:
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "float32 (no autocast)" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _nonfinite_weights(model: nn.Module, params: list[torch.Tensor]) -> str | None:
+    """``fc1.weight holds 3 NaN and 1 Inf (of 2048), and 2 other parameters hold NaN/Inf``: the first non-finite
+    parameter of this rank (its shard, under FSDP), by the model's names, and how many others; None: none here.
+    The failure path only: one host read per parameter."""
+    names = {id(p): f"{name}.{pn}" if name else pn
+             for name, mod in user_modules(model).items() for pn, p in mod.named_parameters(recurse=False)}
+    found: list[tuple[torch.Tensor, int, int]] = []
+    done: set[int] = set()
+    for p in [*model.parameters(), *params]:
+        if id(p) in done or not p.is_floating_point():
+            continue
+        done.add(id(p))
+        t = local_tensor(p.detach())
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            found.append((p, nan, inf))
+    if not found:
+        return None
+    p, nan, inf = found[0]
+    counts = " and ".join(f"{n} {k}" for n, k in ((nan, "NaN"), (inf, "Inf")) if n)
+    name = names.get(id(p), "a parameter the optimizer updates outside the model")
+    more = len(found) - 1
+    others = f", and {more} other parameter{'s hold' if more != 1 else ' holds'} NaN/Inf" if more else ""
+    return f"{name} holds {counts} (of {local_tensor(p.detach()).numel()}){others}"

@@ -255,9 +255,16 @@ def test_poisoned_update_captured_from_the_rolling_snapshot(tmp_path: Path, chec
     # weights step 3 started from, before the update that wrote the Inf
     detected = 3 if check_params else 4
     assert (ev.step, ev.kind, ev.captured_step, ev.pre_update) == (detected, "params", 3, True)
-    assert check_params or "already non-finite when the step began" in ev.detail
     assert "start of step 3, before the update" in ev.describe() or check_params
     live_after = _state(model)
+    # AND the detail says what was measured: which weights, how many non-finite values (not who wrote them)
+    bad = [(k, int(v.isnan().sum()), int(v.isinf().sum()), v.numel()) for k, v in live_after.items()
+           if not v.isfinite().all()]
+    assert bad == [("fc1.weight", 0, 1456, 2048), ("fc1.bias", 0, 30, 32), ("fc2.weight", 0, 116, 128),
+                   ("fc2.bias", 0, 4, 4)]
+    assert check_params or ev.detail == ("non-finite loss; the weights were already non-finite when the step began: "
+                                         "fc1.weight holds 1456 Inf (of 2048), and 3 other parameters hold "
+                                         "NaN/Inf; nanhunt did not see what wrote them")
     assert not all(torch.isfinite(v).all() for v in live_after.values())
     ck = torch.load(str(ev.checkpoint), weights_only=True)
     assert all(torch.equal(ck["model"][k], v) for k, v in seen[3].items())
