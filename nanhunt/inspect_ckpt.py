@@ -76,8 +76,27 @@ def _optimizer_eps(d: Mapping[Any, Any]) -> dict[Any, float] | None:
     return out
 
 
-def _walk(prefix: str, obj: Any, depth: int = 0, *, eps: float | None = None, state: bool = False
-          ) -> Iterator[_Found]:
+def _param_names(d: Mapping[Any, Any], group_names: Any) -> dict[Any, str]:
+    """``{parameter id: its name}`` of an optimizer's state_dict: from its groups' ``param_names`` (torch keeps
+    them for an optimizer given ``named_parameters()``), else from ``group_names``, a nanhunt capture's
+    ``optimizer_params`` (each group's names, in order); ids it cannot name are left out."""
+    groups = d.get("param_groups")
+    out: dict[Any, str] = {}
+    if not isinstance(groups, (list, tuple)):
+        return out
+    for i, g in enumerate(groups):
+        if not isinstance(g, Mapping):
+            continue
+        ids, names = g.get("params"), g.get("param_names")
+        if not isinstance(names, (list, tuple)) and isinstance(group_names, (list, tuple)) and i < len(group_names):
+            names = group_names[i]
+        if isinstance(ids, (list, tuple)) and isinstance(names, (list, tuple)) and len(ids) == len(names):
+            out.update((pid, n) for pid, n in zip(ids, names) if isinstance(n, str) and n)
+    return out
+
+
+def _walk(prefix: str, obj: Any, depth: int = 0, *, eps: float | None = None, state: bool = False,
+          group_names: Any = None) -> Iterator[_Found]:
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             moment = prefix.rpartition(".")[2] in SECOND_MOMENTS
@@ -86,13 +105,18 @@ def _walk(prefix: str, obj: Any, depth: int = 0, *, eps: float | None = None, st
         yield from _walk(prefix, obj.state_dict(), depth)
     elif depth < 8 and isinstance(obj, Mapping):
         epsilons = _optimizer_eps(obj)
+        names = _param_names(obj, group_names) if epsilons is not None else {}
         for k, v in obj.items():
             name = f"{prefix}.{k}" if prefix else str(k)
             if epsilons is not None and k == "state":
                 for pid, st in v.items():
-                    yield from _walk(f"{name}.{pid}", st, depth + 2, eps=epsilons.get(pid), state=True)
+                    # a parameter's state by its name where the checkpoint has it: the index means nothing to a reader
+                    where = f"{name}[{names[pid]}]" if pid in names else f"{name}.{pid}"
+                    yield from _walk(where, st, depth + 2, eps=epsilons.get(pid), state=True)
             else:
-                yield from _walk(name, v, depth + 1, eps=eps, state=state or epsilons is not None)
+                # a nanhunt capture names each optimizer group's parameters beside the optimizer's state_dict
+                yield from _walk(name, v, depth + 1, eps=eps, state=state or epsilons is not None,
+                                 group_names=obj.get("optimizer_params") if k == "optimizer" else None)
     elif depth < 8 and isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _walk(f"{prefix}[{i}]", v, depth + 1, eps=eps, state=state)

@@ -63,3 +63,32 @@ def test_inspect_flags_a_gradscaler_scale_of_inf(tmp_path: Path, capsys: pytest.
     # THEN the non-finite scaler state counts as a non-finite finding (exit 1), as the docs promise for "scaler"
     assert found.nonfinite
     assert main(["inspect", str(p)]) == 1
+
+
+def _trained_adam(named: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.Adam(m.named_parameters() if named else m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.state[m[2].weight]["exp_avg_sq"][0, 0] = math.nan
+    return m, opt
+
+
+def test_inspect_names_optimizer_state_by_its_parameter(tmp_path: Path) -> None:
+    # GIVEN a NaN in the second moment of the last layer's weight, in a nanhunt capture (which names each group's
+    # parameters) and in a plain checkpoint of an optimizer given named_parameters() (torch keeps param_names)
+    import torch.nn.functional as F
+
+    import nanhunt
+
+    m, opt = _trained_adam(named=False)
+    ck = tmp_path / "capture.pt"
+    nanhunt.save_capture(ck, tmp_path / "batch.pt", model=m, batch=(torch.randn(3, 4), torch.randn(3, 2)),
+                         loss_fn=F.mse_loss, optimizer=opt)
+    m2, opt2 = _trained_adam(named=True)
+    plain = tmp_path / "plain.pt"
+    torch.save({"model": m2.state_dict(), "optimizer": opt2.state_dict()}, plain)
+    # THEN the state is named by its parameter, not by its index in the optimizer (2 there)
+    for p in (ck, plain):
+        assert [s.name for s in inspect_checkpoint(str(p)).flagged] == ["optimizer.state[2.weight].exp_avg_sq"]
