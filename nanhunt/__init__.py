@@ -6,8 +6,38 @@ import torch, and ``import nanhunt`` costs what the name you use needs.
 
 from __future__ import annotations
 
-import importlib
 import sys
+
+
+def _run_with_m(argv: list[str]) -> bool:
+    """``argv`` (``sys.orig_argv``, the interpreter's own command line) runs nanhunt as a module: ``python -m
+    nanhunt``, ``-mnanhunt``, ``-um nanhunt`` or ``-m nanhunt.cli``, after any interpreter options."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-W", "-X"):  # their value is the next argument
+            i += 2
+            continue
+        if not arg.startswith("-") or arg in ("-", "-c"):
+            return False  # a script, stdin or -c's code
+        flags, m, module = arg[1:].partition("m")
+        if m and set(flags) <= set("bBdEiIOPqsSuvRx"):
+            module = module or (argv[i + 1] if i + 1 < len(argv) else "")
+            return module == "nanhunt" or module.startswith("nanhunt.")
+        i += 1
+    return False
+
+
+# First, before anything else is imported: ``python -m nanhunt`` (and ``torchrun ... -m nanhunt``) puts the current
+# directory first on sys.path, where a networkx.py or rich.py (an unpacked ticket) would be imported in place of
+# the library, and run. Python imports this package to find the module it runs while sys.argv[0] is "-m".
+if sys.argv[:1] == ["-m"] and sys.path and _run_with_m(list(getattr(sys, "orig_argv", []))):
+    import os
+
+    if os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
+        del sys.path[0]
+
+import importlib
 import types
 from typing import TYPE_CHECKING, Any
 

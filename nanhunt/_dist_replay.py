@@ -54,7 +54,8 @@ def under_torchrun() -> bool:
 def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, allow: Iterable[str], prove: bool,
                  progress: Callable[[int, str], None] | None, command: str, show: Callable[[Report], int],
                  bundle: str | None = None,
-                 model_factory: str | None = None, loss: str | None = None, device: str | None = None,
+                 model_factory: str | None = None, loss: str | None = None, optimizer: str | None = None,
+                 trust_names: tuple[str, ...] = (), device: str | None = None,
                  dtype: str | None = None, no_scaler: bool = False, train: bool | None = None,
                  trust_pickle: bool = False) -> int:
     """This rank's part of the distributed replay of the capture directory ``path``. Rank 0 hands the report
@@ -91,7 +92,8 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
             raise CommandError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
                                "start the replay with torchrun alone")
         ranks = _Ranks(me, world, dev)
-        options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, device=str(dev), dtype=dtype,
+        options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, optimizer=optimizer,
+                                       trust_names=trust_names, device=str(dev), dtype=dtype,
                                        no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)
         if layout is None:  # DDP: every rank loads the whole state, then wraps (a collective: all loaded by then)
             step = ranks.together(lambda: load_capture_dir(path, rank=me, **options))

@@ -153,8 +153,8 @@ class CaptureWriter:
         return self.scaler is not None and self.scaler.is_enabled()
 
     def replay_args(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The ``--model`` / ``--loss`` confirmations the printed replay command needs to work as printed (run
-        from this directory), and notes for names no flag confirms."""
+        """The ``--model`` / ``--loss`` / ``--optimizer`` confirmations the printed replay command needs to work as
+        printed (run from this directory), and notes for names no flag confirms."""
         return self._confirm
 
     def _confirmations(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -171,6 +171,8 @@ class CaptureWriter:
             named.append(("model factory", self.model_factory, factory))
         if self.loss_fn is not None:
             named.append(("loss function", capture_name(self.loss_fn), self.loss_fn))
+        if self.optimizer is not None:
+            named.append(("optimizer class", capture_name(self.optimizer), self.optimizer))
         args, notes = confirmations(named)
         return tuple(args), tuple(notes)
 

@@ -8,9 +8,13 @@ blocks, calls (``model = Net()``, ``fit(model)``) or ``if __name__ == "__main__"
 name does not train again. A name defined in a notebook or an interactive session
 cannot be imported at all: it is recorded as ``__main__:name`` and the replay asks for your own module's.
 
-:func:`confirmations` tells, when the capture is written, which of its names a replay run from the same
-directory will refuse unconfirmed: the Guard prints its replay command with those ``--model`` / ``--loss``
-flags, so that the command works as printed.
+:func:`torch_own` is the rule for a name read from a file, judged by the name before anything is imported:
+torch.nn's own module classes (a model or a loss), torch.nn.functional's losses and torch.optim's optimizers
+are used as the file says; any other name is a suggestion, used only when you confirm it (``--model`` /
+``--loss`` / ``--optimizer``) or trust its package (:func:`trusted_prefixes`).
+
+:func:`confirmations` tells, when the capture is written, which of its names a replay will refuse unconfirmed:
+the Guard prints its replay command with those flags, so that the command works as printed.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import ast
 import hashlib
 import importlib.util
 import inspect
+import keyword
 import os
 import sys
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,9 +37,10 @@ from torch import nn
 from ._errors import CommandError
 
 __all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
-           "loaded_from", "FLAGS"]
+           "loaded_from", "torch_own", "is_main_module", "trusted_prefixes", "trusted_by", "FLAGS", "TRUST_ENV"]
 
-FLAGS = {"model factory": "--model", "loss function": "--loss"}
+FLAGS = {"model factory": "--model", "loss function": "--loss", "optimizer class": "--optimizer"}
+TRUST_ENV = "NANHUNT_TRUST_NAMES"  # package prefixes a team trusts, comma-separated (--trust-names, for everyone)
 # torch.nn.functional's losses: the only functions a file may name (the loss is called on the model's
 # output and the file's targets; torch.save, torch.from_file and the like would act on them too)
 _LOSS_NAMES = (
@@ -52,6 +59,59 @@ class NeedsConfirmation(CommandError):
         super().__init__(message)
         self.what, self.path = what, path
         self.flag = FLAGS.get(what, "--model")
+
+
+def under(module: str, prefix: str) -> bool:
+    """``module`` is the package or module ``prefix`` or inside it, by whole dotted components (``mypkg`` holds
+    ``mypkg.models``, not ``mypkgevil``)."""
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def torch_own(module: str, what: str) -> bool:
+    """A name in ``module`` that a file may choose unconfirmed: torch.nn's module classes and losses (``torch.nn``,
+    ``torch.nn.modules.*``, the losses of ``torch.nn.functional``) and torch.optim's optimizers. What the name
+    resolves to is checked after (:func:`recognised`); any other module needs a confirmation before it is
+    imported, since importing it and calling its classes runs its code with the file's arguments."""
+    if what == "optimizer class":
+        return under(module, "torch.optim")
+    if what == "loss function" and module == "torch.nn.functional":
+        return True
+    return what in ("model factory", "loss function") and (module == "torch.nn" or under(module, "torch.nn.modules"))
+
+
+def is_main_module(module: str) -> bool:
+    """``pkg.__main__`` (or a module inside one): importing it runs that program (certifi's, tqdm's, f2py's)."""
+    return "__main__" in module.split(".")
+
+
+def trusted_prefixes(given: Iterable[str] = ()) -> tuple[str, ...]:
+    """The package prefixes whose names a file may choose: ``given`` (``--trust-names``) and :data:`TRUST_ENV`'s,
+    each a dotted package or module name outside the standard library and torch (a prefix of torch would trust
+    torch.save and torch.load as losses)."""
+    env = [v.strip() for v in os.environ.get(TRUST_ENV, "").split(",") if v.strip()]
+    out: list[str] = []
+    for source, values in (("--trust-names", list(given)), (f"{TRUST_ENV} entry", env)):
+        for v in values:
+            top = v.partition(".")[0]
+            why = ("is not a package name (mypkg or mypkg.models)" if not _dotted(v) or is_main_module(v) else
+                   "would trust Python's own modules, which hold no model, loss or optimizer"
+                   if top in sys.stdlib_module_names or top in sys.builtin_module_names else
+                   "would trust torch's functions too (torch.nn's classes and losses and torch.optim's optimizers "
+                   "need no trust; confirm any other torch name with --model, --loss or --optimizer)"
+                   if top == "torch" else None)
+            if why:
+                raise CommandError(f"{source} {v!r} {why}; name your own package's prefix")
+            out.append(v)
+    return tuple(out)
+
+
+def trusted_by(module: str, prefixes: Iterable[str]) -> bool:
+    """``module`` is inside one of the trusted package ``prefixes``."""
+    return any(under(module, p) for p in prefixes)
+
+
+def _dotted(name: str) -> bool:
+    return bool(name) and all(p.isidentifier() and not keyword.iskeyword(p) for p in name.split("."))
 
 
 def is_script(path: str) -> bool:
@@ -161,8 +221,9 @@ def load_script(file: str) -> types.ModuleType:
 
 def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], list[str]]:
     """For ``(what, name, obj)`` (the capture's names and the live objects they name): the ``--flag name``
-    arguments a replay run from this directory needs for the file's names to be used, and notes for names
-    no flag can confirm (defined in a notebook)."""
+    arguments a replay needs for the file's names to be used, and notes for names no flag can confirm (defined
+    in a notebook). Every name but torch's own (:func:`torch_own`) is confirmed, installed or not: trusting a
+    package prefix is the replaying user's choice, not the file's."""
     args: list[str] = []
     notes: list[str] = []
     cwd = os.path.realpath(os.getcwd())
@@ -171,25 +232,22 @@ def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], 
         if name is None:
             continue
         flag = FLAGS[what]
+        mod, _, qual = name.partition(":")
         if is_session(name):
-            notes.append(f"{name.partition(':')[2]} is defined in this session (a notebook?): put it in a module "
-                         f"and pass {flag} module:{name.partition(':')[2]}")
+            notes.append(f"{qual} is defined in this session (a notebook?): put it in a module and pass {flag} "
+                         f"module:{qual}")
             continue
-        if is_script(name):
-            args += [flag, name]
-            continue
-        mod = name.partition(":")[0]
-        where = loaded_from(sys.modules.get(mod.partition(".")[0]))
-        if where is not None and where not in explicit and where == _script_dir() != cwd and "." not in mod:
-            # beside the script, not here: only its file finds it from this directory
-            file = getattr(sys.modules.get(mod), "__file__", None)
-            if isinstance(file, str) and file.endswith(".py"):
-                args += [flag, f"{os.path.abspath(file)}:{name.partition(':')[2]}"]
-                continue
-        local = where is not None and where not in explicit and where == cwd
         kind = obj if obj is None or inspect.isfunction(obj) or inspect.isclass(obj) else type(obj)
-        if local or not recognised(kind, what):
-            args += [flag, name]
+        if not is_script(name) and torch_own(mod, what) and recognised(kind, what):
+            continue
+        where = loaded_from(sys.modules.get(mod.partition(".")[0]))
+        file = getattr(sys.modules.get(mod), "__file__", None)
+        if (not is_script(name) and where is not None and where not in explicit and where == _script_dir() != cwd
+                and "." not in mod and isinstance(file, str) and file.endswith(".py")):
+            # beside the script, not here: only its file finds it from this directory
+            args += [flag, f"{os.path.abspath(file)}:{qual}"]
+            continue
+        args += [flag, name]
     return args, notes
 
 

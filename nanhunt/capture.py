@@ -3,10 +3,11 @@
 Everything is loaded with ``torch.load(..., weights_only=True)``: a checkpoint
 attached to a bug ticket is untrusted input, and a full pickle executes code.
 The pickled-``nn.Module`` path exists only behind an explicit ``trust_pickle``.
-Names of callables stored in a file (model factory, loss, optimizer class) are judged by
-what they resolve to (``resolve``): an ``nn.Module`` class, an optimizer class, or one of
-``torch.nn.functional``'s losses; anything else must be confirmed on the command line
-(``--model``/``--loss``).
+Names of callables stored in a file (model factory, loss, optimizer class) are suggestions
+(``resolve``): only torch.nn's own module classes and losses and torch.optim's optimizers are
+imported and built unconfirmed (a transformers model is rebuilt from its config alone, ``_hf_model``);
+anything else is confirmed on the command line (``--model``/``--loss``/``--optimizer``) or by a
+package prefix you trust (``--trust-names``, ``NANHUNT_TRUST_NAMES``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import random
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
 from typing import Any, cast
@@ -70,27 +71,41 @@ def callable_path(obj: Any) -> str | None:
     return f"{mod}:{qual}"
 
 
-def resolve(path: str, *, what: str, trusted: bool) -> Any:
+def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -> Any:
     """Import ``"package.module:callable"``.
 
-    A name you gave (``trusted``) is imported and looked up as written. A name read from a file is
-    judged by the object it resolves to: an ``nn.Module`` class (model or loss), an optimizer class,
-    or one of ``torch.nn.functional``'s loss functions, reached without passing through another
-    module. It is vetted before anything is imported: no standard-library module, no dunder
-    attribute, its module found on disk outside the current directory."""
+    A name you gave (``trusted``) is imported and looked up as written. A name read from a file is a
+    suggestion, judged by its name before anything is imported: in torch.nn's or torch.optim's own modules
+    (``_names.torch_own``), or inside a package prefix you trust (``trust``), it is imported where Python
+    finds installed code and must resolve to an ``nn.Module`` class (model or loss), an optimizer class, one of
+    ``torch.nn.functional``'s losses, or (under a trusted prefix) a function of that package, reached without
+    passing through another module; any other name raises :class:`_names.NeedsConfirmation`. No
+    standard-library module, no dunder attribute, and never a ``__main__`` module, even trusted."""
     if not isinstance(path, str):
         raise CommandError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
     if _names.is_script(path):
         return _from_script(path, what=what, trusted=trusted)
+    flag = _FLAGS.get(what, "--model")
     if _names.is_session(path):
         raise CommandError(f"{what} {path!r} was defined in a notebook or interactive session, which cannot be "
-                           f"imported; put it in a module and pass {_FLAGS.get(what, '--model')} "
-                           f"package.module:{path.partition(':')[2]}")
+                           f"imported; put it in a module and pass {flag} package.module:{path.partition(':')[2]}")
     mod_name, sep, qual = path.partition(":")
     if not sep or not _dotted(mod_name) or not _dotted(qual):
         raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
+    if _names.is_main_module(mod_name):
+        raise CommandError(f"{what} {path!r} is in {mod_name!r}, a program's __main__ module: importing it runs that "
+                           f"program, so nanhunt never does; pass {flag} package.module:{_placeholder(flag)} naming "
+                           "the module that defines it")
+    prefix = False
     if not trusted:
         _vet_name(path, mod_name, qual, what)
+        prefix = _names.trusted_by(mod_name, trust)
+        if not prefix and not _names.torch_own(mod_name, what):
+            if mod_name.partition(".")[0] == "torch":  # torch's own code, never the user's: nothing to confirm
+                raise _refused(path, what, f"of torch, only {_TORCH_OWN.get(what, 'torch.nn')} are used unconfirmed")
+            raise _names.NeedsConfirmation(
+                f"the file names {what} {path!r}, which is not torch's own: nanhunt imports it and calls it with the "
+                f"file's arguments only if you trust it; pass {flag} {path} to confirm", what=what, path=path)
     obj: Any = _import(mod_name, path, what=what, trusted=trusted)
     for part in qual.split("."):
         try:
@@ -102,21 +117,30 @@ def resolve(path: str, *, what: str, trusted: bool) -> Any:
             raise _refused(path, what, f"{part!r} is another module ({obj.__name__!r}), not something of {mod_name!r}")
     if not callable(obj):
         raise CommandError(f"{what} {path!r} is not callable")
-    if not trusted and not _allowed(obj, what):
-        flag = _FLAGS.get(what)
-        # only a plain function of the named (non-torch) module is offered for confirmation: never a
-        # builtin, a torch function or anything the name reached by another way
-        own = (inspect.isfunction(obj) and getattr(obj, "__module__", None) == mod_name
-               and mod_name.partition(".")[0] != "torch")
-        fix = (f"if you trust it, pass {flag} {path} to confirm" if own and flag else
-               f"pass {flag} package.module:{'factory' if flag == '--model' else 'fn'} with your own"
-               if flag else "rebuild it yourself")
-        message = (f"the file names {what} {path!r}, which is {_kind(what)}: nanhunt does not call it "
-                   f"unconfirmed; {fix}")
-        if own and flag:
-            raise _names.NeedsConfirmation(message, what=what, path=path)
-        raise CommandError(message)
-    return obj
+    if trusted or _allowed(obj, what) or (
+            prefix and inspect.isfunction(obj) and _names.trusted_by(getattr(obj, "__module__", None) or "", trust)):
+        return obj
+    # only a plain function of the named (non-torch) module is offered for confirmation: never a
+    # builtin, a torch function or anything the name reached by another way
+    own = (inspect.isfunction(obj) and getattr(obj, "__module__", None) == mod_name
+           and mod_name.partition(".")[0] != "torch")
+    fix = (f"if you trust it, pass {flag} {path} to confirm" if own and what in _FLAGS else
+           f"pass {flag} package.module:{_placeholder(flag)} with your own" if what in _FLAGS
+           else "rebuild it yourself")
+    message = (f"the file names {what} {path!r}, which is {_kind(what)}: nanhunt does not call it "
+               f"unconfirmed; {fix}")
+    if own and what in _FLAGS:
+        raise _names.NeedsConfirmation(message, what=what, path=path)
+    raise CommandError(message)
+
+
+# what a file's name may choose unconfirmed, in words
+_TORCH_OWN = {"model factory": "torch.nn's module classes", "loss function": "torch.nn's losses",
+              "optimizer class": "torch.optim's optimizers"}
+
+
+def _placeholder(flag: str) -> str:
+    return {"--model": "factory", "--optimizer": "Class"}.get(flag, "fn")
 
 
 def _from_script(path: str, *, what: str, trusted: bool) -> Any:
@@ -156,8 +180,7 @@ def _kind(what: str) -> str:
 
 def _refused(path: str, what: str, why: str) -> CommandError:
     flag = _FLAGS.get(what)
-    fix = f"pass {flag} package.module:{'factory' if flag == '--model' else 'fn'} with your own" if flag \
-        else "rebuild it yourself"
+    fix = f"pass {flag} package.module:{_placeholder(flag)} with your own" if flag else "rebuild it yourself"
     return CommandError(f"the file names {what} {path!r}, which nanhunt refuses: {why}; the file may be "
                         f"hostile; {fix}")
 
@@ -202,14 +225,15 @@ def _find(mod_name: str) -> ModuleSpec | None:
 
 def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
     """Import ``mod_name``. A name you gave is looked up in the current directory too; a name read
-    from a file only where Python finds installed code (site-packages, PYTHONPATH): importing a
-    module runs it, and the current directory may hold a ticket's model.py or your own train.py."""
+    from a file (torch's own, or under a prefix you trust) only where Python finds installed code
+    (site-packages, PYTHONPATH): importing a module runs it, and the current directory may hold a
+    ticket's model.py or your own train.py."""
     if mod_name in sys.modules:
         return sys.modules[mod_name]  # imported already: nothing runs
     saved = list(sys.path)
     cwd = os.path.realpath(os.getcwd())
     top = mod_name.partition(".")[0]
-    flag = {"model factory": "--model", "loss function": "--loss"}.get(what, "--model")
+    flag = _FLAGS.get(what, "--model")
     refused = _names.NeedsConfirmation(
         f"the file names {what} {path!r}, whose module is in the current directory, not installed: importing it "
         f"runs that code; pass {flag} {path} to confirm you trust it, or install its package", what=what, path=path)
@@ -337,7 +361,8 @@ def capture_record(
         "loss_fn": loss_path,
         "optimizer": dict(optimizer_state) if optimizer_state is not None else (
             None if optimizer is None else optimizer.state_dict()),
-        "optimizer_class": None if optimizer is None else callable_path(optimizer),
+        # a class defined in the training script by the script's path (replayed with --optimizer)
+        "optimizer_class": None if optimizer is None else _optimizer_name(optimizer),
         # each group's parameters by name: the state_dict numbers them in group order, not model order
         "optimizer_params": None if optimizer is None else _group_names(model, optimizer),
         "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),
@@ -375,6 +400,13 @@ def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
         if loss_path is None:
             raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
     return model, factory, loss_path
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
+    """The optimizer's class as a capture names it; None for one defined in a notebook (the replay then leaves
+    the update out, as for a plain checkpoint)."""
+    name = _names.capture_name(optimizer)
+    return None if name is None or _names.is_session(name) else name
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -423,7 +455,8 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
                            f"config; {fix}")
     if path.partition(":")[0].partition(".")[0] != "transformers":
         raise _refused(path, "model factory", "it is not a class of the transformers package")
-    cls: Any = resolve(path, what="model factory", trusted=False)
+    # the one package outside torch whose classes a file may name: built from a config only, checked below
+    cls: Any = resolve(path, what="model factory", trusted=False, trust=("transformers",))
     transformers = sys.modules["transformers"]  # resolve imported a module of it
     base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
     config_cls: Any = getattr(cls, "config_class", None)
@@ -598,8 +631,8 @@ def load_capture(checkpoint: str | os.PathLike[str], batch: str | os.PathLike[st
     """A capture as ``nanhunt replay`` would use it, to poke at in a notebook: a :class:`~nanhunt.step.Step`
     holding the model (weights loaded), inputs, targets, loss, optimizer, GradScaler, dtype, device and RNG.
 
-    Same safety rules and options as the command (``model_factory=``, ``loss=``, ``device=``, ``dtype=``,
-    ``no_scaler=``, ``train=``, ``trust_pickle=``). Run it as the replay does::
+    Same safety rules and options as the command (``model_factory=``, ``loss=``, ``optimizer=``,
+    ``trust_names=``, ``device=``, ``dtype=``, ``no_scaler=``, ``train=``, ``trust_pickle=``). Run it as the replay does::
 
         step = nanhunt.load_capture("nan-captures/step000003-checkpoint.pt", "nan-captures/step000003-batch.pt")
         with step.isolated():
@@ -614,6 +647,8 @@ def load_step(
     *,
     model_factory: str | None = None,
     loss: str | None = None,
+    optimizer: str | None = None,
+    trust_names: Sequence[str] = (),
     device: str | None = None,
     dtype: str | None = None,
     no_scaler: bool = False,
@@ -621,12 +656,13 @@ def load_step(
     trust_pickle: bool = False,
 ) -> Step:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
+    names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
     dev = _parse_device(device) if device else None
     ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, checkpoint, batch)
-    step = _step_of(ck, bt, checkpoint, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
-                    no_scaler=no_scaler, train=train, notes=[])
+    step = _step_of(ck, bt, checkpoint, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
+                    notes=[])
     if checkpoint.endswith("checkpoint.pt"):  # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
         step.event_file = checkpoint[: -len("checkpoint.pt")] + "event.json"
     return step
@@ -638,6 +674,8 @@ def load_capture_dir(
     rank: int | None = None,
     model_factory: str | None = None,
     loss: str | None = None,
+    optimizer: str | None = None,
+    trust_names: Sequence[str] = (),
     device: str | None = None,
     dtype: str | None = None,
     no_scaler: bool = False,
@@ -663,7 +701,8 @@ def load_capture_dir(
     man = _dcp.read_manifest(path)
     r = _dcp.pick_rank(man, rank, path)
     dev = _parse_device(device) if device else None
-    _confirm_all(man, model_factory=model_factory, loss=loss)  # before reading megabytes of shards
+    names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
+    _confirm_all(man, names)  # before reading megabytes of shards
     where = f"capture directory {path!r}"
     state = _dcp.load_state(os.path.join(path, _dcp.STATE), tensors=shard is None)
     model_sd = {} if shard is not None else state.get("model")
@@ -682,22 +721,24 @@ def load_capture_dir(
     why = ("the first rank that saw the failure" if seen and r == min(seen) else
            f"the failure was seen by rank(s) {', '.join(map(str, seen))}" if seen else "no rank saw it")
     note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
-    step = _step_of(ck, bt, path, batch, dev=dev, model_factory=model_factory, loss=loss, dtype=dtype,
-                    no_scaler=no_scaler, train=train, notes=[note], shard=shard)
+    step = _step_of(ck, bt, path, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
+                    notes=[note], shard=shard)
     step.event_file = os.path.join(path, f"event-rank{r}.json")
     return step
 
 
-def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, model_factory: str | None,
-             loss: str | None, dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str],
+def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, names: _Names,
+             dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str],
              shard: Callable[[nn.Module], None] | None = None) -> Step:
     """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory); ``shard``:
     see :func:`load_capture_dir`."""
+    model_factory, loss = names.model, names.loss
     if isinstance(ck, nn.Module):
         got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
-        _confirm_all(ck, model_factory=model_factory, loss=loss)
-        got = _read_capture(ck, checkpoint, model_factory=model_factory, loss=loss, dev=dev, notes=notes)
+        _confirm_all(ck, names)
+        # sharded, the weights are read into the wrapped model by the caller: none here to check shapes against
+        got = _read_capture(ck, checkpoint, names=names, dev=dev, notes=notes, shapes=shard is None)
     elif isinstance(ck, Mapping):
         got = _read_plain_checkpoint(ck, loss)
     else:
@@ -713,17 +754,29 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
     rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
 
-    loss_fn = _loss_fn(got.loss_path, trusted=loss is not None) if got.loss_path else None
+    loss_fn = _loss_fn(got.loss_path, trusted=loss is not None, trust=names.trust) if got.loss_path else None
 
     optimizer = None
     if got.opt_sd is not None:
-        optimizer = _build_optimizer(model, got.opt_sd, got.opt_class, got.opt_names)
+        optimizer = _build_optimizer(model, got.opt_sd, names.optimizer or got.opt_class, got.opt_names,
+                                     trusted=names.optimizer is not None, trust=names.trust)
         if optimizer is None:
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
     scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not no_scaler else None
     dt = parse_dtype(dtype or str(got.autocast.get("dtype", "float16")))
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
                 optimizer=optimizer, rng=rng, notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Names:
+    """The names you gave (``--model``, ``--loss``, ``--optimizer``: trusted) and the package prefixes you trust
+    (``--trust-names``, NANHUNT_TRUST_NAMES), checked."""
+
+    model: str | None = None
+    loss: str | None = None
+    optimizer: str | None = None
+    trust: tuple[str, ...] = ()
 
 
 @dataclass
@@ -744,19 +797,21 @@ class _Loaded:
     saved_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _confirm_all(ck: Mapping[str, Any], *, model_factory: str | None, loss: str | None) -> None:
-    """Every name of the file that the replay will use unconfirmed, judged before any is called: one error
-    naming all the confirmations they need, not one per run."""
-    names: list[tuple[str, Any]] = []
-    if model_factory is None and not isinstance(ck.get("hf_model"), Mapping):
-        names.append(("model factory", ck.get("model_factory")))
-    if loss is None:
-        names.append(("loss function", ck.get("loss_fn")))
+def _confirm_all(ck: Mapping[str, Any], names: _Names) -> None:
+    """Every name of the file that the replay will use unconfirmed, judged before any is imported or called: one
+    error naming all the confirmations they need, not one per run."""
+    pending_names: list[tuple[str, Any]] = []
+    if names.model is None and not isinstance(ck.get("hf_model"), Mapping):
+        pending_names.append(("model factory", ck.get("model_factory")))
+    if names.loss is None:
+        pending_names.append(("loss function", ck.get("loss_fn")))
+    if names.optimizer is None:
+        pending_names.append(("optimizer class", ck.get("optimizer_class")))
     pending: list[_names.NeedsConfirmation] = []
-    for what, name in names:
+    for what, name in pending_names:
         if isinstance(name, str):
             try:
-                resolve(name, what=what, trusted=False)
+                resolve(name, what=what, trusted=False, trust=names.trust)
             except _names.NeedsConfirmation as e:
                 pending.append(e)
             except CommandError:
@@ -767,8 +822,7 @@ def _confirm_all(ck: Mapping[str, Any], *, model_factory: str | None, loss: str 
         listed = " and ".join(f"{e.what} {e.path!r}" for e in pending)
         flags = " ".join(f"{e.flag} {e.path}" for e in pending)
         raise CommandError(f"the file names {listed}, which nanhunt imports and calls only if you confirm them "
-                           f"(your own code, not installed, or not a class or loss it recognises); if you trust "
-                           f"them, pass {flags}")
+                           f"(your own code or another library's, not torch's own); if you trust them, pass {flags}")
 
 
 def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
@@ -781,10 +835,11 @@ def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
                            "checkpoint.pt written beside it first")
 
 
-def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str | None, loss: str | None,
-                  dev: torch.device | None, notes: list[str]) -> _Loaded:
+def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev: torch.device | None,
+                  notes: list[str], shapes: bool = True) -> _Loaded:
     """The fields of a nanhunt capture, each checked; the model built from the file's factory (untrusted)
-    unless ``--model`` names one."""
+    unless ``--model`` names one; with ``shapes``, checked against the file's weights before it is allocated."""
+    model_factory, loss = names.model, names.loss
     def checked(name: str, types: type, expected: str, fix: str, *, required: bool = False) -> Any:
         return _capture_field(ck, name, types, expected, f"checkpoint {checkpoint!r}", fix, required=required)
 
@@ -815,7 +870,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, model_factory: str 
         hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
                      "pass --model package.module:factory")
         got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes) if hf is not None else \
-            _build(factory, kwargs or {}, trusted=False)
+            _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                      "so the result may differ")
@@ -886,9 +941,9 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
     return model
 
 
-def _loss_fn(loss_path: str, *, trusted: bool) -> Callable[..., Any]:
+def _loss_fn(loss_path: str, *, trusted: bool, trust: Sequence[str] = ()) -> Callable[..., Any]:
     """The loss callable ``loss_path`` names (trusted only when given as ``--loss``)."""
-    obj = resolve(loss_path, what="loss function", trusted=trusted)
+    obj = resolve(loss_path, what="loss function", trusted=trusted, trust=trust)
     if inspect.isclass(obj):  # a loss class is instantiated into a callable module
         try:
             obj = obj()
@@ -961,8 +1016,13 @@ def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
     return out
 
 
-def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:
-    factory = resolve(path, what="model factory", trusted=trusted)
+def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool, trust: Sequence[str] = (),
+           sd: Mapping[str, Any] | None = None) -> nn.Module:
+    """The model ``path`` builds with ``kwargs``; with ``sd`` (the file's weights) and a name the file chose among
+    torch.nn's own classes, built on the meta device first and checked against them."""
+    factory = resolve(path, what="model factory", trusted=trusted, trust=trust)
+    if sd is not None and not trusted and _names.torch_own(path.partition(":")[0], "model factory"):
+        _check_on_meta(path, factory, kwargs, sd)
     try:
         model = factory(**kwargs)
     except Exception as e:
@@ -970,6 +1030,25 @@ def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CommandError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _check_on_meta(path: str, factory: Any, kwargs: Mapping[str, Any], sd: Mapping[str, Any]) -> None:
+    """Build ``factory`` on the meta device (no memory) and check every parameter and buffer against the file's
+    tensors: a 2 KB file naming ``Linear(25000, 25000)`` over a 4 x 4 weight would allocate 2.5 GB before
+    ``load_state_dict`` found the shapes wrong. A ``device`` argument from the file is replaced by meta."""
+    try:
+        with torch.device("meta"):
+            probe = factory(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+    except Exception as e:
+        raise CommandError(f"model factory {path!r} raised {_first_line(e)}") from e
+    if not isinstance(probe, nn.Module):
+        raise CommandError(f"model factory {path!r} returned a {type(probe).__name__}, not an nn.Module")
+    map_state_dict(sd, probe)  # every key and shape, one error line
+    held = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
+    given = sum(t.numel() for t in sd.values() if isinstance(t, torch.Tensor))
+    if held > given:  # tensors outside the state dict (non-persistent buffers) the file cannot size
+        raise CommandError(f"model factory {path!r} with the file's model_kwargs holds {held} values, more than the "
+                           f"file's {given}; the file may be hostile; pass --model package.module:factory")
 
 
 def _restore_training(model: nn.Module, flags: Mapping[str, Any]) -> None:
@@ -1017,12 +1096,14 @@ def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 
 
 def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | None,
-                     names: list[Any] | None = None) -> torch.optim.Optimizer | None:
+                     names: list[Any] | None = None, *, trusted: bool = False,
+                     trust: Sequence[str] = ()) -> torch.optim.Optimizer | None:
     """The optimizer, its groups holding the parameters they held when saved: by name when the capture
-    says (decay / no-decay groups), else by position (older captures, plain checkpoints)."""
+    says (decay / no-decay groups), else by position (older captures, plain checkpoints). ``trusted``: the
+    class was given as ``--optimizer``."""
     if not cls_path:
         return None
-    cls = resolve(cls_path, what="optimizer class", trusted=False)
+    cls = resolve(cls_path, what="optimizer class", trusted=trusted, trust=trust)
     params = list(model.parameters())
     by_name = dict(model.named_parameters())
     saved_groups = sd.get("param_groups")

@@ -53,6 +53,7 @@ class ReplayCommand:
                        "(default: the first rank that saw the failure)")
         p.add_argument("--model", metavar="PKG.MOD:FACTORY", help="how to build the model (required for plain state_dicts)")
         p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
+        _name_options(p)
         p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="autocast dtype (default: the capture's, else float16)")
         p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default cpu)")
         p.add_argument("--level", choices=("op", "module"), default="op",
@@ -88,7 +89,8 @@ class ReplayCommand:
         if args.trust_pickle and speaks:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
-        options = dict(model_factory=args.model, loss=args.loss, device=args.device, dtype=args.dtype,
+        options = dict(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
+                       trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
                        no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
 
         def show(report: Any) -> int:
@@ -320,6 +322,7 @@ class CompareCommand:
                             "sample FILE:INDEX")
         p.add_argument("--model", metavar="PKG.MOD:FACTORY", help="how to build the model (required for plain state_dicts)")
         p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
+        _name_options(p)
         p.add_argument("--dtype", type=_dtypes, metavar="float16[,bfloat16]",
                        help="autocast dtype(s), comma-separated: each is compared against one float32 reference "
                             "(default: the capture's, else float16)")
@@ -377,7 +380,8 @@ class CompareCommand:
                   file=sys.stderr)
         rule, _ = settle_rule(rule, args.metric)
         step = load_step(
-            args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, device=args.device,
+            args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
+            trust_names=tuple(args.trust_names), device=args.device,
             dtype=args.dtype[0] if args.dtype else None, train=args.train, trust_pickle=args.trust_pickle,
         )
         for n in step.notes:
@@ -408,6 +412,15 @@ class CompareCommand:
             write(report, args.report)
         assert report.comparison is not None
         return EXIT_CLEAN if all(c.accepted for c in report.comparison.candidates()) else EXIT_NONFINITE
+
+
+def _name_options(p: argparse.ArgumentParser) -> None:
+    """The flags that confirm names a capture suggests, beside --model and --loss."""
+    p.add_argument("--optimizer", metavar="PKG.MOD:CLASS", help="optimizer class, built on the model's parameters "
+                   "with the file's groups and state (confirms one the file names)")
+    p.add_argument("--trust-names", action="append", default=[], metavar="PKG",
+                   help="use the model, loss and optimizer names the file gives inside package PKG (and its "
+                        "submodules) without --model/--loss/--optimizer; repeatable; also NANHUNT_TRUST_NAMES=a,b")
 
 
 def _dtypes(text: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,11 @@ import pytest
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+# The suite's own packages (tests/models.py as ``models``, ``fixtures``, ``tests``) are trusted as a team trusts its
+# own: captures of their classes replay without --model (subprocesses inherit it). tests/security/test_names.py
+# removes it to test the rule as a user meets it.
+os.environ["NANHUNT_TRUST_NAMES"] = "models,fixtures,tests"
 
 
 @pytest.fixture()

@@ -19,8 +19,8 @@ FIX = ROOT / "fixtures"
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Fixture model factories (fixtures.models) import from the repository root, on PYTHONPATH (from the
-    # current directory alone a capture's name would need --model to confirm).
+    # Fixture model factories (fixtures.models) import from the repository root, on PYTHONPATH, and replay
+    # unconfirmed because the suite trusts the package (conftest: NANHUNT_TRUST_NAMES).
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
 
@@ -75,8 +75,7 @@ def test_clean_fixture_exit_0() -> None:
 
 
 def test_subprocess_entry_points() -> None:
-    # The capture names fixtures.models: importable from PYTHONPATH (from the current directory
-    # alone it would need --model to confirm)
+    # The capture names fixtures.models: importable from PYTHONPATH, trusted by the suite (conftest)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
     exe = Path(sys.executable).with_name("nanhunt")
     for cmd in ([str(exe)], [sys.executable, "-m", "nanhunt"]):

@@ -60,7 +60,7 @@ def test_both_ranks_stop_at_the_same_step_and_write_one_capture_directory(
         assert (ev["step"], ev["kind"], ev["rank"], ev["ranks"], ev["pre_update"]) == (2, "loss", r, [1], True)
         # AND the event names the directory, and the command that replays it
         assert (ev["checkpoint"], ev["batch"], ev["capture_error"]) == (str(cap), None, None)
-        # (fixtures.models sits in the directory the job ran from, not installed: the command confirms it)
+        # (fixtures.models is not torch's own: the command confirms it)
         assert res["describe"].endswith(
             f"capture of the pre-update state: nanhunt replay {cap} --model fixtures.models:MLP")
     # AND the one capture is a directory: DCP shards written by each rank, a batch per rank, the manifest

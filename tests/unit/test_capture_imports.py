@@ -79,9 +79,11 @@ def test_untrusted_package_directory_in_cwd_is_refused_but_pythonpath_is_used(
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "path", ["", str(lib), *sys.path])
     monkeypatch.setenv("PYTHONPATH", str(lib))
+    # WHEN both packages are trusted by name (--trust-names)
+    trust = ("nhreview_pkg", "nhreview_other")
     # THEN the package on PYTHONPATH is used, the current directory's never runs
-    net = resolve("nhreview_pkg.nets:Net", what="model factory", trusted=False)
+    net = resolve("nhreview_pkg.nets:Net", what="model factory", trusted=False, trust=trust)
     assert Path(sys.modules[net.__module__].__file__).parent.parent == lib  # type: ignore[arg-type]
     with pytest.raises(CommandError, match="current directory"):
-        resolve("nhreview_other.x:Net", what="model factory", trusted=False)
+        resolve("nhreview_other.x:Net", what="model factory", trusted=False, trust=trust)
     assert not marker.exists()
