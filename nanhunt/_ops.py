@@ -25,10 +25,11 @@ from ._records_store import EXACT_CASTS, EXACT_DTYPES, STALE, Raw, RecordStore, 
 from ._tensors import FLOATISH, MAX_NEST, floatish, input_shapes, storage_key, tensors
 from ._tree import map_tensors
 from ._watch import NOT_USER, OriginWatch
+from .locate import FACTORS, factor_negative
 from .records import Phase, Role
 from .stats import full_stats
 
-__all__ = ["OpRecorder"]
+__all__ = ["OpRecorder", "read_tensors"]
 
 _current_node = _dispatch.current_autograd_node
 _node_seq = _dispatch.node_sequence_nr
@@ -228,7 +229,7 @@ class OpRecorder:
         raws[idx].full = full_stats(made)
         args, kwargs = saved
         raws[idx].in_shapes = input_shapes(args, kwargs)
-        for i, t in zip(ins, _read_tensors(info, args, kwargs)):
+        for i, t in zip(ins, read_tensors(info, args, kwargs)):
             if raws[i].full is None:
                 raws[i].full = full_stats(t)
 
@@ -303,6 +304,8 @@ class OpRecorder:
         # a fused op's i-th output comes from the i-th tensors: P inputs each, not P x P (read before the
         # outputs of an in-place one replace its inputs' records)
         fused = _fused_inputs(args, out, kd) if info.fused else None
+        # a negative factor (add's alpha, mul by -2) may turn a -inf input into +inf: said to the origin rule
+        negated = info.name in FACTORS and factor_negative(info.name, args, kwargs)
         for o in outs:
             oid = id(o)
             alias = copy_of if copy_of is not None and o.dtype in EXACT_DTYPES else None
@@ -312,6 +315,8 @@ class OpRecorder:
             if blank or partial:
                 raw.blank = (blank and (info.uninitialised or not is_written)) or (partial and is_written)
             idx = store.add(raw, o)
+            if negated:
+                store.negated.add(idx)
             if idx in self._zoom:
                 raw.in_shapes = input_shapes(args, kwargs)
             # A view shares its base's version counter, but only once this mode has returned.
@@ -564,7 +569,7 @@ def _written(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, An
     return unique, [id(w) for w in written], hidden_ids
 
 
-def _read_tensors(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def read_tensors(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The floating tensors an op reads, in the order :meth:`OpRecorder._scan` records them (the op's ``ins``)."""
     write_only = bool(info.write_only_args or info.write_only_kwargs)
     values = [*(a for i, a in enumerate(args) if not (write_only and i in info.write_only_args)),

@@ -113,7 +113,7 @@ class RecordStore:
     """
 
     __slots__ = ("raws", "pending", "zoom", "known", "kd", "writes", "fresh", "made", "last_loss", "not_masks",
-                 "index_uses", "checked", "classes", "root_outputs", "spans", "calls")
+                 "negated", "index_uses", "checked", "classes", "root_outputs", "spans", "calls")
 
     def __init__(self, zoom: Iterable[int] = ()) -> None:
         self.raws: list[Raw] = []
@@ -127,6 +127,8 @@ class RecordStore:
         self.made: dict[int, Record] = {}
         self.last_loss = -1  # the last record made in phase loss
         self.not_masks: set[int] = set()  # records that cannot be -inf masks (running statistics)
+        # records of ops whose factor may be negative (alpha, beta, a mul / div operand): see locate.factor_negative
+        self.negated: set[int] = set()
         self.index_uses: set[int] = set()  # records an op with no floating output took in (a cast to long)
         self.checked = 0  # records read back and searched for an origin while the step ran
         self.classes: dict[str, str] = {}  # module name -> class name

@@ -102,7 +102,7 @@ class OriginWatch:
         store.read_back(store.checked)
         res = locate(raws, level=self.level, classes=store.classes, root_outputs=frozenset(),
                      spans=store.spans, allow=self.allow, start=store.checked, final=False, materialize=store.record,
-                     calls=store.calls, not_masks=store.not_masks)
+                     calls=store.calls, not_masks=store.not_masks, negated=store.negated)
         store.checked = len(raws)
         window = self.window
         if window is not None:
@@ -164,7 +164,7 @@ class OriginWatch:
         store = self._store
         raws = store.raws
         idx = stop.record.index
-        if origin_kind(raws[idx], raws, may_mask=idx not in store.not_masks) is None:
+        if origin_kind(raws[idx], raws, may_mask=idx not in store.not_masks, negated=idx in store.negated) is None:
             self.window = [] if self._keep else None
             store.checked = idx + 1  # the records made since it are looked at by the next op
             return None
@@ -230,6 +230,7 @@ class OriginWatch:
             index_uses=frozenset(store.index_uses),
             calls=store.calls,
             not_masks=store.not_masks,
+            negated=store.negated,
             sinks_seen=sinks_seen,
         )
 

@@ -23,8 +23,9 @@ __all__ = ["advise", "PATTERNS"]
 
 # The patterns, in the order they are checked: id -> what triggers it (README "How it decides" lists them).
 PATTERNS: dict[str, str] = {
-    "exp-overflow-softmax": "aten::exp makes +Inf in forward or loss from an input above ln(dtype max), and the "
-                            "next division on its path makes NaN (Inf / Inf: a hand-written softmax)",
+    "exp-overflow-softmax": "aten::exp makes +Inf in forward or loss from an input above ln(dtype max) (-Inf where "
+                            "masked, or finite), and the next division on its path makes NaN (Inf / Inf: a "
+                            "hand-written softmax)",
     "log-of-zero": "aten::log (log2, log10) makes -Inf from an input whose min is exactly 0",
     "grad-at-zero": "a NaN/Inf born in backward that reaches a sink, in the derivative of sqrt, rsqrt, pow or a "
                     "norm, with an input holding zeros",
@@ -131,11 +132,13 @@ def _exp_softmax(occ: Occurrence, report: Report) -> Advice | None:
         return None
     limit = DTYPE_MAX.get(occ.output.dtype)
     x = occ.inputs[0] if occ.inputs else None
-    if limit is None or x is None or not x.finite or not x.max > math.log(limit):
+    # a causal / padding mask's -inf may sit in its input: exp makes 0 of it
+    if limit is None or x is None or x.has_nan or not math.log(limit) < x.max < math.inf:
         return None
     div = _normalisation(occ, report)
     if div is None:
         return None
+    masked = ", -Inf where masked" if x.min == -math.inf else ""
     return Advice(
         pattern="exp-overflow-softmax",
         advice="Subtract the row max before exp (a hand-written softmax), or call F.softmax / torch.logsumexp, "
@@ -143,7 +146,7 @@ def _exp_softmax(occ: Occurrence, report: Report) -> Advice | None:
         fix="w = F.softmax(scores, dim=-1)  # instead of e = scores.exp(); w = e / e.sum(-1, keepdim=True)\n"
             "e = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # or by hand: exp(x - max) <= 1",
         because=(f"{_at(occ)}: its input ({_tensor(x)}) has max {_num(x.max)} > {_num(math.log(limit))} = "
-                 f"ln({occ.output.dtype} max); then {div.op} made NaN (Inf / Inf), a softmax's normalisation"),
+                 f"ln({occ.output.dtype} max){masked}; then {div.op} made NaN (Inf / Inf), a softmax's normalisation"),
     )
 
 

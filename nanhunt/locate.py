@@ -1,9 +1,12 @@
 """First-occurrence rules: records -> origins -> the first one.
 
 An **origin** is a record whose non-finite value was created there: an op output
-holding a NaN while none of the op's inputs (tensors or Python scalars) holds
-one, or an Inf while all of them are finite; or a tensor that entered the step
-non-finite (batch, weights, optimizer state).
+holding a kind of non-finite value (NaN, +Inf, -Inf) that the op's inputs (tensors
+or Python scalars) cannot explain: a NaN while none of them holds one, a -Inf while
+all of them are finite, a +Inf while none holds +Inf (nor a NaN, which hides the
+infinities) and none holds a -inf the op could turn into +inf (an overflow behind
+an intentional -inf mask is born where it overflows: exp of masked logits); or a
+tensor that entered the step non-finite (batch, weights, optimizer state).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import networkx as nx
 from .graph import SINKS, loss_index, nonfinite_graph, propagation_path, reached_sinks
 from .records import Occurrence, Phase, Record, RecordView, Role
 
-__all__ = ["LocateResult", "locate", "leading_origin", "origin_kind", "is_allowed"]
+__all__ = ["LocateResult", "locate", "leading_origin", "origin_kind", "is_allowed", "FACTORS", "factor_negative"]
 
 _ENTERING = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.STATE)
 # Entering tensors that may hold -inf on purpose. A weight, a stale .grad or optimizer state holding
@@ -32,6 +35,69 @@ _MODULE_GRADS = (Role.GRAD_OUTPUT, Role.GRAD)
 _WORKSPACES = frozenset({"aten::_ctc_loss", "aten::_cudnn_ctc_loss"})
 
 
+def _with_inplace(*names: str) -> tuple[str, ...]:
+    return tuple(f"aten::{n}{u}" for n in names for u in ("", "_"))
+
+
+# Ops that cannot turn a -inf argument into +inf, at some of their arguments: a +Inf they make there is an
+# overflow (or comes from a +Inf argument), even when an intentional -inf mask is among their inputs. Positions
+# count the op's floating tensor inputs in argument order (as records link them); None: every input. Any other
+# op may turn a -inf into +inf (neg, abs, pow, a matmul with a negative weight, rsub): a -inf input explains it.
+_KEEPS_NEG_INF: dict[str, tuple[int, ...] | None] = {
+    **dict.fromkeys(_with_inplace("exp", "exp2", "expm1", "cumsum"), None),
+    **dict.fromkeys(("aten::_to_copy", "aten::copy_", "aten::sum", "aten::mean", "aten::logsumexp"), None),
+    # the attention mask (bias): the softmax's weights it makes are in [0, 1]; -inf in q or k may become +inf
+    **dict.fromkeys(("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+                     "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+                     "aten::_scaled_dot_product_fused_attention_overrideable", "aten::_efficient_attention_forward"),
+                    (3,)),
+}
+_ADDS = frozenset(_with_inplace("add"))  # x + alpha * y
+_SUBS = frozenset(_with_inplace("sub"))  # x - alpha * y
+_MULS = frozenset(_with_inplace("mul"))
+_DIVS = frozenset(_with_inplace("div"))
+_ADDMMS = frozenset(_with_inplace("baddbmm", "addmm", "addbmm", "addmv"))  # beta * self + alpha * (a @ b)
+# Where the factor that may negate an input sits: a keyword argument, or a position among all the arguments.
+FACTORS: dict[str, str | int] = {**dict.fromkeys(_ADDS, "alpha"), **dict.fromkeys(_ADDMMS, "beta"),
+                                 **dict.fromkeys(_MULS | _DIVS, 1)}
+
+_RULED = frozenset(_KEEPS_NEG_INF) | frozenset(FACTORS) | _SUBS  # ops _keeps_neg_inf may say yes for
+
+
+def factor_negative(op: str, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
+    """Whether the factor of an op of :data:`FACTORS` may be negative (``alpha`` of add, ``beta`` of addmm and
+    baddbmm, the second operand of mul and div): a negative number, or anything but a Python number (a tensor:
+    a floating one is measured by its own record). Absent, it is its default, 1."""
+    where = FACTORS[op]
+    v = kwargs.get(where, 1) if isinstance(where, str) else args[where] if len(args) > where else 1
+    return not (isinstance(v, (int, float)) and v >= 0)
+
+
+def _keeps_neg_inf(r: RecordView, pos: int, records: Sequence[RecordView], negated: bool) -> bool:
+    """Op ``r`` cannot turn a -inf of its input at ``pos`` into +inf. ``negated``: its factor may be negative
+    (:func:`factor_negative`). Positions are the schema's only when every tensor argument is floating: where a
+    non-floating one may have shifted them, only what holds for every position counts."""
+    op = r.op
+    n = len(r.inputs)
+    if op in _ADDS:
+        return not negated
+    if op in _SUBS:
+        return pos == 0 and n == 2  # x's -inf stays: -inf - finite
+    if op in _MULS:  # by a Python number >= 0, or by a tensor holding no negative value
+        return not negated if n == 1 else n == 2 and records[r.inputs[1 - pos]].min >= 0
+    if op in _DIVS:  # a denominator's -inf makes 0 or NaN; a numerator's stays -inf over a positive denominator
+        return not negated if n == 1 else n == 2 and (pos == 1 or records[r.inputs[1]].min > 0)
+    if op in _ADDMMS:
+        return pos == 0 and not negated
+    keep = _KEEPS_NEG_INF.get(op or "", ())
+    return keep is None or pos in keep
+
+
+def _explains_pos_inf(r: RecordView, pos: int, x: RecordView, records: Sequence[RecordView], negated: bool) -> bool:
+    """Input ``x`` of ``r`` (at ``pos``; holding no NaN) can explain a +Inf of ``r``'s output."""
+    return x.max == math.inf or (x.min == -math.inf and not _keeps_neg_inf(r, pos, records, negated))
+
+
 @dataclass(frozen=True)
 class LocateResult:
     first: Occurrence | None
@@ -40,9 +106,11 @@ class LocateResult:
     tainted: frozenset[int] = frozenset()  # origins and every non-finite record they fed
 
 
-def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool = True) -> str | None:
-    """``"nan"``/``"inf"`` when ``r`` creates a non-finite value from finite inputs, else ``None``.
-    ``may_mask=False``: ``r`` cannot be a -inf mask (a normalisation layer's running statistics)."""
+def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool = True,
+                negated: bool = False) -> str | None:
+    """``"nan"``/``"inf"`` when ``r`` creates a non-finite value its inputs cannot explain, else ``None``.
+    ``may_mask=False``: ``r`` cannot be a -inf mask (a normalisation layer's running statistics).
+    ``negated``: ``r``'s op has a factor that may be negative (:func:`factor_negative`)."""
     if r.finite:
         return None
     if r.role in _ENTERING:
@@ -62,9 +130,13 @@ def origin_kind(r: RecordView, records: Sequence[RecordView], *, may_mask: bool 
         if r.nonfinite_scalar == "nan" or any(i.has_nan for i in ins):
             return None
         return "nan"
-    if r.nonfinite_scalar is not None or not all(i.finite for i in ins):
-        return None
-    return "inf"
+    if r.nonfinite_scalar is not None or any(i.has_nan for i in ins):
+        return None  # a non-finite scalar (its sign unknown), or a NaN that may hide an input's infinities
+    if r.min == -math.inf and all(i.finite for i in ins):
+        return "inf"
+    if r.max == math.inf and not any(_explains_pos_inf(r, k, x, records, negated) for k, x in enumerate(ins)):
+        return "inf"  # +Inf where no input holds +Inf nor a -inf the op could turn into it: an overflow
+    return None
 
 
 def is_allowed(module: str | None, op: str | None, allow: Sequence[str]) -> bool:
@@ -91,6 +163,7 @@ def locate(
     not_masks: AbstractSet[int] = frozenset(),
     sinks_seen: bool = True,
     index_uses: AbstractSet[int] = frozenset(),
+    negated: AbstractSet[int] = frozenset(),
 ) -> LocateResult:
     """Find every origin in ``records[start:]`` in order; ``first`` is the earliest not allowed.
 
@@ -100,6 +173,7 @@ def locate(
     records that cannot be -inf masks (running statistics). ``sinks_seen=False`` (a scoped
     trace, which records neither the loss nor the model's output): ``reached`` stays unknown.
     ``index_uses`` (op level): records taken in by ops with no floating output (a cast to an index).
+    ``negated`` (op level): records of ops whose factor may be negative (:func:`factor_negative`).
     With ``final=False`` (a check while the step runs) no propagation is computed.
     ``records`` may be any :class:`RecordView`; ``materialize(i)`` gives the
     :class:`Record` of index ``i`` for the occurrences (default: ``records[i]``).
@@ -113,13 +187,13 @@ def locate(
     module_level = level == "module"
     masks: list[tuple[RecordView, str]] = []  # module level: the first module output holding only -inf
     found = _origin_records(records, module_level=module_level, start=start, spans=spans, not_masks=not_masks,
-                            root_outputs=root_outputs, masks_out=masks)
+                            negated=negated, root_outputs=root_outputs, masks_out=masks)
     if final and not found and _sinks_bad(records, root_outputs):
         seeded = _scalar_seeded(records) or (masks[0] if masks else None)
         if seeded is not None:
             found.append(seeded)
     flows = _flows(records, found, root_outputs=root_outputs, module_level=module_level, sinks_seen=sinks_seen,
-                   index_uses=index_uses) if final else {}
+                   index_uses=index_uses, negated=negated) if final else {}
     origins: list[Occurrence] = []
     for r, kind in found:
         flow = flows.get(r.index, _Flow(None, (r.index,), False, (), frozenset()))
@@ -148,7 +222,7 @@ def locate(
 
 
 def _origin_records(records: Sequence[RecordView], *, module_level: bool, start: int, spans: Mapping[int, int],
-                    not_masks: AbstractSet[int], root_outputs: frozenset[int],
+                    not_masks: AbstractSet[int], negated: AbstractSet[int], root_outputs: frozenset[int],
                     masks_out: list[tuple[RecordView, str]] | None = None) -> list[tuple[RecordView, str]]:
     """The records of ``records[start:]`` that create a non-finite value, with its kind, in order (one per
     op call; a module whose child already made it is none; module level: a module output holding only -inf
@@ -169,7 +243,7 @@ def _origin_records(records: Sequence[RecordView], *, module_level: bool, start:
         prev = key
         if r.finite:
             continue
-        kind = origin_kind(r, records, may_mask=r.index not in not_masks)
+        kind = origin_kind(r, records, may_mask=r.index not in not_masks, negated=r.index in negated)
         if kind is None and module_level and r.role in _MODULE_GRADS:
             # Module level sees no backward ops: the first non-finite gradient is where
             # backward went bad, unless the forward output already was.
@@ -206,8 +280,10 @@ class _Flow:
 
 
 def _flows(records: Sequence[RecordView], found: Sequence[tuple[RecordView, str]], *, root_outputs: frozenset[int],
-           module_level: bool, sinks_seen: bool, index_uses: AbstractSet[int]) -> dict[int, _Flow]:
+           module_level: bool, sinks_seen: bool, index_uses: AbstractSet[int],
+           negated: AbstractSet[int]) -> dict[int, _Flow]:
     g = nonfinite_graph(records)
+    _drop_unexplaining(g, records, negated)
     loss = loss_index(records)
     grads_bad = module_level and any(not x.finite and x.role is Role.GRAD for x in records)
     spread = {r.index: frozenset({r.index} | nx.descendants(g, r.index)) for r, _ in found}
@@ -228,6 +304,19 @@ def _flows(records: Sequence[RecordView], found: Sequence[tuple[RecordView, str]
         out[r.index] = _Flow(reached, propagation_path(g, r.index, target), harmless, tuple(into[:8]),
                              spread[r.index])
     return out
+
+
+def _drop_unexplaining(g: nx.DiGraph, records: Sequence[RecordView], negated: AbstractSet[int]) -> None:
+    """Drop the edges into a record holding +Inf (no NaN, no -Inf) from the inputs that explain none of it: a
+    mask's -inf taken by the exp that overflowed did not make its +Inf, so whatever made that -inf (an earlier
+    origin, a log(0) mask) does not reach what the overflow made non-finite."""
+    for n in list(g.nodes):
+        r = records[n]
+        if r.op not in _RULED or r.has_nan or r.min == -math.inf or r.nonfinite_scalar is not None:
+            continue  # every non-finite input may explain what it holds
+        keep = {i for k, i in enumerate(r.inputs)
+                if records[i].has_nan or _explains_pos_inf(r, k, records[i], records, n in negated)}
+        g.remove_edges_from([(i, n) for i in list(g.predecessors(n)) if i not in keep])
 
 
 def _made_by(records: Sequence[RecordView], r: RecordView, module_level: bool,

@@ -43,7 +43,10 @@ from ._tree import iter_leaves, iter_tensors, map_tensors
 from ._errors import CommandError
 from ._files import new_file, write_file
 from .capture import split_batch
-from .records import Occurrence, Phase, Repro
+from ._ops import read_tensors
+from .locate import FACTORS, factor_negative, origin_kind
+from .records import Occurrence, Phase, Record, Repro, Role
+from .stats import PendingStats
 from .step import Step
 from .tracer import Trace
 
@@ -106,13 +109,27 @@ def _outputs(func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     return [o for o in outs if o.is_floating_point() and not (id(o) in seen or seen.add(id(o)))]  # type: ignore[func-returns-value]
 
 
-def _inputs_clean(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """The origin rule on the inputs: no NaN anywhere (NaN origin), everything finite (Inf origin)."""
-    floats = [t for t in iter_tensors((args, kwargs)) if t.is_floating_point()]
+def _born(call: OriginCall, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The op, run on these arguments, makes ``kind`` that they cannot explain: the tracer's origin rule
+    (:func:`nanhunt.locate.origin_kind`) on their min / max, as the trace measures them."""
+    outs = call.run(args, kwargs)
+    ins = read_tensors(_dispatch.op_info(call.func), args, kwargs)
+    pending = PendingStats()
+    for i, t in enumerate([*ins, *outs]):
+        pending.add(i, t)
+    ranges = pending.read()
     scalars = list(iter_leaves((args, kwargs), float))
-    if kind == "nan":
-        return not any(math.isnan(s) for s in scalars) and not any(bool(t.isnan().any()) for t in floats)
-    return all(math.isfinite(s) for s in scalars) and all(bool(t.isfinite().all()) for t in floats)
+    scalar = "nan" if any(math.isnan(s) for s in scalars) else "inf" if any(math.isinf(s) for s in scalars) else None
+    negated = call.op in FACTORS and factor_negative(call.op, args, kwargs)
+
+    def record(i: int, t: torch.Tensor, role: Role) -> Record:
+        return Record(index=i, phase=call.phase, module=None, call_index=0, op=call.op, role=role, dtype="",
+                      shape=tuple(t.shape), min=ranges[i][0], max=ranges[i][1],
+                      inputs=tuple(range(len(ins))) if role is Role.OUTPUT else (), nonfinite_scalar=scalar)
+
+    records = [record(i, t, Role.INPUT) for i, t in enumerate(ins)]
+    return any(origin_kind(out, [*records, out], negated=negated) == kind
+               for out in (record(len(ins) + k, o, Role.OUTPUT) for k, o in enumerate(outs)))
 
 
 def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: tuple[int, ...] | None = None) -> bool:
@@ -209,7 +226,7 @@ def _candidates(obj: Any) -> Iterator[Any]:
 
 
 def shrink(call: OriginCall, kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The smallest arguments (by greedy halving) on which the op still makes ``kind`` from clean inputs."""
+    """The smallest arguments (by greedy halving) on which the op still makes ``kind`` that they cannot explain."""
     best: Any = (call.args, call.kwargs)
     trials = 0
     improved = True
@@ -222,7 +239,7 @@ def shrink(call: OriginCall, kind: str) -> tuple[tuple[Any, ...], dict[str, Any]
             if _nbytes(cand) >= _nbytes(best):
                 continue
             try:
-                ok = _inputs_clean(kind, *cand) and _went(kind, call.run(*cand))
+                ok = _born(call, kind, *cand)
             except Exception:  # shapes that no longer fit together: not a candidate
                 ok = False
             if ok:
