@@ -138,7 +138,8 @@ def verdict_text(report: Report) -> list[Span]:
         out = [Span("Not a precision problem: the step fails in float32 too")]
         if v.float32_first is not None:
             f = v.float32_first
-            out += [Span(f"; in float32 {_kind(f.kind)} is born in "), Span(label(f.module), True)]
+            out.append(Span(f"; in float32 {_kind(f.kind)} is born "))
+            out += [Span("outside the model")] if f.module is None else [Span("in "), Span(label(f.module), True)]
             if f.op:
                 out += [Span(" at "), Span(f.op, True)]
         out.append(Span("."))
