@@ -23,8 +23,8 @@ import sys
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterable, Mapping
-from typing import IO, Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import IO, Any, cast
 
 import torch
 
@@ -35,8 +35,12 @@ __all__ = ["load_file"]
 MAX_DEPTH = 64  # containers inside containers; real checkpoints and batches nest a handful
 MAX_ITEMS = 10_000_000  # values visited, shared references counted each time they are reached
 MAX_VIEW_BYTES = 1 << 30  # a view may span at most this much more than the bytes it holds
-MAX_OPS = 1_000_000  # pickle opcodes scanned to explain a refusal
+MAX_PICKLE_BYTES = 64 << 20  # a data.pkl of MAX_OPS opcodes is some 10 MiB; strings (a config's JSON) fit
+MAX_RATIO = 64  # a deflated member growing more than this is mostly zeros: real weights deflate by some 10%
+MAX_INFLATED = 64 << 20  # what such members may hold together: zero biases and masks of a re-packed archive
+MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst take under 0.5 GiB
 _CHUNK = 8 << 20  # CRC-32 is computed in chunks: bounded memory on any file size
+_PICKLE_BUFFER = 1 << 20  # data.pkl is scanned through a buffer: one read(1) an opcode costs a call into zipfile
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes
 
@@ -46,6 +50,7 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False) -> Any:
     name = f"{what} {path!r}"
     size = _check_path(path, name)
     is_zip = _check_format(path, name, size)
+    _check_pickles(path, name, is_zip)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # the weights-only unpickler runs no code from the file: any error means a bad file
@@ -97,6 +102,8 @@ def _check_format(path: str, name: str, size: int) -> bool:
         try:
             f.seek(0)
             _scan_pickle(f)
+        except _PickleTooBig as e:
+            raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
         except Exception as e:  # the scan builds nothing: any error means no valid pickle
             if head[:1] == b"\x80":  # pickle protocol 2+, which torch's legacy format starts with
                 raise CommandError(f"{name} is a corrupt or truncated pickle, not a readable torch file "
@@ -145,18 +152,28 @@ def _check_zip(f: io.BufferedReader, name: str, size: int) -> None:
         raise CommandError(f"{name} is an empty zip archive, not a torch file")
     if not any(_is_pickle(i.filename) for i in infos):
         raise CommandError(f"{name} is a zip archive but not a torch file: it has no data.pkl")
-    buf = bytearray(_CHUNK)
+    starts: dict[zipfile.ZipInfo, int] = {}
     for info in infos:
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             raise CommandError(f"{name} is not a torch file: its member {info.filename!r} uses compression method "
                                f"{info.compress_type}, which torch does not read")
         try:
-            crc = _member_crc(f, info, size, buf)
-        except (OSError, ValueError, struct.error, zlib.error):
+            start = _member_start(f, info, size)
+        except (OSError, ValueError, struct.error):
+            start = None
+        if start is None:
+            raise _cut_short(name, info)
+        starts[info] = start
+    _check_overlap(starts, name)
+    _check_sizes(infos, name)
+    buf = bytearray(_CHUNK)
+    for info in infos:
+        try:
+            crc = _member_crc(f, info, starts[info], buf)
+        except (OSError, ValueError, zlib.error):
             crc = None
         if crc is None:
-            raise CommandError(f"{name} is corrupt or truncated: its member {info.filename!r} is cut short or "
-                               "damaged")
+            raise _cut_short(name, info)
         if crc != info.CRC:
             raise CommandError(f"{name} is corrupt: its member {info.filename!r} fails its CRC-32 check (the "
                                "file changed after it was written); copy it again from its source")
@@ -166,9 +183,35 @@ def _is_pickle(member: str) -> bool:
     return member == "data.pkl" or member.endswith("/data.pkl")
 
 
-def _member_crc(f: io.BufferedReader, info: zipfile.ZipInfo, size: int, buf: bytearray) -> int | None:
-    """The CRC-32 of a member's content, read in chunks; None if its bytes are not all in the file.
-    torch.save stores members as they are; a re-packed archive may deflate them (torch reads that too)."""
+def _cut_short(name: str, info: zipfile.ZipInfo) -> CommandError:
+    return CommandError(f"{name} is corrupt or truncated: its member {info.filename!r} is cut short or damaged")
+
+
+def _check_sizes(infos: list[zipfile.ZipInfo], name: str) -> None:
+    """Refuse members that would grow far beyond the file once read, from what the directory declares.
+
+    torch.save stores every member as it is; an archive re-packed by a zip tool deflates them, which
+    torch reads too: weights shrink little (float data deflates by some 10%), zeros a thousandfold.
+    So members deflated beyond ``MAX_RATIO`` (a zero bias, a mask) may hold ``MAX_INFLATED`` together:
+    a 1 MB member declaring a GiB of zeros is refused before anything inflates it (torch would
+    allocate it whole). data.pkl is read whole by torch: at most ``MAX_PICKLE_BYTES``."""
+    inflated = 0
+    for info in infos:
+        if _is_pickle(info.filename) and info.file_size > MAX_PICKLE_BYTES:
+            raise CommandError(f"{name} holds a pickle ({info.filename!r}) of {info.file_size / 2**20:,.1f} MiB; "
+                               f"torch.save writes some 100 bytes a tensor, and nanhunt reads at most "
+                               f"{MAX_PICKLE_BYTES >> 20} MiB")
+        if info.compress_type == zipfile.ZIP_DEFLATED and info.file_size > MAX_RATIO * info.compress_size:
+            inflated += info.file_size
+            if inflated > MAX_INFLATED:
+                raise CommandError(f"{name} is not as torch.save writes it: its member {info.filename!r} inflates "
+                                   f"{info.compress_size:,} bytes to {info.file_size / 2**20:,.1f} MiB, and "
+                                   f"nanhunt reads at most {MAX_INFLATED >> 20} MiB of members deflated over "
+                                   f"{MAX_RATIO}-fold; save it again with torch.save, which stores them as they are")
+
+
+def _member_start(f: io.BufferedReader, info: zipfile.ZipInfo, size: int) -> int | None:
+    """Where a member's bytes begin, after its local header; None if they are not all in the file."""
     if info.header_offset < 0:  # zipfile's offset, corrected by the archive's; a damaged one can go below 0
         return None
     f.seek(info.header_offset)
@@ -176,10 +219,29 @@ def _member_crc(f: io.BufferedReader, info: zipfile.ZipInfo, size: int, buf: byt
     if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         return None
     fields = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]  # + name + extra field
+    start: int = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]  # + name + extra field
+    if start + info.compress_size > size:
+        return None
+    return start
+
+
+def _check_overlap(starts: Mapping[zipfile.ZipInfo, int], name: str) -> None:
+    """Refuse members sharing bytes: a directory listing one deflated GiB ten thousand times would have it
+    inflated ten thousand times. Sorted by where they begin, each must end before the next begins."""
+    spans = sorted((info.header_offset, start + info.compress_size, info.filename)
+                   for info, start in starts.items())
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CommandError(f"{name} is not a valid zip archive: its members {first!r} and {second!r} overlap "
+                               "(a zip bomb's trick: nanhunt would inflate the same bytes once for each)")
+
+
+def _member_crc(f: io.BufferedReader, info: zipfile.ZipInfo, start: int, buf: bytearray) -> int | None:
+    """The CRC-32 of a member's content (its bytes begin at ``start``), read in chunks; None if they are cut
+    short. torch.save stores members as they are; a re-packed archive may deflate them (torch reads that too)."""
     left = info.compress_size
     inflate = zlib.decompressobj(-15) if info.compress_type == zipfile.ZIP_DEFLATED else None
-    if start + left > size or (inflate is None and info.file_size != left):
+    if inflate is None and info.file_size != left:
         return None
     f.seek(start)
     view = memoryview(buf)
@@ -207,58 +269,116 @@ def _member_crc(f: io.BufferedReader, info: zipfile.ZipInfo, size: int, buf: byt
 
 
 # ---------------------------------------------------------- pickle opcodes
-_MARK = object()
+class _PickleTooBig(ValueError):
+    """A valid pickle beyond what nanhunt unpickles: nested too deep, or too many opcodes."""
+
+
 _PUT = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")
 _GET = ("GET", "BINGET", "LONG_BINGET")
+_BUILDS = ("EMPTY_LIST", "LIST", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_DICT", "DICT",
+           "EMPTY_SET", "FROZENSET")  # a container of the items they pop
+_ADDS = ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS")  # put items into the container below them
+_CALLS = ("REDUCE", "NEWOBJ", "NEWOBJ_EX")  # a callable and its argument tuple: what it makes holds the arguments
+_STRINGS = ("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+            "BINUNICODE8")  # kept on the stack as they are: STACK_GLOBAL's module and name
+_KINDS = (_PUT, _GET, ("MARK",), ("POP",), _BUILDS, _ADDS, _CALLS, _STRINGS, ("GLOBAL", "INST"), ("STACK_GLOBAL",),
+          ("STOP",))
+_K_PUT, _K_GET, _K_MARK, _K_POP, _K_BUILDS, _K_ADDS, _K_CALLS, _K_STRING, _K_GLOBAL, _K_STACK_GLOBAL, _K_STOP = \
+    range(len(_KINDS))
+_K_OTHER = len(_KINDS)
+# each opcode: its kind, the items it pops (below its MARK if it has one), whether it pops to a MARK, and pushes
+_OPS = {op: (next((k for k, names in enumerate(_KINDS) if op.name in names), _K_OTHER),
+             op.stack_before.index(pickletools.markobject) if pickletools.markobject in op.stack_before
+             else len(op.stack_before), pickletools.markobject in op.stack_before, len(op.stack_after))
+        for op in pickletools.opcodes}
+_PICKLE_DEPTH = MAX_DEPTH + 2  # a tensor's own pickle nests its arguments two deep below what holds it
+
+
+class _Reader:
+    """A stream's read and readline alone: without ``tell``, genops asks for no position each opcode (a call
+    into zipfile, or a seek, each time)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.read = f.read
+        self.readline = f.readline
 
 
 def _scan_pickle(f: IO[bytes]) -> list[str]:
     """The globals one pickle names (``module.name``), from its opcodes: nothing is imported or built.
 
     Raises ValueError when the bytes are not one valid pickle: a bad opcode or argument, a pop from
-    an empty stack, a missing MARK or memo entry, no STOP (the checks of ``pickletools.dis``)."""
-    stack: list[object] = []
-    memo: dict[object, object] = {}
+    below the last MARK, a missing MARK or memo entry, no STOP (the checks of ``pickletools.dis``);
+    :class:`_PickleTooBig` when unpickling it would nest containers deeper than ``MAX_DEPTH`` (a tuple
+    key nested a million deep crashes the process when hashed) or it has more than ``MAX_OPS``
+    opcodes (each builds up to some 250 bytes: 8 M empty lists take 3 GB). The stack holds how deep
+    each item nests (a string stays itself); memory is a few bytes an opcode."""
+    stack: list[int | str] = []
+    marks: list[int] = []  # where on the stack each open MARK sits
+    memo: dict[object, int | str] = {}
     names: list[str] = []
-    for n, (op, arg, _) in enumerate(pickletools.genops(f)):
-        if n >= MAX_OPS:
-            break  # enough to judge by; a real torch pickle has a few opcodes per tensor
-        if op.name in _PUT:  # stores the top of the stack, which stays
-            if not stack or stack[-1] is _MARK:
+    n = 0
+    for op, arg, _ in pickletools.genops(cast(IO[bytes], _Reader(f))):
+        n += 1
+        if n > MAX_OPS:
+            raise _PickleTooBig(f"is a pickle of more than {MAX_OPS:,} opcodes (torch.save writes about 45 a tensor)")
+        kind, npop, marked, npush = _OPS[op]
+        floor = marks[-1] if marks else 0
+        if kind == _K_PUT:  # stores the top of the stack, which stays
+            if len(stack) <= floor:
                 raise ValueError(f"{op.name} with nothing to store")
             memo[len(memo) if op.name == "MEMOIZE" else arg] = stack[-1]
             continue
-        if op.name in _GET:
+        if kind == _K_GET:
             if arg not in memo:
                 raise ValueError(f"memo key {arg!r} used before it was stored")
             stack.append(memo[arg])
             continue
-        before, after = op.stack_before, op.stack_after
-        npop = len(before)
-        if pickletools.markobject in before or (op.name == "POP" and stack and stack[-1] is _MARK):
-            if _MARK not in stack:
+        if kind == _K_MARK:
+            marks.append(len(stack))
+            if len(marks) > MAX_DEPTH:
+                raise _PickleTooBig(f"nests containers more than {MAX_DEPTH} levels deep")
+            continue
+        if not (npop or marked or npush):  # PROTO, FRAME, a PUT-like no-op
+            continue
+        if not (npop or marked):  # a value: a string, a number, an empty container, a global
+            if kind == _K_GLOBAL:
+                names.append(str(arg).replace(" ", "."))
+            stack.append(arg if kind == _K_STRING and isinstance(arg, str) else 1 if kind == _K_BUILDS else 0)
+            continue
+        items: list[int | str] = []
+        if marked or (kind == _K_POP and marks and len(stack) == floor):  # POP of a MARK on top pops the MARK
+            if not marks:
                 raise ValueError(f"{op.name} without a MARK")
-            while stack.pop() is not _MARK:
-                pass
-            npop = before.index(pickletools.markobject) if pickletools.markobject in before else 0
-        if len(stack) < npop:
-            raise ValueError(f"{op.name} pops {npop} items from a stack of {len(stack)}")
+            del marks[-1]
+            items, stack[floor:] = stack[floor:], []
+            floor = marks[-1] if marks else 0
+        if len(stack) - floor < npop:
+            raise ValueError(f"{op.name} pops {npop} items from a stack of {len(stack) - floor}")
         popped = stack[len(stack) - npop:]
         del stack[len(stack) - npop:]
-        if op.name in ("GLOBAL", "INST"):
+        depth = 0
+        for item in popped[1:] if kind == _K_ADDS else popped:
+            if type(item) is int and item > depth:
+                depth = item
+        for item in items:
+            if type(item) is int and item > depth:
+                depth = item
+        if kind == _K_BUILDS:
+            depth += 1
+        elif kind == _K_ADDS:  # the container is as deep as it was, or one more than what it now holds
+            depth = max(popped[0] if type(popped[0]) is int else 0, depth + 1)
+        elif kind == _K_CALLS:
+            depth = max(depth - 1, 0)
+        elif kind == _K_GLOBAL:
             names.append(str(arg).replace(" ", "."))
-        elif op.name == "STACK_GLOBAL":
-            mod, qual = popped[-2:]
+        elif kind == _K_STACK_GLOBAL:
+            mod, qual = popped
             names.append(f"{mod}.{qual}" if isinstance(mod, str) and isinstance(qual, str) else "<computed name>")
-        for item in after:
-            if item is pickletools.markobject:
-                stack.append(_MARK)
-            elif isinstance(arg, str) and op.name not in ("GLOBAL", "INST"):
-                stack.append(arg)  # a string: STACK_GLOBAL's module or name
-            else:
-                stack.append(None)
-        if op.name == "STOP" and stack:
+        elif kind == _K_STOP and (stack or marks):
             raise ValueError("items left on the stack at STOP")
+        if depth > _PICKLE_DEPTH:
+            raise _PickleTooBig(f"nests containers more than {MAX_DEPTH} levels deep")
+        stack += [depth] * npush
     return names
 
 
@@ -301,14 +421,16 @@ def _exists(full: str) -> bool:
 
 
 def _pickles(path: str, is_zip: bool) -> tuple[list[str], str | None]:
-    """Globals named by the file's pickle(s), and why scanning stopped early (a damaged pickle) or None.
-    A zip archive holds one (data.pkl); the legacy format a few in a row before the raw storages."""
+    """Globals named by the file's pickle(s), and why scanning stopped early (a damaged pickle) or None;
+    :class:`_PickleTooBig` when one is beyond what nanhunt unpickles. A zip archive holds one (data.pkl,
+    read as a stream: it is never held whole); the legacy format a few in a row before the raw storages."""
     names: list[str] = []
     try:
         if is_zip:
             with zipfile.ZipFile(path) as z:
                 member = next(i for i in z.infolist() if _is_pickle(i.filename))
-                names += _scan_pickle(io.BytesIO(z.read(member)))
+                with z.open(member) as m:
+                    names += _scan_pickle(io.BufferedReader(m, _PICKLE_BUFFER))  # type: ignore[type-var]
         else:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -316,11 +438,23 @@ def _pickles(path: str, is_zip: bool) -> tuple[list[str], str | None]:
                     names += _scan_pickle(f)
                     if f.tell() >= size:  # a plain pickle.dump: one pickle
                         break
+    except _PickleTooBig:
+        raise
     except ValueError as e:
         return names, _reason(e)
     except Exception as e:  # the archive was checked already; report, don't crash
         return names, _first_line(e)
     return names, None
+
+
+def _check_pickles(path: str, name: str, is_zip: bool) -> None:
+    """Refuse, before torch unpickles it, a pickle too deep or too large to unpickle safely, or a damaged one."""
+    try:
+        damaged = _pickles(path, is_zip)[1]
+    except _PickleTooBig as e:
+        raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
+    if damaged is not None:
+        raise CommandError(f"{name} is corrupt: its pickle is damaged ({damaged})")
 
 
 def _pickled_objects(path: str, is_zip: bool, e: Exception) -> bool:
@@ -375,32 +509,45 @@ def _torch_reason(e: Exception) -> str:
 
 # ------------------------------------------------------------- after torch
 def _check_loaded(obj: Any, name: str) -> None:
-    """Refuse what later code would choke on: deep nesting, huge expanded views, sparse/meta tensors."""
-    todo: list[tuple[Any, int, tuple[object, ...]]] = [(obj, 0, ())]
-    seen = 0
-    while todo:
-        o, depth, where = todo.pop()
-        seen += 1
-        if seen > MAX_ITEMS:
-            raise CommandError(f"{name} holds more than {MAX_ITEMS:,} values (counting each shared one every "
-                               "time it is reached); nanhunt refuses it")
-        if isinstance(o, torch.Tensor):
-            _check_tensor(o, name, where)
-            continue
-        if isinstance(o, Mapping):
-            children: Iterable[tuple[object, Any]] = o.items()
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            children = enumerate(o)
+    """Refuse what later code would choke on: deep nesting, huge expanded views, sparse/meta tensors.
+    Walked depth first, one open container a level: memory stays bounded however many items there are."""
+    if isinstance(obj, torch.Tensor):
+        _check_tensor(obj, name, ())
+        return
+    top = _children(obj)
+    levels: list[tuple[Iterator[tuple[object, Any]], tuple[object, ...]]] = [(top, ())] if top is not None else []
+    seen = 1
+    while levels:
+        items, where = levels[-1]
+        for k, v in items:
+            seen += 1
+            if seen > MAX_ITEMS:
+                raise CommandError(f"{name} holds more than {MAX_ITEMS:,} values (counting each shared one every "
+                                   "time it is reached); nanhunt refuses it")
+            depth = len(levels)  # of v
+            at = (*where, k) if depth <= 8 else where if depth > 9 else (*where, ...)
+            if isinstance(v, torch.Tensor):
+                _check_tensor(v, name, at)
+                continue
+            inner = _children(v)
+            if inner is None:
+                continue
+            if depth >= MAX_DEPTH:
+                raise CommandError(f"{name} nests containers more than {MAX_DEPTH} levels deep (at {_at(at)}); "
+                                   "a real checkpoint or batch nests a few: nanhunt refuses it")
+            levels.append((inner, at))
+            break
         else:
-            continue
-        if depth >= MAX_DEPTH:
-            raise CommandError(f"{name} nests containers more than {MAX_DEPTH} levels deep (at {_at(where)}); "
-                               "a real checkpoint or batch nests a few: nanhunt refuses it")
-        for k, v in children:
-            if isinstance(v, (torch.Tensor, Mapping, list, tuple, set, frozenset)):
-                todo.append((v, depth + 1, (*where, k) if depth < 8 else where if depth > 8 else (*where, ...)))
-            else:
-                seen += 1
+            levels.pop()
+
+
+def _children(o: Any) -> Iterator[tuple[object, Any]] | None:
+    """A container's (key or index, value) pairs; None for anything else."""
+    if isinstance(o, Mapping):
+        return iter(o.items())
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return enumerate(o)
+    return None
 
 
 def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None:

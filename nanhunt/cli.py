@@ -1,7 +1,7 @@
 """Command line: parses, calls the library, renders. No logic of its own.
 
 Exit codes: 0 the step is finite, 1 a non-finite value was found, 2 usage or
-input error, 3 not reproducible.
+input error, 3 not reproducible (two replays disagree, or a Guard's capture of a failed step replays finite).
 ``compare``: 0 the acceptance rule held, 1 it was violated, 2 usage or input error.
 """
 
@@ -72,6 +72,9 @@ class ReplayCommand:
                        help="where the copy of the weights and optimizer state restored between runs lives: memory, "
                        "or disk (a temporary file in TMPDIR, mapped: a model that fills the RAM replays); auto "
                        "(default): disk for a CPU model whose copy would take over half the free memory")
+        p.add_argument("--repeat", type=int, default=1, metavar="N",
+                       help="replay up to N times while the step stays finite (default 1): a failure that comes "
+                       "only now and then (non-deterministic kernels, state outside the capture) shows in one of them")
 
     def run(self, args: argparse.Namespace) -> int:
         from ._dist_replay import replay_ranks, under_torchrun
@@ -116,6 +119,10 @@ class ReplayCommand:
         directory = args.batch is None
         if torchrun and args.snapshot != "auto":
             raise CommandError("--snapshot applies to a replay in one process; under torchrun leave it out")
+        if args.repeat < 1:
+            raise CommandError(f"--repeat {args.repeat}: replay at least once (--repeat 1, the default)")
+        if torchrun and args.repeat != 1:
+            raise CommandError("--repeat applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
                 with _Progress() as progress:
@@ -142,7 +149,8 @@ class ReplayCommand:
             try:
                 with _Progress() as progress:
                     return hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
-                                progress=progress.update, bundle=args.bundle, command=_command_line())
+                                progress=progress.update, bundle=args.bundle, command=_command_line(),
+                                repeat=args.repeat)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours

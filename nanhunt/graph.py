@@ -38,10 +38,15 @@ _VALUE_FREE = frozenset({"aten::ones_like", "aten::zeros_like", "aten::full_like
 
 
 def loss_index(records: Sequence[RecordView]) -> int | None:
-    """The loss value: the last value computed in phase loss (with a GradScaler, the scaled loss)."""
+    """The loss value: the last value computed in phase loss (with a GradScaler, the scaled loss); when the model
+    computes its own loss (an HF model's ``.loss``, a scalar it returns), none is, and the loss is what backward's
+    gradient seed (``ones_like(loss)``, in phase loss) was made from."""
     for r in reversed(records):
         if r.phase is Phase.LOSS and r.op not in _VALUE_FREE:
             return r.index
+    for r in reversed(records):
+        if r.phase is Phase.LOSS and r.op in _VALUE_FREE and r.inputs:
+            return r.inputs[0]
     return None
 
 

@@ -53,15 +53,30 @@ class Ranks(Team, Protocol):
 
 def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: bool = False,
          progress: Callable[[int, str], None] | None = None, bundle: str | None = None,
-         command: str | None = None, ranks: Ranks | None = None) -> Report:
+         command: str | None = None, ranks: Ranks | None = None, repeat: int = 1) -> Report:
     """Where the step's first non-finite value was born (two traced runs that must agree), with
     ``prove`` why (the bisection's verdict), and with ``bundle`` a verified repro of the culprit op
     written into that directory. The step's state is restored afterwards, also on Ctrl-C. ``ranks``: every
-    rank of a distributed replay calls this at once (the bisection's trials then run on all of them)."""
+    rank of a distributed replay calls this at once (the bisection's trials then run on all of them).
+
+    ``repeat``: replay (the two traced runs) up to that many times while it stays finite; the first replay
+    that is not is the one reported. A Guard's capture whose event says the step failed, replayed finite every
+    time, is ``not-reproducible`` (its status and verdict)."""
+    if repeat < 1 or (ranks is not None and repeat != 1):
+        raise ValueError(f"repeat={repeat}: at least 1, and 1 in a distributed replay")
     allow = tuple(allow)
     config = step_config(step, level)
+    notes: tuple[str, ...] = ()
     with step.isolated():  # one snapshot for every run below
         replayed = trace_twice(step, level=level, allow=allow)
+        replays = 1
+        while replayed.status == "clean" and replays < repeat:
+            replayed = trace_twice(step, level=level, allow=allow)
+            replays += 1
+        if replays > 1 and replayed.status != "clean":
+            notes = (f"replay {replays} of up to {repeat} was not finite: "
+                     f"{'the one' if replays == 2 else f'the {replays - 1}'} before it "
+                     f"{'was' if replays == 2 else 'were'} (the step does not always fail)",)
         first = replayed.final.first
         if ranks is not None:
             ranks.traced(replayed.final)
@@ -74,10 +89,19 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
             repro = make(bundle) if ranks is None else ranks.repro(make, bundle)
     report = _report(step, replayed, config, verdict, repro, command)
     event, why = _guard_event(step.event_file)
-    if why is not None:
-        report = dataclasses.replace(report, notes=(*report.notes, why))
-    report = dataclasses.replace(report, guard_event=event)
+    report = dataclasses.replace(report, notes=(*report.notes, *notes, *([why] if why is not None else [])),
+                                 guard_event=event)
+    if report.status == "clean" and event is not None and _failed_here(event):
+        report = dataclasses.replace(report, status="not-reproducible",
+                                     verdict=Verdict(kind="not-reproducible", replays=replays))
     return dataclasses.replace(report, advice=advise(report))
+
+
+def _failed_here(event: GuardEvent) -> bool:
+    """The Guard's event says this capture's step failed on this rank alone: a finite replay did not reproduce it.
+    (Other ranks that saw it too may have sent it through a collective: their captures are the ones to replay.)"""
+    return (event.kind in ("loss", "grads", "params", "skips")
+            and not [r for r in event.ranks if r != event.rank])
 
 
 def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:

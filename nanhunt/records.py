@@ -257,7 +257,8 @@ class Report(JSONData):
     """Everything one replay found, as plain data; renderers only format it.
 
     ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
-    ``"not-reproducible"`` (two replays of the same step disagreed).
+    ``"not-reproducible"`` (two replays of the same step disagreed, or a Guard's capture
+    whose event says the step failed replayed finite: see :class:`Verdict`).
 
     JSON layout (``to_json``; key names are stable, numbers stay numbers, and
     NaN/Inf are the strings ``"nan"``/``"inf"``/``"-inf"`` so files are strict
@@ -397,7 +398,9 @@ class Verdict(JSONData):
     ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
     scale overflows the gradients), ``not-reproducible``, ``clean``, ``interrupted``
     (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
-    ``precision`` verdict).
+    ``precision`` verdict). ``not-reproducible`` is also the verdict (and the report's status)
+    of a Guard's capture whose event says its step failed, on that rank alone, and whose
+    ``replays`` (``hunt(repeat=)``, ``--repeat``) all stayed finite.
 
     A step is *fixed* when its loss, every gradient and what the update wrote (parameters,
     buffers, optimizer state) are finite and no origin is born in it (the silent ones

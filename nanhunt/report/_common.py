@@ -72,6 +72,11 @@ def _kind(kind: str) -> str:
 def sentence(report: Report) -> list[Span]:
     """The verdict in one sentence."""
     if report.status == "not-reproducible":
+        e, v = report.guard_event, report.verdict
+        if e is not None and v is not None and v.kind == "not-reproducible" and not any(report.runs):
+            n = f"{v.replays} replay{'s' if v.replays != 1 else ''}"
+            return [Span(f"Not reproducible: the Guard saw step {e.step} fail ({e.detail}), but the replay of its "
+                         f"capture stayed finite ({n}).")]
         return [Span("Not reproducible: two replays of the same step disagree on where the first non-finite "
                      "value is born.")]
     occ = report.first
@@ -133,7 +138,8 @@ def verdict_text(report: Report) -> list[Span]:
         out = [Span("Not a precision problem: the step fails in float32 too")]
         if v.float32_first is not None:
             f = v.float32_first
-            out += [Span(f"; in float32 {_kind(f.kind)} is born in "), Span(label(f.module), True)]
+            out.append(Span(f"; in float32 {_kind(f.kind)} is born "))
+            out += [Span("outside the model")] if f.module is None else [Span("in "), Span(label(f.module), True)]
             if f.op:
                 out += [Span(" at "), Span(f.op, True)]
         out.append(Span("."))
@@ -142,10 +148,29 @@ def verdict_text(report: Report) -> list[Span]:
         return [Span("Scale-induced: the gradients overflow only because of the loss scale; GradScaler backs off "
                      "and skips this step (a bug only if it keeps happening).")]
     if v.kind == "not-reproducible":
+        e = report.guard_event
+        if e is not None and not any(report.runs):
+            return [Span(_not_reproduced(e.step, e.captured_step, e.pre_update, v.replays))]
         return [Span("Not reproducible: the original configuration ran finite when replayed again.")]
     if v.kind == "interrupted":
         return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
+
+
+def _not_reproduced(step: int, captured: int | None, pre_update: bool, replays: int) -> str:
+    """Why a Guard's capture may replay finite although its step failed, and how to check."""
+    head = f"Not reproducible: {replays} replay{'s' if replays != 1 else ''} of the capture stayed finite. "
+    if captured is not None and captured != step and not pre_update:
+        return head + (f"The capture is the Guard's last good snapshot, the start of step {captured}: a replay "
+                       f"runs that one step, not the steps up to step {step}'s failure. With the Guard's "
+                       f"snapshot_every=1 the capture is the start of the failing step itself.")
+    return head + ("The capture holds the weights, buffers, optimizer and GradScaler state, torch's RNG (CUDA's "
+                   "too) and the batch as the step received it. It cannot hold what else the step read: state "
+                   "outside them (a global, a module attribute that is not a buffer, Python's or NumPy's random "
+                   "generators), the results of non-deterministic kernels, the device's RNG when replayed on another "
+                   "device. To check: --repeat N replays it up to N times and reports the first replay that is not "
+                   "finite; make such state a buffer or part of the batch; with the Guard's snapshot_every=1 a "
+                   "capture is the start of the failing step even when an update wrote non-finite weights.")
 
 
 def origin_alone(v: Verdict) -> tuple[str, str] | None:

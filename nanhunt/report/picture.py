@@ -47,9 +47,9 @@ def _origin_label(report: Report) -> str:
     occ = report.first
     if occ is None:
         return ""
-    where = "outside the model" if occ.module is None else (occ.module or "<root>")
+    where = "outside the model" if occ.module is None else f"in {occ.module or '<root>'}"
     what = "NaN" if occ.kind == "nan" else "Inf"
-    return _tex_safe(f"origin: {what} in {where} · {occ.op or occ.output.role.value}")
+    return _tex_safe(f"origin: {what} {where} · {occ.op or occ.output.role.value}")
 
 
 _Point = tuple[int, str, float, str]

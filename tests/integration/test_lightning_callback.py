@@ -208,3 +208,46 @@ def test_pytorch_lightning_trainer_takes_the_same_callback(tmp_path: Path) -> No
     assert cli_main(["replay", ev.checkpoint, ev.batch, "--model", factory, "--no-bisect", "--report", str(out)]) == 1
     first = Report.from_json(out.read_text()).first
     assert first is not None and (first.phase.value, first.module) == ("weights", "fc1")
+
+
+class Gained(TinyModule):
+    """TinyModule's output times ``gain``: a plain attribute (no parameter, no buffer), which no checkpoint holds."""
+
+    def __init__(self, **hparams: Any) -> None:
+        super().__init__(**hparams)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+class SetGain(pl.Callback):
+    """Sets the module's ``gain`` to inf for optimizer step ``at`` (1.0 otherwise)."""
+
+    def __init__(self, at: int = STEP) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        pl_module.gain = float("inf") if trainer.global_step == self.at else 1.0
+
+
+def test_a_step_that_fails_only_by_state_no_capture_holds_replays_not_reproducible(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a run stopped at step 3 with a non-finite loss, caused by a module attribute a callback set
+    with pytest.raises(nanhunt.GuardError) as info:
+        _fit(tmp_path, [SetGain(), NanhuntCallback(dump_dir=tmp_path / "nan")], module=Gained)
+    ev = info.value.event
+    assert (ev.step, ev.kind) == (STEP, "loss") and ev.checkpoint is not None and ev.batch is not None
+    factory = callable_path(Gained)
+    assert factory is not None
+    capsys.readouterr()
+    # WHEN its capture is replayed (the module rebuilt: gain 1.0)
+    out = tmp_path / "report.json"
+    code = cli_main(["replay", ev.checkpoint, ev.batch, "--model", factory, "--report", str(out)])
+    # THEN it is not called clean: exit 3, the verdict not-reproducible, the Guard's event beside it
+    said = capsys.readouterr()
+    assert code == 3, said.err
+    rep = Report.from_json(out.read_text())
+    assert rep.status == "not-reproducible" and rep.verdict is not None and rep.verdict.kind == "not-reproducible"
+    assert rep.guard_event is not None and rep.guard_event.step == STEP
+    assert said.out.startswith(f"Not reproducible: the Guard saw step {STEP} fail (non-finite loss)")

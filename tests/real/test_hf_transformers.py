@@ -158,6 +158,16 @@ def test_llama_down_proj_overflow_trace_and_replay() -> None:
     assert (r.verdict.kind, r.verdict.culprits, r.verdict.origin_alone_fixes) == ("precision", (LLAMA_DOWN,), True)
 
 
+def test_llama_loss_the_model_computes_is_reached_without_a_scaler() -> None:
+    # GIVEN the same Llama, its step without a GradScaler: the model computes its loss (.loss), so no op of the
+    # step runs in phase loss but backward's gradient seed
+    m, batch = _llama_fault(), B.lm_batch()
+    # WHEN traced THEN the down_proj overflow reaches the logits, the model's loss and the gradients
+    t = B.traced(m, batch)
+    assert where(t.first) == (Phase.FORWARD, LLAMA_DOWN, "aten::mm", 0, "inf")
+    assert t.first is not None and t.first.reached == ("output", "loss", "gradients")
+
+
 def test_llama_inf_rmsnorm_weight_is_no_precision_problem() -> None:
     # GIVEN an Inf in the first RMSNorm's weight
     batch = B.lm_batch()

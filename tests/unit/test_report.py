@@ -368,6 +368,20 @@ def test_sentences() -> None:
     assert "outside the model" in md(v[5]) and "silent" in md(v[5])
 
 
+def test_a_value_outside_the_model_is_born_outside_it() -> None:
+    # GIVEN a not-precision verdict whose float32 run also starts outside the model (a NaN in the batch)
+    from nanhunt.report._common import verdict_text
+    from nanhunt.report.picture import _origin_label
+
+    r = sample_report()
+    outside = dataclasses.replace(r.first, phase=Phase.INPUT, module=None, op=None, kind="nan")
+    rep = dataclasses.replace(r, first=outside, verdict=Verdict(kind="not-precision", float32_first=outside))
+    # THEN it reads "born outside the model", not "born in outside the model"
+    text = "".join(s.text for s in verdict_text(rep))
+    assert text == "Not a precision problem: the step fails in float32 too; in float32 NaN is born outside the model."
+    assert _origin_label(rep) == "origin: NaN outside the model · output"
+
+
 # ------------------------------------------------------------------ files and the command line
 
 
