@@ -6,8 +6,9 @@ when you confirm that name (``--loss /home/me/train.py:my_loss``) and then runs 
 (the modules they import run), function and class definitions (their decorators, default values and class
 bodies run) and the assignments and ``if`` / ``try`` blocks that call nothing (``EPS = 1e-6``), never its loops,
 ``with`` blocks, calls (``model = Net()``, ``fit(model)``) or ``if __name__ == "__main__":`` block, so
-confirming the name does not train again (what runs may still register an ``atexit`` function). A name defined in a notebook or an interactive session
-cannot be imported at all: it is recorded as ``__main__:name`` and the replay asks for your own module's.
+confirming the name does not train again (what runs may still register an ``atexit`` function). A name
+defined in a notebook or an interactive session cannot be imported at all: it is recorded as ``__main__:name``
+and the replay asks for your own module's.
 
 :func:`torch_own` is the rule for a name read from a file, judged by the name before anything is imported:
 torch.nn's own module classes (a model or a loss), torch.nn.functional's losses and torch.optim's optimizers
