@@ -585,3 +585,15 @@ def test_a_fix_that_cannot_remove_every_origin_says_which_remain() -> None:
         ("h.0.rms_2.0", "aten::sqrt", "nan")]
     assert ("The suggested fix (`h.0.mlp.down_proj` in float32), measured in a traced replay: 1 origin(s) left: NaN "
             "in phase forward, `h.0.rms_2.0` at `aten::sqrt` (silent).") in render("md", rep)
+
+
+def test_keep_fp32_given_a_class_wraps_each_of_its_modules_once_and_restores_them() -> None:
+    m = Llama([Block(Attention(), GatedMLP()) for _ in range(2)], emb=1.0)
+    norms = [mod for mod in m.modules() if isinstance(mod, RMSNorm)]
+    with nanhunt.keep_fp32(m, [RMSNorm, "norm"]):  # "norm" is an RMSNorm too
+        assert len(norms) == 5 and all(getattr(n.forward, "__nanhunt_fp32__", False) for n in norms)
+        assert not getattr(m.head.forward, "__nanhunt_fp32__", False)
+    assert all("forward" not in n.__dict__ for n in norms)
+    with pytest.raises(KeyError, match="no module of the model is a Eye"):
+        with nanhunt.keep_fp32(m, [Eye]):
+            pass
