@@ -1,13 +1,16 @@
-"""Private: load a ``.pt`` file that may be damaged or hostile, with one error line per failure.
+"""Private: load a ``.pt`` or JSON file that may be damaged or hostile, with one error line per failure.
 
 Before torch reads a zip archive, every member's CRC-32 is checked (torch does not: a flipped bit
-in a tensor's data would load as different numbers). A file that is not a zip archive must start
-with a valid pickle, as torch's legacy format does. When torch's weights-only unpickler refuses a
-file, its pickle opcodes are scanned, without building anything, to say which: a damaged file, or
-a valid pickle naming globals that only a full (code-running) unpickle can load. What loads is
-checked for what later code could not handle: containers nested deeper than any real batch, and
-tensors that are not dense data on the CPU or whose strides make them far larger than the bytes
-they hold (a stride-0 view of 2**40 elements).
+in a tensor's data would load as different numbers), after its directory: members may not overlap,
+nor inflate far beyond the file. A file that is not a zip archive must start with a valid pickle, as
+torch's legacy format does. Before torch unpickles anything, the pickle's opcodes are scanned,
+building nothing: a damaged pickle, one nesting containers too deep or one too long to unpickle in
+bounded memory is refused. When torch's weights-only unpickler refuses a file, the scan says why:
+a damaged file, or a valid pickle naming globals that only a full (code-running) unpickle can load.
+What loads is checked for what later code could not handle: containers nested deeper than any real
+batch, and tensors that are not dense data on the CPU or whose strides make them far larger than
+the bytes they hold (a stride-0 view of 2**40 elements). JSON (a report, a manifest, a rule, a
+config inside a capture) is read bounded in size and depth by :func:`read_json` / :func:`parse_json`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import _compat_pickle
 import importlib.util
 import io
+import json
 import os
 import pickle
 import pickletools
@@ -30,15 +34,22 @@ import torch
 
 from ._errors import CommandError, first_line as _first_line
 
-__all__ = ["load_file"]
+__all__ = ["load_file", "read_json", "parse_json"]
 
 MAX_DEPTH = 64  # containers inside containers; real checkpoints and batches nest a handful
 MAX_ITEMS = 10_000_000  # values visited, shared references counted each time they are reached
 MAX_VIEW_BYTES = 1 << 30  # a view may span at most this much more than the bytes it holds
-MAX_PICKLE_BYTES = 64 << 20  # a data.pkl of MAX_OPS opcodes is some 10 MiB; strings (a config's JSON) fit
+MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst take under 0.5 GiB
+# torch.save's data.pkl of MAX_OPS opcodes is some 7 MiB; JSON text in it (a model's config) is a few kB and,
+# parsed, stays under half a GiB at this size (see MAX_JSON_BYTES)
+MAX_PICKLE_BYTES = 16 << 20
 MAX_RATIO = 64  # a deflated member growing more than this is mostly zeros: real weights deflate by some 10%
 MAX_INFLATED = 64 << 20  # what such members may hold together: zero biases and masks of a re-packed archive
-MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst take under 0.5 GiB
+# A JSON file nanhunt reads is a report, a manifest, a rule or an event: tens of kB (a report with its timeline is
+# some 20 kB). Parsed, JSON takes up to ~27 bytes a byte ('[[],[],...]': a list object each 3 bytes), so 16 MiB
+# of it stays under half a GiB; a 99 MB report took 2.45 GB.
+MAX_JSON_BYTES = 16 << 20
+MAX_JSON_DEPTH = 64  # a report nests 6 levels; json itself raises RecursionError near 1000
 _CHUNK = 8 << 20  # CRC-32 is computed in chunks: bounded memory on any file size
 _PICKLE_BUFFER = 1 << 20  # data.pkl is scanned through a buffer: one read(1) an opcode costs a call into zipfile
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
@@ -582,3 +593,59 @@ def _reason(e: BaseException) -> str:
     return s[0] if s else type(e).__name__
 
 
+
+
+# -------------------------------------------------------------------- JSON
+def read_json(path: str, *, what: str, fix: str, label: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value in ``path``, read bounded (:func:`parse_json`); :class:`CommandError` otherwise, one line:
+    ``{label} is not {what} (...); {fix}`` (``label`` defaults to the quoted path)."""
+    label = label or repr(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size  # a regular file's: refused unread; a pipe's is 0, read past the cap
+            data = f.read(max_bytes + 1) if size <= max_bytes else b""
+    except OSError as e:
+        raise CommandError(f"cannot read {label}: {e.strerror or e}") from e
+    try:
+        if size > max_bytes:
+            raise _too_big(size, what, max_bytes)
+        return parse_json(data, what=what, max_bytes=max_bytes)
+    except ValueError as e:
+        raise CommandError(f"{label} {e}; {fix}") from e
+
+
+def parse_json(data: str | bytes, *, what: str = "JSON", max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """JSON text (or its UTF-8 bytes) parsed, at most ``max_bytes`` long and nested at most ``MAX_JSON_DEPTH``
+    deep; ValueError says why not, in words that follow a file's name ("is not JSON (...)")."""
+    if len(data) > max_bytes:
+        raise _too_big(len(data), what, max_bytes)
+    try:
+        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not {what}: it is not UTF-8 text") from e
+    except RecursionError as e:
+        raise ValueError(f"is not {what}: it nests more than {MAX_JSON_DEPTH} levels deep") from e
+    except ValueError as e:
+        raise ValueError(f"is not {what} ({_first_line(e)})") from e
+    _check_json_depth(value, what)
+    return value
+
+
+def _too_big(size: int, what: str, max_bytes: int) -> ValueError:
+    return ValueError(f"holds {size / 2**20:,.1f} MiB, more than nanhunt reads of {what} ({max_bytes / 2**20:g} MiB)")
+
+
+def _check_json_depth(value: Any, what: str) -> None:
+    """Walked depth first, one open container a level (as :func:`_check_loaded`)."""
+    levels: list[Iterator[Any]] = []
+    if isinstance(value, (dict, list)):
+        levels.append(iter(value.values() if isinstance(value, dict) else value))
+    while levels:
+        for v in levels[-1]:
+            if isinstance(v, (dict, list)):
+                if len(levels) >= MAX_JSON_DEPTH:
+                    raise ValueError(f"is not {what}: it nests more than {MAX_JSON_DEPTH} levels deep")
+                levels.append(iter(v.values() if isinstance(v, dict) else v))
+                break
+        else:
+            levels.pop()

@@ -282,18 +282,14 @@ class ReportCommand:
         p.add_argument("-o", "--output", metavar="PATH", help="write here instead of stdout (beside an .html: its .png)")
 
     def run(self, args: argparse.Namespace) -> int:
+        from ._safeload import read_json
         from .records import Report
         from .report import FORMATS, render_for_format, write
         from .report.console import render
 
-        try:
-            with open(args.input, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise CommandError(f"cannot read {args.input!r}: {e.strerror}") from e
-        except UnicodeDecodeError as e:
-            raise CommandError(f"{args.input!r} is not a text file, so not a nanhunt JSON report; give the .json "
-                               "written by nanhunt replay --report x.json or --bundle") from e
+        # bounded in size and depth: a report is tens of kB, a file from a ticket may be anything
+        data = read_json(args.input, what="a nanhunt JSON report",
+                         fix="write it again with nanhunt replay --report x.json")
         fmt = args.format
         if fmt is None:
             fmt = FORMATS.get(os.path.splitext(args.output)[1].lower(), "console") if args.output else "console"
@@ -302,7 +298,7 @@ class ReportCommand:
         # A hand-edited file can hold any type in any field: the renderers trust a Report, so whatever
         # loading or rendering it raises means the file is not a valid report.
         try:
-            report = Report.from_json(text)
+            report = Report.from_dict(data)
             if args.output:
                 write(report, args.output, fmt)
             elif fmt == "console":
@@ -469,8 +465,7 @@ _RULE_FLAGS = ("rtol", "atol", "max_flips", "max_quality_drop", "min_quality", "
 def _rule_of(args: argparse.Namespace) -> Any:
     """The acceptance rule from --rule or the flags (not both); --task and --metric fill in what the file leaves
     out. A metric function a file names is imported only when --metric confirms it, like a file's loss."""
-    import json
-
+    from ._safeload import read_json
     from .compare import rule_from
 
     flags = {k: getattr(args, k) for k in _RULE_FLAGS if getattr(args, k) is not None}
@@ -485,14 +480,9 @@ def _rule_of(args: argparse.Namespace) -> Any:
         given = ", ".join("--" + k.replace("_", "-") for k in flags)
         raise CommandError(f"--rule fixes the acceptance rule; {given} would change it: put the clause in "
                            f"{args.rule!r} or drop --rule")
-    try:
-        with open(args.rule, encoding="utf-8") as f:
-            d = json.load(f)
-    except OSError as e:
-        raise CommandError(f"cannot read the rule {args.rule!r}: {e.strerror}") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CommandError(f"the rule {args.rule!r} is not JSON ({_first_line(e)})") from e
     where = f"the rule {args.rule!r}"
+    d = read_json(args.rule, what="an acceptance rule (JSON)", label=where,
+                  fix="give a JSON object of the rule's clauses (task, metric, rtol, ...)")
     if not isinstance(d, dict):
         raise CommandError(f"{where} is a JSON {type(d).__name__}, not an object of the rule's clauses")
     for key, flag in (("task", args.task), ("metric", args.metric)):

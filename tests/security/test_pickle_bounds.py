@@ -157,3 +157,33 @@ def test_directory_entries_sharing_one_member_are_refused_before_any_crc(tmp_pat
     # THEN one line says two members share bytes
     assert f"checkpoint {path!r} is not a valid zip archive: its members 'archive/data/0' and 'archive/data/1' " \
            "overlap" in line, line
+
+
+# -------------------------------------------------------------------- JSON
+def test_report_of_a_40_mib_json_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    # GIVEN a 40 MiB JSON array of empty arrays (a 99 MB one took 2.45 GB to parse)
+    path = _write(tmp_path, "big.json", hostile.big_json(40))
+    # WHEN it is rendered again, in a child process
+    line, peak = _child(["report", path], tmp_path)
+    # THEN one line names its size and the cap, and nothing near a GiB was used
+    assert f"{path!r} holds 40.0 MiB, more than nanhunt reads of a nanhunt JSON report (16 MiB); write it " \
+           "again with nanhunt replay --report x.json" in line, line
+    assert peak < GIB, peak
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_rule_nested_deep_is_one_line(depth: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN an acceptance rule whose one clause nests lists 100 or 100 000 deep (the second was a RecursionError)
+    rule = _write(tmp_path, "rule.json", b'{"task": "none", "rtol": ' + b"[" * depth + b"]" * depth + b"}")
+    # WHEN compare reads it THEN one line, before any file is loaded
+    line = _run(["compare", *CLEAN, *TRUSTED, "--rule", rule], capsys)
+    assert f"the rule {rule!r} is not an acceptance rule (JSON): it nests more than 64 levels deep" in line, line
+
+
+def test_pickle_over_16_mib_is_refused_unread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a checkpoint whose data.pkl is one 17 MiB string (torch.save writes some 100 bytes a tensor)
+    text = b"x" * (17 << 20)
+    path = _write(tmp_path, "ckpt.pt", hostile.torch_zip(b"\x80\x02X" + len(text).to_bytes(4, "little") + text + b"."))
+    # WHEN it is inspected THEN one line names the pickle and its size
+    line = _run(["inspect", path], capsys)
+    assert f"checkpoint {path!r} holds a pickle ('archive/data.pkl') of 17.0 MiB" in line, line
