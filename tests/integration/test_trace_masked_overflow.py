@@ -230,6 +230,20 @@ class MaskedSDPA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def test_sdpa_with_an_overflowing_additive_mask_names_the_add() -> None:
+    # GIVEN an attention mask (-inf above the diagonal) summed with two position biases of 40000 in float16
+    seeded(0)
+    m = nn.Sequential(MaskedSDPA(4e4), nn.Linear(8, 2))
+    # WHEN the step runs under float16 autocast (batch, heads, tokens, features: the fused CPU kernel)
+    t, out = _traced(m, X.unsqueeze(1), torch.float16)
+    assert torch.isnan(out).all()
+    # THEN the add that overflowed is the origin, not the attention kernel that made NaN of its +Inf
+    assert where(t.first) == (Phase.FORWARD, "0", "aten::add", 0, "inf")
+    assert t.first is not None and t.first.inputs[0].min == -math.inf
+    assert [o.op for o in t.origins if o.phase is Phase.FORWARD] == [
+        "aten::add", "aten::_scaled_dot_product_flash_attention_for_cpu"]
+
+
 class HugeSDPA(nn.Module):
     """``F.scaled_dot_product_attention`` on queries and keys so large their scaled products overflow the
     kernel's float32 scores (the CPU kernels accumulate float16 and bfloat16 in float32)."""
