@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
 from ._errors import CommandError
 
-__all__ = ["check_target", "check_directory", "new_file", "write_file", "remove_stale"]
+__all__ = ["check_target", "check_directory", "new_file", "write_file"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
     | getattr(os, "O_BINARY", 0)
@@ -115,17 +115,3 @@ def write_file(path: str, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` through a new file (:func:`new_file`)."""
     with new_file(path) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-def remove_stale(directory: str, names: Sequence[str]) -> list[str]:
-    """Remove the regular files among ``names`` in ``directory`` (left by an earlier run); the names removed."""
-    removed = []
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            continue
-    return removed

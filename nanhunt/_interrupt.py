@@ -1,9 +1,12 @@
-"""Ctrl-C that waits: a SIGINT arriving while user state is being put back is delivered once it is back.
+"""Ctrl-C that waits: a SIGINT (or SIGTERM) arriving while user state is being put back is delivered once it is
+back.
 
 :func:`atomic` marks a function that must run to its end (``StepState.restore``). :class:`deferred_interrupts`
-installs, for as long as it is active, a SIGINT handler that holds the signal while an atomic function runs and
-hands it to the previous handler (``KeyboardInterrupt`` by default) as soon as the outermost one is done.
-Outside atomic functions the previous handler runs at once, as if nothing were installed.
+installs, for as long as it is active, a handler of SIGINT and of SIGTERM that holds the signal while an atomic
+function runs and hands it to the previous handler (``KeyboardInterrupt`` by default for SIGINT) as soon as the
+outermost one is done. Outside atomic functions the previous handler runs at once, as if nothing were installed.
+SIGTERM's default handler ends the process at once, running no ``finally``: :func:`terminate_raises` (the
+command line) makes it raise :class:`Terminated` instead, which ``finally`` blocks see and these handlers hold.
 
 The handler looks at the interrupted frames, so "runs" starts at the atomic function's first instruction: no
 window between entering it and holding the signal. An atomic function called with no :class:`deferred_interrupts`
@@ -21,30 +24,37 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["atomic", "deferred_interrupts"]
+__all__ = ["atomic", "deferred_interrupts", "terminate_raises", "Terminated"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _Handler = Callable[[int, FrameType | None], Any]
+_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program was while :func:`terminate_raises` is active. Not a
+    ``KeyboardInterrupt``: what ends a search early on Ctrl-C and goes on with what it found (the bisection)
+    lets it through; the process is to stop."""
 
 
 class _State:
-    """The one installed handler (main thread only): how many users, what it replaced, a held signal."""
+    """The installed handlers (main thread only): how many users, what they replaced, a held signal."""
 
     depth = 0
-    previous: _Handler | None = None
-    pending: tuple[FrameType | None] | None = None  # the frame a held SIGINT arrived in
+    previous: dict[int, _Handler] = {}
+    pending: tuple[int, FrameType | None] | None = None  # a held signal and the frame it arrived in
 
 
 _state = _State()
 
 
 class deferred_interrupts:  # noqa: N801  (used as a context manager, named like one)
-    """While active, SIGINT inside an :func:`atomic` function waits until that function is done.
+    """While active, SIGINT and SIGTERM inside an :func:`atomic` function wait until that function is done.
 
-    Reentrant; the previous handler is put back exactly when the outermost one exits. Does nothing outside
-    the main thread or when the current handler is not a Python callable (``SIG_DFL``, ``SIG_IGN``, or one
-    installed from C): such a handler could not be put back, or does not raise.
+    Reentrant; the previous handlers are put back exactly when the outermost one exits. Does nothing outside
+    the main thread, nor for a signal whose current handler is not a Python callable (``SIG_DFL``, ``SIG_IGN``,
+    or one installed from C): such a handler could not be put back, or does not raise.
     """
 
     __slots__ = ("_active",)
@@ -60,18 +70,20 @@ class deferred_interrupts:  # noqa: N801  (used as a context manager, named like
         if _state.depth > 0:
             _state.depth, self._active = _state.depth + 1, True
             return self
-        previous = signal.getsignal(signal.SIGINT)
-        if not callable(previous):
+        previous = {signum: h for signum in _SIGNALS if callable(h := signal.getsignal(signum))}
+        if not previous:
             return self
         _state.previous, _state.pending = previous, None
         try:
-            # From here a SIGINT reaches _handler, which outside atomic functions hands it on at once: raised
-            # below, and the handler is put back.
-            signal.signal(signal.SIGINT, functools.partial(_handler, previous))
+            # From here a signal reaches _handler, which outside atomic functions hands it on at once: raised
+            # below, and the handlers are put back.
+            for signum, handler in previous.items():
+                signal.signal(signum, functools.partial(_handler, handler))
             _state.depth, self._active = 1, True
         except BaseException:
-            signal.signal(signal.SIGINT, previous)
-            _state.previous = None
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            _state.previous = {}
             raise
         return self
 
@@ -80,20 +92,21 @@ class deferred_interrupts:  # noqa: N801  (used as a context manager, named like
         if not self._active:
             return
         previous = _state.previous
-        assert previous is not None
+        assert previous
         if _state.depth == 1:
-            # Counted down first: a SIGINT before the handler is back still finds its previous handler.
-            _state.depth, _state.previous = 0, None
-            signal.signal(signal.SIGINT, previous)
+            # Counted down first: a signal before its handler is back still finds its previous handler.
+            _state.depth, _state.previous = 0, {}
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         else:
             _state.depth -= 1
             if _holding(sys._getframe(1), but=self):
                 self._active = False
                 return  # an outer atomic function is still running: it delivers when it is done
-        # One statement: a SIGINT before it is held and taken here, one after it goes to `previous` at once.
+        # One statement: a signal before it is held and taken here, one after it goes to `previous` at once.
         held, _state.pending, self._active = _state.pending, None, False
         if held is not None:
-            previous(signal.SIGINT, held[0])  # default_int_handler raises KeyboardInterrupt here
+            previous[held[0]](*held)  # default_int_handler raises KeyboardInterrupt here
 
 
 def atomic(fn: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -124,6 +137,35 @@ def _holding(frame: FrameType | None, but: deferred_interrupts | None = None) ->
 
 def _handler(previous: _Handler, signum: int, frame: FrameType | None) -> None:
     if _holding(frame):
-        _state.pending = (frame,)
+        if _state.pending is None or signum == signal.SIGTERM:  # a Ctrl-C after a SIGTERM still ends the process
+            _state.pending = (signum, frame)
     else:
         previous(signum, frame)
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+class terminate_raises:  # noqa: N801  (used as a context manager, named like one)
+    """While active, SIGTERM raises :class:`Terminated` where the program is (``finally`` blocks run, and
+    :func:`atomic` functions hold it like a Ctrl-C), instead of ending the process at once. Only in the main
+    thread and only over the default handler: a program's own SIGTERM handler stays. The default is put back
+    on leaving."""
+
+    __slots__ = ("_installed",)
+
+    def __init__(self) -> None:
+        self._installed = False
+
+    def __enter__(self) -> terminate_raises:
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _terminated)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            self._installed = False
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,7 +1,8 @@
 """Command line: parses, calls the library, renders. No logic of its own.
 
 Exit codes: 0 the step is finite, 1 a non-finite value was found, 2 usage or
-input error, 3 not reproducible (two replays disagree, or a Guard's capture of a failed step replays finite).
+input error, 3 not reproducible (two replays disagree, or a Guard's capture of a failed step replays finite);
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM), having put everything back.
 ``compare``: 0 the acceptance rule held, 1 it was violated, 2 usage or input error.
 """
 
@@ -14,9 +15,13 @@ import shlex
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import CommandError, NanhuntError, visible, first_line as _first_line
+from ._interrupt import Terminated, atomic, terminate_raises
+
+if TYPE_CHECKING:
+    from ._bundle import Staging
 
 __all__ = ["main"]
 
@@ -77,38 +82,57 @@ class ReplayCommand:
                        "only now and then (non-deterministic kernels, state outside the capture) shows in one of them")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ._dist_replay import replay_ranks, under_torchrun
-        from .capture import load_capture_dir, load_step
-        from .hunt import hunt
-        from .report import renderer_for, write, write_bundle
-        from .report.console import render
+        from ._bundle import Staging
+        from ._dist_replay import under_torchrun
+        from .report import renderer_for
 
         torchrun = under_torchrun()  # every rank replays its own batch (_dist_replay); rank 0 alone shows it
         speaks = not torchrun or os.environ.get("RANK", "0") == "0"
         render_file = renderer_for(args.report) if args.report and speaks else None  # fail before the long part
         if args.report and speaks:
             _check_writable(args.report)
-        earlier = _check_bundle(args.bundle) if args.bundle and speaks else []
+        if args.bundle and speaks:
+            _check_bundle(args.bundle, args.report)
         if args.trust_pickle and speaks:
             print("warning: --trust-pickle loads the files with weights_only=False, which runs any code they contain",
                   file=sys.stderr)
         options = dict(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
                        trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
                        no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
+        # The bundle is written beside its directory and swapped in at the end; removed on an error or interrupt
+        staged = Staging(args.bundle) if args.bundle and speaks else None
+        try:
+            if staged is not None:
+                staged.create()
+            return self._replay(args, options, torchrun=torchrun, render_file=render_file, staged=staged)
+        finally:
+            if staged is not None:
+                staged.discard()
+
+    def _replay(self, args: argparse.Namespace, options: dict[str, Any], *, torchrun: bool,
+                render_file: Callable[[Any], str] | None, staged: Staging | None) -> int:
+        from ._dist_replay import replay_ranks
+        from .capture import load_capture_dir, load_step
+        from .hunt import hunt
+        from .report import write, write_bundle
+        from .report.console import render
+
+        bundle = staged.path if staged is not None else args.bundle  # under torchrun, rank 0 alone writes it
 
         def show(report: Any) -> int:
             _print(render(report))
             if args.report and render_file is not None:
-                write(report, args.report)
-            if args.bundle:
-                written = write_bundle(report, args.bundle)
-                if report.repro is not None:
-                    written += [os.path.join(args.bundle, f) for f in report.repro.files]
+                _put(args.report, lambda: write(report, args.report))
+            if staged is not None:
+                names = [os.path.basename(p) for p in write_bundle(report, staged.path)]
                 rp = report.repro
+                names += list(rp.files) if rp is not None else []
+                _put(args.bundle, staged.commit)
                 state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
-                print(visible(f"bundle: {', '.join(written)} ({state})"), file=sys.stderr)
-                if earlier:
-                    _replaced_line(args.bundle, earlier, written)
+                print(visible(f"bundle: {', '.join(os.path.join(args.bundle, n) for n in names)} ({state})"),
+                      file=sys.stderr)
+                if staged.earlier or staged.kept:
+                    _replaced_line(args.bundle, staged.earlier, names, staged.kept)
             return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
 
         def show_ranks(report: Any) -> int:
@@ -129,7 +153,7 @@ class ReplayCommand:
                     return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
                                         allow=args.allow, prove=not args.no_bisect, progress=progress.update,
                                         command=_command_line(_dist_launcher()), show=show_ranks,
-                                        bundle=args.bundle, **options)
+                                        bundle=bundle, **options)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -149,8 +173,7 @@ class ReplayCommand:
             try:
                 with _Progress() as progress:
                     return hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
-                                progress=progress.update, bundle=args.bundle, command=_command_line(),
-                                repeat=args.repeat)
+                                progress=progress.update, bundle=bundle, command=_command_line(), repeat=args.repeat)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -570,33 +593,49 @@ def _check_writable(path: str, fmt: str | None = None) -> None:
         check_target(p)
 
 
-def _bundle_files() -> tuple[str, ...]:
-    from .report import BUNDLE_FILES
-    from .repro import INPUTS, SCRIPT
-
-    return (*BUNDLE_FILES, SCRIPT, INPUTS)
-
-
-def _check_bundle(directory: str) -> list[str]:
-    """Fail before the replay on a bundle directory nanhunt cannot write; the files of an earlier bundle in it."""
-    from ._files import check_directory, check_target
+def _check_bundle(directory: str, report: str | None) -> None:
+    """Fail before the replay on a bundle directory nanhunt cannot write, or one holding files it did not write
+    (it is new, empty, or an earlier bundle), or ``--report`` inside it (the bundle replaces its directory)."""
+    from ._bundle import earlier_bundle
+    from ._files import check_directory
 
     check_directory(directory, what="the bundle directory")
-    return [name for name in _bundle_files() if check_target(os.path.join(directory, name))]
+    if report is not None and os.path.realpath(os.path.dirname(os.path.abspath(report))) == os.path.realpath(directory):
+        raise CommandError(f"--report {report!r} is inside the bundle directory {directory!r}, which holds the reports "
+                           "already; leave --report out or give it a path outside")
+    earlier_bundle(directory)
 
 
-def _replaced_line(directory: str, earlier: list[str], written: list[str]) -> None:
-    """One stderr line: the files of an earlier bundle replaced, and those removed as not part of this one
-    (a repro.py left beside a report that has none would reproduce the old bug)."""
-    from ._files import remove_stale
-
-    now = {os.path.basename(p) for p in written}
+def _replaced_line(directory: str, earlier: list[str], now: list[str], kept: str) -> None:
+    """One stderr line: the files of the earlier bundle replaced, and those removed as not part of this one
+    (a repro.py left beside a report that has none would reproduce the old bug); where the earlier bundle was
+    left when files nanhunt did not write appeared in it during the swap."""
     replaced = [n for n in earlier if n in now]
-    removed = remove_stale(directory, [n for n in earlier if n not in now])
+    removed = [n for n in earlier if n not in now]
     line = f"bundle: replaced an earlier bundle in {directory!r}: {', '.join(replaced) or 'no file'} rewritten"
     if removed:
         line += f"; {', '.join(removed)} removed (not part of this bundle)"
+    if kept:
+        line += f"; the earlier bundle got other files meanwhile: left, with them, in {kept!r}"
     print(visible(line), file=sys.stderr)
+
+
+_WRITTEN: list[str] = []  # what this command put in the user's place (a report, a bundle): the interrupt line
+
+
+@atomic  # Ctrl-C and SIGTERM wait until the files are in place and noted: the line after an interrupt is true
+def _put(what: str, write: Callable[[], object]) -> None:
+    """Run ``write``, which puts ``what`` in the user's place, and note it."""
+    write()
+    _WRITTEN.append(what)
+
+
+def _interrupted(what: str) -> str:
+    """The line after Ctrl-C (``what``: interrupted) or SIGTERM: what this command had written, if anything."""
+    if not _WRITTEN:
+        return f"nanhunt: {what}; the model and files were left as they were"
+    return visible(f"nanhunt: {what} after writing {', '.join(map(repr, _WRITTEN))}; the model and other files were "
+                   "left as they were")
 
 
 def _error(e: BaseException) -> None:
@@ -661,13 +700,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     _ARGV[:] = list(sys.argv[1:] if argv is None else argv)
+    _WRITTEN.clear()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
     debug = bool(getattr(args, "debug", False))
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), terminate_raises():  # SIGTERM: `finally` blocks put everything back
             if not debug:
                 warnings.simplefilter("ignore", UserWarning)
             return int(args._cmd.run(args))
@@ -682,7 +722,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(e)
         return EXIT_INPUT
     except KeyboardInterrupt:
-        print("nanhunt: interrupted; the model and files were left as they were", file=sys.stderr)
+        print(_interrupted("interrupted"), file=sys.stderr)
         return 130
+    except Terminated:
+        print(_interrupted("terminated (SIGTERM)"), file=sys.stderr)
+        return 143
 
 

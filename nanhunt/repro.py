@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from . import _dispatch
+from ._bundle import claim
 from ._tree import iter_leaves, iter_tensors, map_tensors
-from ._errors import CommandError
 from ._files import new_file, write_file
 from .capture import split_batch
 from ._ops import read_tensors
@@ -414,10 +414,7 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
         device=call.device_type, call=call_src, outputs="[out" + "".join(", " + w for w in written) + "]",
         mark=_MARK,
     )
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise CommandError(f"cannot write the repro into {directory!r}: {e.strerror}") from e
+    claim(directory)  # a bundle: never a directory of files nanhunt did not write
     # New files renamed onto their names: a link planted at either name is refused, never written through.
     with new_file(os.path.join(directory, INPUTS)) as f:
         # Every tensor is a clone (its own storage, strides kept): the file holds just their values.

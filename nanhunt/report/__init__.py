@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from .._bundle import claim
 from .._errors import CommandError
 from .._files import write_file
 from ..records import Report
@@ -79,12 +80,12 @@ def write(report: Report, path: str, fmt: str | None = None) -> list[str]:
 
 
 def write_bundle(report: Report, directory: str) -> list[str]:
-    """``report.md``, ``report.json``, ``report.html`` and ``report.png`` in ``directory`` (made if needed).
-    The repro files, when there are any, were written there before (:func:`nanhunt.repro.make_repro`)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise CommandError(f"cannot create {directory!r}: {e.strerror}") from e
+    """``report.md``, ``report.json``, ``report.html`` and ``report.png`` in ``directory`` (made if needed), and
+    the marker that makes it a bundle nanhunt may replace; refused in one line when it holds files nanhunt did
+    not write. The repro files, when there are any, were written there before (:func:`nanhunt.repro.make_repro`).
+    Each file is replaced on its own: the command line writes into a new directory and swaps it in whole
+    (:class:`nanhunt._bundle.Staging`)."""
+    claim(directory)
     written: list[str] = []
     for name in ("report.md", "report.json", "report.html"):
         written += write(report, os.path.join(directory, name))

@@ -124,8 +124,8 @@ def test_torchrun_replay_runs_the_step_under_ddp_and_names_the_rank_that_went_fi
     # AND the bundle holds a verified repro of the culprit op, made by rank 1 (its batch overflowed), written by rank 0
     assert rep.repro is not None and rep.repro.verified, rep.repro
     assert (rep.repro.op, rep.repro.autocast_dtype) == ("aten::addmm", "bfloat16")
-    assert sorted(os.listdir(bundle)) == sorted(["report.md", "report.json", "report.html", "report.png",
-                                                 *rep.repro.files])
+    assert sorted(os.listdir(bundle)) == sorted([".nanhunt-bundle", "report.md", "report.json", "report.html",
+                                                 "report.png", *rep.repro.files])
     assert "(repro verified)" in proc.stderr
     ran = subprocess.run([sys.executable, str(bundle / "repro.py")], capture_output=True, text=True, timeout=120)
     assert "inf" in ran.stdout.lower(), ran.stdout + ran.stderr

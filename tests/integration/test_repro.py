@@ -161,7 +161,7 @@ def test_overflow_fixture_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # THEN every format, the picture and a verified repro of aten::addmm under float16 autocast
     assert code == 1
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(["report.html", "report.json", "report.md", "report.png", INPUTS, SCRIPT])
+    assert names == sorted([".nanhunt-bundle", "report.html", "report.json", "report.md", "report.png", INPUTS, SCRIPT])
     data = json.loads((out / "report.json").read_text())
     assert data["schema_version"] == 2
     rp = data["repro"]

@@ -1,5 +1,7 @@
 """Files nanhunt writes (--bundle, --report, report -o): never through a link, never silently over an
-earlier bundle, and a bundle path that cannot be written fails in one line before the replay."""
+earlier bundle, never over or beside files nanhunt did not write (a bundle directory is new, empty or an
+earlier bundle, which holds nanhunt's marker), and a bundle path that cannot be written fails in one line
+before the replay."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ("report.md", "report.json", "report.html", "report.png", "repro.py", "repro_inputs.pt")
+MARKER = ".nanhunt-bundle"  # in every bundle: what makes a directory one nanhunt may replace
 # A plain state_dict of fixtures.models:MLP: confirmed on the command line, so no name is read from the file.
 ARGS = ["--model", "fixtures.models:MLP", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"]
 VICTIM = b"the user's own file\n"
@@ -74,6 +77,26 @@ def _victim(tmp_path: Path) -> Path:
     v = tmp_path / "victim.txt"
     v.write_bytes(VICTIM)
     return v
+
+
+@pytest.fixture(scope="module")
+def earlier(clean: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bundle nanhunt wrote (a clean step's: the reports and the marker)."""
+    d = tmp_path_factory.mktemp("earlier") / "bundle"
+    assert main(["replay", *clean, *ARGS, "--dtype", "float32", "--bundle", str(d)]) == 0
+    return d
+
+
+def _old_bundle(earlier: Path, where: Path) -> Path:
+    """A copy of an earlier bundle at ``where`` in which every file of a bundle (a repro too) holds b"old\n"."""
+    shutil.copytree(earlier, where)
+    for name in BUNDLE:
+        (where / name).write_bytes(b"old\n")
+    return where
+
+
+def _contents(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir()}
 
 
 # ------------------------------------------------------------------ links
@@ -145,21 +168,115 @@ def test_a_symlinked_bundle_directory_is_followed(overflow: list[str], tmp_path:
     (tmp_path / "link").symlink_to(real)
     # WHEN a replay writes its bundle through the link
     code = main(["replay", *overflow, *ARGS, "--bundle", str(tmp_path / "link")])
-    # THEN the bundle is in the real directory
+    # THEN the bundle is in the real directory, and the link is still a link to it
     assert code == 1
-    assert sorted(p.name for p in real.iterdir()) == sorted(BUNDLE)
+    assert sorted(p.name for p in real.iterdir()) == sorted((*BUNDLE, MARKER))
+    assert os.readlink(tmp_path / "link") == str(real)
+
+
+def test_every_bundle_holds_nanhunts_marker_naming_its_format(overflow: list[str], tmp_path: Path) -> None:
+    # GIVEN a new bundle directory
+    bundle = tmp_path / "bundle"
+    # WHEN a replay writes its bundle there
+    assert main(["replay", *overflow, *ARGS, "--bundle", str(bundle)]) == 1
+    # THEN it holds the bundle's files and the marker, a one-line text naming the format; nothing beside it
+    assert sorted(p.name for p in bundle.iterdir()) == sorted((*BUNDLE, MARKER))
+    assert (bundle / MARKER).read_text(encoding="utf-8") == "nanhunt bundle, format 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+
+def test_an_empty_directory_takes_the_bundle_and_keeps_its_permissions(overflow: list[str], tmp_path: Path) -> None:
+    # GIVEN an empty directory the user made, readable by the group only
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o750)
+    bundle.chmod(0o750)
+    # WHEN a replay writes its bundle there
+    assert main(["replay", *overflow, *ARGS, "--bundle", str(bundle)]) == 1
+    # THEN the bundle is there, the directory's permissions as they were, and nothing else beside it
+    assert sorted(p.name for p in bundle.iterdir()) == sorted((*BUNDLE, MARKER))
+    assert bundle.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+
+@pytest.mark.parametrize("names", [("repro.py",), ("report.md", "notes.txt"), ("train.py",)],
+                         ids=["repro.py", "report.md+notes.txt", "train.py"])
+def test_a_directory_of_the_users_own_files_is_refused_before_the_replay(
+        names: tuple[str, ...], overflow: list[str], tmp_path: Path, no_replay: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a directory holding the user's own files, one of them named as a bundle's file or none
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in names:
+        (work / name).write_bytes(VICTIM)
+    # WHEN a replay is asked to write its bundle there
+    code = main(["replay", *overflow, *ARGS, "--bundle", str(work)])
+    # THEN one line names the directory and the fix, before the replay, and every file is as it was
+    line = _one_error_line(code, capsys.readouterr().err, repr(str(work)), "nanhunt did not write",
+                           "give a new or empty directory, or remove them")
+    assert "batch" not in line
+    assert _contents(work) == {n: VICTIM for n in names}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_an_earlier_bundle_holding_a_file_of_the_users_is_refused(
+        earlier: Path, overflow: list[str], tmp_path: Path, no_replay: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN an earlier bundle in which the user saved notes of their own
+    bundle = _old_bundle(earlier, tmp_path / "bundle")
+    (bundle / "notes.txt").write_bytes(VICTIM)
+    before = _contents(bundle)
+    # WHEN a replay writes its bundle there
+    code = main(["replay", *overflow, *ARGS, "--bundle", str(bundle)])
+    # THEN refused before the replay, naming the file that replacing the bundle would delete; nothing changed
+    _one_error_line(code, capsys.readouterr().err, repr(str(bundle)), "notes.txt", "move them out")
+    assert _contents(bundle) == before
+
+
+def test_a_marker_that_is_a_link_makes_no_bundle(earlier: Path, overflow: list[str], tmp_path: Path,
+                                                 no_replay: None, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a directory of the user's whose marker is a link to a real bundle's marker
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "repro.py").write_bytes(VICTIM)
+    (work / MARKER).symlink_to(earlier / MARKER)
+    # WHEN a replay writes its bundle there
+    code = main(["replay", *overflow, *ARGS, "--bundle", str(work)])
+    # THEN refused: a link is not nanhunt's marker
+    _one_error_line(code, capsys.readouterr().err, repr(str(work)), "nanhunt did not write")
+    assert (work / "repro.py").read_bytes() == VICTIM
+
+
+def test_a_report_inside_the_bundle_directory_is_refused(overflow: list[str], tmp_path: Path, no_replay: None,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN --report naming a file inside the (empty) bundle directory, which the bundle replaces whole
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    # WHEN replayed
+    code = main(["replay", *overflow, *ARGS, "--report", str(bundle / "r.md"), "--bundle", str(bundle)])
+    # THEN one line says so, before the replay
+    _one_error_line(code, capsys.readouterr().err, "--report", "inside the bundle directory")
+    assert list(bundle.iterdir()) == []
+
+
+def test_the_current_directory_is_refused_as_a_bundle(overflow: list[str], tmp_path: Path, no_replay: None,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN an empty current directory
+    monkeypatch.chdir(tmp_path)
+    # WHEN it is given as the bundle directory (which nanhunt swaps whole for the new bundle)
+    code = main(["replay", *overflow, *ARGS, "--bundle", "."])
+    # THEN one line says why and what to give instead, before the replay
+    _one_error_line(code, capsys.readouterr().err, "'.'", "current directory", "give another directory")
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------ an earlier bundle
 
 
-def test_an_earlier_bundle_is_replaced_and_said_so(overflow: list[str], tmp_path: Path,
+def test_an_earlier_bundle_is_replaced_and_said_so(earlier: Path, overflow: list[str], tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN an earlier bundle, whose report.md is also a hard link to a file outside it
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    for name in BUNDLE:
-        (bundle / name).write_bytes(b"old\n")
+    bundle = _old_bundle(earlier, tmp_path / "bundle")
     victim = _victim(tmp_path)
     (bundle / "report.md").unlink()
     os.link(victim, bundle / "report.md")
@@ -172,15 +289,14 @@ def test_an_earlier_bundle_is_replaced_and_said_so(overflow: list[str], tmp_path
     assert victim.read_bytes() == VICTIM
     said = [ln for ln in err.splitlines() if "earlier bundle" in ln]
     assert len(said) == 1 and all(n in said[0] for n in BUNDLE), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "victim.txt"]  # no directory left beside
 
 
-def test_an_earlier_bundles_repro_is_removed_when_the_new_one_has_none(clean: list[str], tmp_path: Path,
+def test_an_earlier_bundles_repro_is_removed_when_the_new_one_has_none(earlier: Path, clean: list[str],
+                                                                         tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN an earlier bundle with a repro, and a step that is now clean (no op to reproduce)
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    for name in BUNDLE:
-        (bundle / name).write_bytes(b"old\n")
+    bundle = _old_bundle(earlier, tmp_path / "bundle")
     # WHEN a replay writes its bundle there
     code = main(["replay", *clean, *ARGS, "--dtype", "float32", "--bundle", str(bundle)])
     err = capsys.readouterr().err

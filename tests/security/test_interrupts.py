@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import importlib
 import math
 import os
 import random
@@ -43,8 +44,8 @@ Event = tuple[int, str, int]  # (which top-level call of a target, file, line)
 
 # ------------------------------------------------------------------ injection
 class _Inject:
-    """sys.settrace function: ``fire()`` at the ``at``-th line event nanhunt runs while a target is on the stack
-    (``at=None``: only record the events).
+    """sys.settrace function: ``fire()`` at the ``at``-th line event nanhunt runs (in ``files``: paths or
+    folders) while a target is on the stack (``at=None``: only record the events).
 
     Skipped: line events where no interrupt can happen, and where an exception raised by a trace function lands
     outside the enclosing ``with``/``try`` (CPython 3.11), which no real Ctrl-C can do: a NOP (it only carries a
@@ -52,15 +53,16 @@ class _Inject:
     three times, then the ``__exit__`` call: a Ctrl-C there is handled inside ``__exit__`` or after it).
     """
 
-    def __init__(self, targets: set[CodeType], fire: Callable[[], None], at: int | None = None) -> None:
-        self.targets, self.fire, self.at = targets, fire, at
+    def __init__(self, targets: set[CodeType], fire: Callable[[], None], at: int | None = None, *,
+                 files: tuple[str, ...] = (NANHUNT,)) -> None:
+        self.targets, self.fire, self.at, self.files = targets, fire, at, files
         self.inside = 0  # target frames on the stack
         self.entries = 0  # top-level target calls so far
         self.events: list[Event] = []
         self.fired = False
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:  # the 'call' events
-        if not frame.f_code.co_filename.startswith(NANHUNT):
+        if not frame.f_code.co_filename.startswith(self.files):
             return None
         if frame.f_code in self.targets:
             self.entries += self.inside == 0
@@ -96,10 +98,11 @@ def _no_interrupt(code: CodeType) -> frozenset[int]:
 
 
 def _inject_everywhere(targets: set[CodeType], fire: Callable[[], None], run: Callable[[_Inject], None], *,
-                       every_event: bool = True) -> int:
+                       every_event: bool = True, files: tuple[str, ...] = (NANHUNT,)) -> int:
     """``run(inject)`` once per injection point; returns how many. ``every_event``: every line event (a line
-    in a loop once per pass); otherwise the first event of each line of code in each top-level target call."""
-    survey = _Inject(targets, lambda: None)
+    in a loop once per pass); otherwise the first event of each line of code in each top-level target call.
+    ``files``: where line events count (:class:`_Inject`)."""
+    survey = _Inject(targets, lambda: None, files=files)
     run(survey)
     events = survey.events
     assert events, "the target never ran"
@@ -108,7 +111,7 @@ def _inject_everywhere(targets: set[CodeType], fire: Callable[[], None], run: Ca
         first.setdefault(e, i)
     points = range(1, len(events) + 1) if every_event else sorted(first.values())
     for n in points:
-        inject = _Inject(targets, fire, at=n)
+        inject = _Inject(targets, fire, at=n, files=files)
         run(inject)
         assert inject.events == events[:n], f"line event {n} of {len(events)} moved: the runs are not deterministic"
     return len(points)
@@ -331,11 +334,12 @@ def test_restore_called_alone_is_never_half_done() -> None:
     # WHEN Ctrl-C arrives at each line event of it
     points = _inject_everywhere(RESTORES, _sigint, run)
     assert points > 200
-    assert points - restored <= 8  # not started: the few lines before its handler is installed
+    assert points - restored <= 12  # not started: the few lines before its SIGINT and SIGTERM handlers are installed
 
 
-def test_a_custom_sigint_handler_is_called_after_the_restore_and_put_back() -> None:
-    # GIVEN a SIGINT handler of the user's that records instead of raising
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_custom_handler_is_called_after_the_restore_and_put_back(signum: int) -> None:
+    # GIVEN a SIGINT or SIGTERM handler of the user's that records instead of raising
     model, opt, scaler = _setup()
     before = _state(model, opt, scaler)
     calls: list[int] = []
@@ -344,20 +348,39 @@ def test_a_custom_sigint_handler_is_called_after_the_restore_and_put_back() -> N
         calls.append(len(_state(model, opt, scaler)["params"]))  # what the handler saw: state restored?
         calls.append(int(_same_bool(before, _state(model, opt, scaler))))
 
-    signal.signal(signal.SIGINT, handler)
+    previous = signal.signal(signum, handler)
     try:
-        # WHEN Ctrl-C arrives in the middle of the restore on leaving the block
+        # WHEN the signal arrives in the middle of the restore on leaving the block
         with StepState(model, opt, scaler):
             _train(model, opt, scaler, _batch(2))
-            sys.settrace(_Inject(RESTORES, _sigint, at=40))
+            sys.settrace(_Inject(RESTORES, lambda: signal.raise_signal(signum), at=40))
         sys.settrace(None)
         # THEN the user's handler ran once, after the restore was complete, and is in place again
         assert calls == [len(before["params"]), 1]
-        assert signal.getsignal(signal.SIGINT) is handler
+        assert signal.getsignal(signum) is handler
         _same(before, _state(model, opt, scaler))
     finally:
         sys.settrace(None)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, previous)
+
+
+def test_sigterm_ends_a_bisection_once_its_restore_is_done() -> None:
+    # GIVEN SIGTERM raising, as the command line has it, and a bisection (whose trials end the search with what
+    # they found on a Ctrl-C)
+    from nanhunt._interrupt import Terminated, terminate_raises
+
+    model, opt, scaler = _setup()
+    before = _state(model, opt, scaler)
+    with terminate_raises():
+        # WHEN SIGTERM arrives in the middle of a trial's reset
+        inject = _Inject(RESTORES, lambda: signal.raise_signal(signal.SIGTERM), at=60)
+        with pytest.raises(Terminated):
+            _traced(inject, lambda: bisect(Step.of(model, _batch(5), loss_fn=F.mse_loss, dtype=torch.bfloat16,
+                                                   scaler=scaler, optimizer=opt), origin=None))
+    # THEN it ends the bisection itself (no verdict), once every bit is put back; the default handler is back
+    assert inject.fired
+    _same(before, _state(model, opt, scaler))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def _same_bool(a: Any, b: Any) -> bool:
@@ -500,3 +523,156 @@ def test_guard_failed_batch_save_leaves_no_orphan_checkpoint(tmp_path: Path) -> 
     assert event.checkpoint is None and event.capture_error is not None
     assert "no capture" in event.describe()
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ the command line's bundle
+ROOT = Path(__file__).resolve().parents[2]
+BUNDLE = ("report.md", "report.json", "report.html", "report.png", "repro.py", "repro_inputs.pt")
+REPLAY = ["--model", "fixtures.models:MLP", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"]
+# Where the command line writes the report and the bundle (the renderers are left out: no file changes there)
+WRITING = tuple(NANHUNT + f for f in ("cli.py", "_bundle.py", "_files.py", "_interrupt.py",
+                                      os.path.join("report", "__init__.py")))
+
+
+def _code_named(code: CodeType, name: str) -> CodeType | None:
+    """The function ``name`` defined inside ``code``, at any depth."""
+    for c in code.co_consts:
+        if isinstance(c, CodeType):
+            found = c if c.co_name == name else _code_named(c, name)
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.fixture
+def replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A replay command line whose hunt returns the golden report at once, its repro written into the bundle as
+    make_repro writes it, and whose picture is a fixed PNG: only the command line's own writing runs."""
+    from fixtures.models import MLP
+    from nanhunt._bundle import claim
+    from nanhunt.records import Report
+
+    monkeypatch.chdir(ROOT)
+    report = Report.from_json((ROOT / "tests" / "golden" / "report.json").read_text(encoding="utf-8"))
+    assert report.repro is not None and set(report.repro.files) == {"repro.py", "repro_inputs.pt"}
+
+    def hunt(step: Any, *, bundle: str | None = None, **kw: Any) -> Any:
+        if bundle is not None:
+            claim(bundle)
+            for name in report.repro.files:  # type: ignore[union-attr]
+                Path(bundle, name).write_bytes(f"new {name}\n".encode())
+        return report
+
+    # the command line imports them when it runs: patch the modules' attributes
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "hunt", hunt)
+    monkeypatch.setattr(importlib.import_module("nanhunt.report.picture"), "png", lambda r, **kw: b"\x89PNG picture")
+    torch.save(MLP().state_dict(), tmp_path / "checkpoint.pt")
+    torch.save((torch.randn(4, 16), torch.randn(4, 4)), tmp_path / "batch.pt")
+    return ["replay", str(tmp_path / "checkpoint.pt"), str(tmp_path / "batch.pt"), *REPLAY]
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir()} if d.is_dir() else {}
+
+
+def test_a_bundle_write_interrupted_at_every_line_leaves_the_earlier_bundle_or_the_new_one(
+        replayed: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from nanhunt.cli import ReplayCommand, main
+
+    # GIVEN an earlier bundle nanhunt wrote, every file of which then held b"old\n"
+    earlier = tmp_path / "earlier" / "bundle"
+    assert main([*replayed, "--bundle", str(earlier)]) == 1
+    for name in BUNDLE:
+        (earlier / name).write_bytes(b"old\n")
+    old = _files(earlier)
+    capsys.readouterr()
+    new: dict[str, bytes] = {}
+    runs = iter(range(10**6))
+    show = {c for f in (ReplayCommand.run, getattr(ReplayCommand, "_replay", None)) if f is not None
+            for c in [_code_named(f.__code__, "show")] if c is not None}
+
+    def run(inject: _Inject) -> None:
+        home = tmp_path / str(next(runs))
+        bundle = home / "bundle"
+        shutil.copytree(earlier, bundle)
+        code = _traced(inject, lambda: main([*replayed, "--bundle", str(bundle)]))
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        got = _files(bundle)
+        if not new:  # the survey, uninterrupted: the new bundle
+            assert code == 1 and not inject.fired and got != old, last
+            new.update(got)
+        # THEN the bundle directory holds the earlier bundle, and the last line says nothing was written ...
+        if got == old:
+            assert code == 130 and last == "nanhunt: interrupted; the model and files were left as they were", last
+        # ... or the new bundle whole, and an interrupt's line names it as written
+        else:
+            assert got == new, sorted(got)
+            assert code == 1 or last == (f"nanhunt: interrupted after writing {str(bundle)!r}; the model and other "
+                                         "files were left as they were"), last
+        # ... and nothing is left beside it
+        assert sorted(p.name for p in home.iterdir()) == ["bundle"]
+
+    # WHEN Ctrl-C arrives at each line event of the command line writing the report and the bundle
+    # (each line once: a loop's next pass writes nothing the first did not)
+    assert _inject_everywhere(show, _sigint, run, every_event=False, files=WRITING) > 100
+
+
+SLEEPY = """
+import os
+import time
+
+from torch import nn
+
+
+class Sleepy(nn.Module):
+    # fixtures.models.MLP's layout; its forward says it started, then waits for the signal
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)
+
+    def forward(self, x):
+        open(os.environ["NANHUNT_TEST_STARTED"], "w").close()
+        time.sleep(120)
+        return self.fc2(self.act(self.fc1(x)))
+"""
+
+
+def test_sigterm_during_a_replay_puts_everything_back_and_exits_143(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    from fixtures.models import MLP
+
+    # GIVEN a replay with a bundle whose model is running when SIGTERM arrives (a job scheduler's stop)
+    (tmp_path / "sleepy.py").write_text(SLEEPY, encoding="utf-8")
+    torch.save(MLP().state_dict(), tmp_path / "checkpoint.pt")
+    torch.save((torch.randn(4, 16), torch.randn(4, 4)), tmp_path / "batch.pt")
+    started = tmp_path / "started"
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanhunt", "replay", "checkpoint.pt", "batch.pt", "--model",
+         f"{tmp_path / 'sleepy.py'}:Sleepy", "--loss", "torch.nn.functional:mse_loss", "--no-bisect",
+         "--snapshot", "disk", "--bundle", str(out / "bundle")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "NANHUNT_TEST_STARTED": str(started), "TMPDIR": str(out)})
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), proc.communicate(timeout=60)
+        # WHEN it arrives
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # THEN the restore ran and the command says so in one line, exit 143 (128 + SIGTERM), no traceback ...
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "nanhunt: terminated (SIGTERM); the model and files were left as they were"
+    assert "Traceback" not in err
+    # ... and no bundle, no half-written one beside it, no snapshot file is left
+    assert list(out.iterdir()) == [], err
