@@ -127,7 +127,7 @@ def test_repro_of_index_put_with_integer_index_list_is_sliced_and_verified(tmp_p
     assert rp.nbytes <= 200 and rp.original_shapes == ((2, 4), (64,), (64, 4))
     assert [d for d, _ in rp.inputs] == ["float16", "int64", "float16"]
     assert rp.call.startswith("torch.ops.aten.index_put_.default(t[0], [t[1]], t[2], True")
-    assert {p.name for p in (tmp_path / "a").iterdir()} == {SCRIPT, INPUTS}
+    assert {p.name for p in (tmp_path / "a").iterdir()} == {".nanhunt-bundle", SCRIPT, INPUTS}
 
 
 def test_repro_of_an_op_with_a_dtype_keyword_is_verified(tmp_path: Path) -> None:
