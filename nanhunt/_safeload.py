@@ -16,6 +16,7 @@ config inside a capture) is read bounded in size and depth by :func:`read_json` 
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
 import importlib.util
 import io
 import json
@@ -34,7 +35,7 @@ import torch
 
 from ._errors import CommandError, first_line as _first_line
 
-__all__ = ["load_file", "read_json", "parse_json"]
+__all__ = ["load_file", "check_bytes", "read_json", "parse_json"]
 
 MAX_DEPTH = 64  # containers inside containers; real checkpoints and batches nest a handful
 MAX_ITEMS = 10_000_000  # values visited, shared references counted each time they are reached
@@ -103,40 +104,54 @@ def _check_path(path: str, name: str) -> int:
     return size
 
 
+def check_bytes(data: bytes, *, name: str) -> None:
+    """The checks :func:`load_file` makes before torch reads a file, for a torch file held in memory (an entry
+    of a DCP checkpoint, for ``torch.load(io.BytesIO(data))``): its format, zip directory, CRCs and pickle."""
+    if not data:
+        raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
+    f = io.BytesIO(data)
+    _check_pickles(f, name, _check_stream(f, name, len(data)))
+
+
 def _check_format(path: str, name: str, size: int) -> bool:
     """Whether the file is a zip archive (checked whole); a file that is not must begin with a pickle."""
     with open(path, "rb") as f:
-        head = f.read(1024)
-        if head[:4] in _ZIP_MAGIC:
-            _check_zip(f, name, size)
-            return True
-        try:
-            f.seek(0)
-            _scan_pickle(f)
-        except _PickleTooBig as e:
-            raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
-        except Exception as e:  # the scan builds nothing: any error means no valid pickle
-            if head[:1] == b"\x80":  # pickle protocol 2+, which torch's legacy format starts with
-                raise CommandError(f"{name} is a corrupt or truncated pickle, not a readable torch file "
-                                   f"({_reason(e)})") from e
-            kind = "text" if _is_text(head) else "binary data"
-            raise CommandError(f"{name} is not a torch file: it holds {kind}, neither a zip archive (torch.save) "
-                               "nor a pickle (older torch.save)") from e
+        return _check_stream(f, name, size)
+
+
+def _check_stream(f: io.BufferedIOBase, name: str, size: int) -> bool:
+    """:func:`_check_format` of an open file."""
+    head = f.read(1024)
+    if head[:4] in _ZIP_MAGIC:
+        _check_zip(f, name, size)
+        return True
+    try:
         f.seek(0)
-        if not _legacy_magic(f):
-            # torch would unpickle it whole before finding no magic number: with --trust-pickle, run its code
-            f.seek(0)
-            bad = _forbidden(_scan_pickle(f))
-            runs = f" (it names {_few(bad)}, which would run code if unpickled)" if bad else ""
-            raise CommandError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
-                               f"file{runs}; save it with torch.save")
+        _scan_pickle(f)
+    except _PickleTooBig as e:
+        raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
+    except Exception as e:  # the scan builds nothing: any error means no valid pickle
+        if head[:1] == b"\x80":  # pickle protocol 2+, which torch's legacy format starts with
+            raise CommandError(f"{name} is a corrupt or truncated pickle, not a readable torch file "
+                               f"({_reason(e)})") from e
+        kind = "text" if _is_text(head) else "binary data"
+        raise CommandError(f"{name} is not a torch file: it holds {kind}, neither a zip archive (torch.save) "
+                           "nor a pickle (older torch.save)") from e
+    f.seek(0)
+    if not _legacy_magic(f):
+        # torch would unpickle it whole before finding no magic number: with --trust-pickle, run its code
+        f.seek(0)
+        bad = _forbidden(_scan_pickle(f))
+        runs = f" (it names {_few(bad)}, which would run code if unpickled)" if bad else ""
+        raise CommandError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
+                           f"file{runs}; save it with torch.save")
     return False
 
 
-def _legacy_magic(f: IO[bytes]) -> bool:
+def _legacy_magic(f: io.BufferedIOBase) -> bool:
     """Whether the first pickle is torch's legacy-format magic number (a lone integer)."""
     ops = []
-    for op, arg, _ in pickletools.genops(f):
+    for op, arg, _ in pickletools.genops(cast(IO[bytes], f)):
         ops.append((op.name, arg))
         if len(ops) > 4:
             return False
@@ -153,7 +168,7 @@ def _is_text(head: bytes) -> bool:
     return all(c.isprintable() or c in "\t\r\n" for c in s)
 
 
-def _check_zip(f: io.BufferedReader, name: str, size: int) -> None:
+def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
     """The archive's directory, that it holds a torch pickle, and every member's CRC-32."""
     try:
         infos = zipfile.ZipFile(f).infolist()
@@ -221,7 +236,7 @@ def _check_sizes(infos: list[zipfile.ZipInfo], name: str) -> None:
                                    f"{MAX_RATIO}-fold; save it again with torch.save, which stores them as they are")
 
 
-def _member_start(f: io.BufferedReader, info: zipfile.ZipInfo, size: int) -> int | None:
+def _member_start(f: io.BufferedIOBase, info: zipfile.ZipInfo, size: int) -> int | None:
     """Where a member's bytes begin, after its local header; None if they are not all in the file."""
     if info.header_offset < 0:  # zipfile's offset, corrected by the archive's; a damaged one can go below 0
         return None
@@ -247,7 +262,7 @@ def _check_overlap(starts: Mapping[zipfile.ZipInfo, int], name: str) -> None:
                                "(a zip bomb's trick: nanhunt would inflate the same bytes once for each)")
 
 
-def _member_crc(f: io.BufferedReader, info: zipfile.ZipInfo, start: int, buf: bytearray) -> int | None:
+def _member_crc(f: io.BufferedIOBase, info: zipfile.ZipInfo, start: int, buf: bytearray) -> int | None:
     """The CRC-32 of a member's content (its bytes begin at ``start``), read in chunks; None if they are cut
     short. torch.save stores members as they are; a re-packed archive may deflate them (torch reads that too)."""
     left = info.compress_size
@@ -309,12 +324,12 @@ class _Reader:
     """A stream's read and readline alone: without ``tell``, genops asks for no position each opcode (a call
     into zipfile, or a seek, each time)."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: io.BufferedIOBase) -> None:
         self.read = f.read
         self.readline = f.readline
 
 
-def _scan_pickle(f: IO[bytes]) -> list[str]:
+def _scan_pickle(f: io.BufferedIOBase) -> list[str]:
     """The globals one pickle names (``module.name``), from its opcodes: nothing is imported or built.
 
     Raises ValueError when the bytes are not one valid pickle: a bad opcode or argument, a pop from
@@ -431,20 +446,21 @@ def _exists(full: str) -> bool:
         return False
 
 
-def _pickles(path: str, is_zip: bool) -> tuple[list[str], str | None]:
-    """Globals named by the file's pickle(s), and why scanning stopped early (a damaged pickle) or None;
-    :class:`_PickleTooBig` when one is beyond what nanhunt unpickles. A zip archive holds one (data.pkl,
-    read as a stream: it is never held whole); the legacy format a few in a row before the raw storages."""
+def _pickles(source: str | io.BufferedIOBase, is_zip: bool) -> tuple[list[str], str | None]:
+    """Globals named by the file's pickle(s) (a path or an open file), and why scanning stopped early (a damaged
+    pickle) or None; :class:`_PickleTooBig` when one is beyond what nanhunt unpickles. A zip archive holds one
+    (data.pkl, read as a stream: it is never held whole); the legacy format a few in a row before the storages."""
     names: list[str] = []
     try:
         if is_zip:
-            with zipfile.ZipFile(path) as z:
+            with zipfile.ZipFile(source) as z:
                 member = next(i for i in z.infolist() if _is_pickle(i.filename))
                 with z.open(member) as m:
                     names += _scan_pickle(io.BufferedReader(m, _PICKLE_BUFFER))  # type: ignore[type-var]
         else:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            with open(source, "rb") if isinstance(source, str) else contextlib.nullcontext(source) as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
                 for _ in range(5):  # magic number, protocol, system info, the object, storage keys
                     names += _scan_pickle(f)
                     if f.tell() >= size:  # a plain pickle.dump: one pickle
@@ -458,10 +474,10 @@ def _pickles(path: str, is_zip: bool) -> tuple[list[str], str | None]:
     return names, None
 
 
-def _check_pickles(path: str, name: str, is_zip: bool) -> None:
+def _check_pickles(source: str | io.BufferedIOBase, name: str, is_zip: bool) -> None:
     """Refuse, before torch unpickles it, a pickle too deep or too large to unpickle safely, or a damaged one."""
     try:
-        damaged = _pickles(path, is_zip)[1]
+        damaged = _pickles(source, is_zip)[1]
     except _PickleTooBig as e:
         raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
     if damaged is not None:

@@ -4,6 +4,7 @@ where a crash or the peak memory is what is checked."""
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import subprocess
@@ -75,6 +76,23 @@ def _legacy(pkl: bytes) -> bytes:
 
 
 # ------------------------------------------------------------------- depth
+def test_torch_bytes_in_memory_get_the_checks_of_a_file() -> None:
+    from nanhunt._errors import CommandError
+    from nanhunt._safeload import check_bytes
+
+    # GIVEN torch files held in memory, as a DCP checkpoint holds its entries: hostile, then a tensor torch.save wrote
+    hostile_files = {"nests containers more than 64 levels deep": hostile.deep_pickle(1_000_000),
+                     "nests containers more than 64 levels deep;": _legacy(b"\x80\x02})" + b"\x85" * 1000 + b"Ns."),
+                     "'archive/data/0' and 'archive/data/1' overlap": hostile.overlapping_zip(2, mib=1)}
+    for why, data in hostile_files.items():
+        # WHEN checked THEN refused as the same file on disk would be
+        with pytest.raises(CommandError, match=f"^the data of 'w' .*{why}"):
+            check_bytes(data, name="the data of 'w'")
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    check_bytes(buf.getvalue(), name="the data of 'w'")
+
+
 def test_key_nested_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> None:
     # GIVEN a 1.4 kB checkpoint whose dict key is a tuple nested a million deep (hashing it overflowed the C stack)
     path = _write(tmp_path, "deep.pt", hostile.deep_pickle(1_000_000))
@@ -123,7 +141,7 @@ def test_eight_million_empty_lists_are_refused_in_bounded_memory(tmp_path: Path)
 
 
 def test_deflated_gib_of_zeros_in_a_batch_is_refused_before_reading(tmp_path: Path) -> None:
-    # GIVEN a 1 MB batch whose inputs' storage is a GiB of deflated zeros
+    # GIVEN a 4.5 MB batch whose inputs' storage is a GiB of deflated zeros (deflated harder, 1 MB: the same)
     path = _write(tmp_path, "batch.pt", hostile.zero_storage_batch(1024))
     # WHEN it is replayed, in a child process
     line, peak = _child(["replay", CLEAN[0], path, *TRUSTED], tmp_path)
