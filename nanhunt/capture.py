@@ -714,7 +714,7 @@ def load_capture_dir(
         ck["optimizer"], ck["optimizer_params"] = _dcp.optimizer_by_index(state["optimizer"], where)
         if shard is not None:
             ck["optimizer"]["state"] = {}  # loaded into the sharded optimizer by the caller
-    batch = os.path.join(path, _dcp.batch_file(r))
+    batch = _dcp.not_linked(os.path.join(path, _dcp.batch_file(r)), f"{where}: its {_dcp.batch_file(r)}")
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, path, batch)
     seen = man["ranks_seen"]

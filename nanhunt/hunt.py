@@ -250,7 +250,7 @@ def _guard_event(path: str | None) -> tuple[GuardEvent | None, str | None]:
     if path is None:
         return None, None
     try:
-        st = os.stat(path)
+        st = os.lstat(path)  # a symbolic link is no file the Guard wrote: it could point at any file of the machine
     except OSError:
         return None, None  # no event: not a Guard's capture
     refused = f"the Guard event {path!r} beside the checkpoint was ignored"
