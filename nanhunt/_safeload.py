@@ -364,7 +364,7 @@ def _scan_pickle(f: io.BufferedIOBase) -> list[str]:
             if len(marks) > MAX_DEPTH:
                 raise _PickleTooBig(f"nests containers more than {MAX_DEPTH} levels deep")
             continue
-        if not (npop or marked or npush):  # PROTO, FRAME, a PUT-like no-op
+        if not (npop or marked or npush):  # PROTO, FRAME
             continue
         if not (npop or marked):  # a value: a string, a number, an empty container, a global
             if kind == _K_GLOBAL:
