@@ -19,6 +19,7 @@ import enum
 import importlib
 import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -39,6 +40,11 @@ _HUB = ("base_model_name_or_path", "revision", "auto_mapping")
 # Initialisations computed from data or the base weights (PiSSA, EVA, LoftQ...): the capture holds their result.
 _CHEAP_INIT = (True, False, "gaussian", "lycoris")
 _FIX = "pass --model package.module:factory"
+# Fields peft matches against module names as regular expressions (a string) or as names and suffixes (a list,
+# whose items some peft code puts inside a pattern too): only plain names are read from a file.
+_NAMES = ("target_modules", "exclude_modules", "modules_to_save", "layers_pattern", "feedforward_modules",
+          "target_parameters")
+_MODULE_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 
 
 def is_peft_model(model: Any) -> bool:
@@ -102,6 +108,8 @@ def rebuild(base: nn.Module, saved: Any, where: str, notes: list[str] | None = N
         raise CommandError(f"{where} holds a PEFT adapter, and peft is not installed here; install it (pip install "
                            f"nanhunt[transformers]) or {_FIX}") from None
     built = [(name, _config(peft, name, text, where, notes)) for name, text in configs.items()]
+    for name, cfg in built:
+        _check_sizes(peft, name, cfg, base)
     (first, cfg), rest = built[0], built[1:]
     try:
         model = peft.get_peft_model(base, cfg, adapter_name=first)
@@ -173,6 +181,8 @@ def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> An
         notes.append(f"adapter {name!r} was written by peft {version}, rebuilt with peft {peft.__version__}")
     if data.get("megatron_config") is not None:
         raise _refused(name, "its megatron_config makes peft import the module megatron_core names")
+    if data.get("layer_replication"):
+        raise _refused(name, "its layer_replication makes copies of base layers, as many as the file says")
     for key in ("init_lora_weights", "init_weights"):
         init = data.get(key)
         if key in data and not any(init is c or (isinstance(c, str) and init == c) for c in _CHEAP_INIT):
@@ -186,11 +196,77 @@ def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> An
         if k in hints and not _fits(v, hints[k]):
             raise _refused(name, f"field {k!r} holds {_json_kind(v)} {_short(v)}, not what {cls.__name__} takes "
                                  f"({_type_text(hints[k])})")
+    _check_names(name, data)
     try:
         return cls(**data)
     except Exception as e:
         raise CommandError(f"cannot build adapter {name!r}'s {cls.__name__} from the capture: {_first_line(e)}; "
                            f"{_FIX}") from e
+
+
+def _check_names(name: str, data: Mapping[str, Any]) -> None:
+    """The fields naming modules hold module names (``lm_head``, ``attn.c_attn``), not regular expressions: peft
+    matches them as patterns against every module name, and a pattern from a file (``([\\w.]+)+Z``) can run for
+    hours. ``target_modules="all-linear"`` is peft's own word for every linear layer."""
+    def pattern(what: str) -> CommandError:
+        return _refused(name, f"{what} is a pattern, not a module name: nanhunt matches no pattern read from a file "
+                              "(one can run for hours); build the adapter in your own factory")
+
+    for key in _NAMES:
+        value = data.get(key)
+        if value is None or (key == "target_modules" and value == "all-linear"):
+            continue
+        for n in [value] if isinstance(value, str) else value:
+            if not _MODULE_NAME.fullmatch(n):
+                raise pattern(f"its {key} {_short(n)}")
+    ranks, numbers = data.get("rank_pattern"), data.get("alpha_pattern")
+    for key in ("rank_pattern", "alpha_pattern", "trainable_token_indices"):  # module names -> values
+        value = data.get(key)
+        for k in value if isinstance(value, dict) else ():
+            if not _MODULE_NAME.fullmatch(k):
+                raise pattern(f"its {key} names {_short(k)}, which")
+    for k, v in (ranks or {}).items():
+        if not (type(v) is int and v > 0):
+            raise _refused(name, f"its rank_pattern gives {_short(k)} {_json_kind(v)} {_short(v)}, not a rank")
+    for k, v in (numbers or {}).items():
+        if type(v) not in (int, float):
+            raise _refused(name, f"its alpha_pattern gives {_short(k)} {_json_kind(v)} {_short(v)}, not a number")
+
+
+def _check_sizes(peft: Any, name: str, cfg: Any, base: nn.Module) -> None:
+    """Refuse, before peft allocates anything, an adapter larger than the layers it adapts: a rank (``r``, a
+    ``rank_pattern`` value) above the smallest dimension of a layer it applies to adds nothing an adapter can
+    learn, and the file's ``r=4000000`` would take gigabytes; trainable token indices beyond the embedding or
+    given twice the same. Which layers: peft's own matching, of plain names (``_check_names``)."""
+    rank = getattr(cfg, "r", None)
+    if type(rank) is int:
+        patterns = dict(getattr(cfg, "rank_pattern", None) or {})
+        every_linear = getattr(cfg, "target_modules", None) == "all-linear"
+        exists: Callable[[Any, str], Any] = peft.tuners.tuners_utils.check_target_module_exists
+        targets = [(key, _smallest(m.parameters(recurse=False))) for key, m in base.named_modules()]
+        targets = [(key, dim) for key, dim in targets
+                   if key and (dim is not None if every_linear else exists(cfg, key))]
+        wanted = set(getattr(cfg, "target_parameters", None) or ())
+        targets += [(key, _smallest([p])) for key, p in base.named_parameters()
+                    if key in wanted or any(key.endswith("." + w) for w in wanted)]
+        for key, dim in targets:
+            r = next((v for k, v in patterns.items() if key == k or key.endswith("." + k)), rank)
+            if dim is not None and r > dim:
+                raise _refused(name, f"its rank {r} is larger than the smallest dimension ({dim}) of {key!r}, which "
+                                     "it adapts: a rank beyond it adds nothing an adapter can learn")
+    tokens = getattr(cfg, "trainable_token_indices", None)
+    rows = max((m.num_embeddings for m in base.modules() if isinstance(m, nn.Embedding)), default=0)
+    for ids in (tokens.values() if isinstance(tokens, dict) else [tokens] if tokens else []):
+        if len(set(ids)) != len(ids) or not all(0 <= i < rows for i in ids):
+            raise _refused(name, f"its trainable_token_indices name a token twice or one beyond the embedding's "
+                                 f"{rows} rows")
+
+
+def _smallest(params: Any) -> int | None:
+    """The smallest dimension of the matrices ``params`` hold (a weight of 2 or more dimensions as the matrix
+    of its first one by the rest: a convolution's), or None when they hold none."""
+    dims = [min(p.shape[0], p.numel() // max(p.shape[0], 1)) for p in params if p.dim() >= 2]
+    return min(dims, default=None)
 
 
 def _fits(v: Any, tp: Any, depth: int = 0) -> bool:

@@ -6,11 +6,8 @@ tile it stays exact and fast with thousands of chunks of many dimensions."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +19,8 @@ from nanhunt._dcp import load_state
 from nanhunt._errors import CommandError
 from nanhunt.cli import main
 from tests.helpers_capture_dir import one_rank_capture, read_metadata, write_metadata
+from tests.helpers_peak import run_nanhunt
 
-ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 
@@ -54,31 +51,30 @@ def _del(obj: Any, name: str) -> None:
 
 W = "'model.weight'"
 DAMAGED: list[tuple[str, Callable[[Any], None], str]] = [
-    ("chunk-int", lambda m: _set(_weight(m), chunks=[5]), f"a chunk of {W} is an int (5), expected a "
-                                                          "ChunkStorageMetadata"),
-    ("no-properties", lambda m: _del(_weight(m), "properties"), f"field 'properties' of {W} is missing, expected a "
-                                                                "TensorProperties"),
-    ("string-offset", lambda m: _set(_chunk(m), offsets="00"), f"field 'offsets' of a chunk of {W} is a str ('00'), "
-                                                               "expected a torch.Size of 2 integers >= 0"),
-    ("float-sizes", lambda m: _set(_chunk(m), sizes=(2.0, 4.0)), f"field 'sizes' of a chunk of {W} is a tuple "
-                                                                 "(2.0, 4.0), expected a torch.Size of 2 integers >= 0"),
-    ("chunks-tuple", lambda m: _set(_weight(m), chunks=tuple(_weight(m).chunks)), f"field 'chunks' of {W} is a "
-                                                                                  "tuple, expected a list"),
-    ("size-list", lambda m: _set(_weight(m), size=[2, 4]), f"field 'size' of {W} is a list [2, 4], expected a "
-                                                           "torch.Size of integers >= 0"),
-    ("dtype-string", lambda m: _set(_weight(m).properties, dtype="float32"), f"field 'dtype' of {W} is a str "
-                                                                             "('float32'), expected a torch.dtype"),
-    ("no-entries", lambda m: _del(m, "state_dict_metadata"), "field 'state_dict_metadata' of the metadata is "
-                                                             "missing, expected a dict"),
-    ("entry-int", lambda m: m.state_dict_metadata.update({"model.weight": 5}), f"entry {W} is an int (5), expected "
-                                                                               "a TensorStorageMetadata or "
-                                                                               "BytesStorageMetadata"),
-    ("key-offset-text", lambda m: _rekey(m, offset="ab"), f"field 'offset' of a storage key of {W} is a str ('ab'), "
-                                                          "expected None or a torch.Size of integers >= 0"),
-    ("storage-meta-int", lambda m: _set(m, storage_meta=5), "field 'storage_meta' of the metadata is an int (5), "
-                                                            "expected None or a StorageMeta"),
-    ("planner-list", lambda m: _set(m, planner_data=[]), "field 'planner_data' of the metadata is a list [], "
-                                                         "expected None or a dict"),
+    ("chunk-int", lambda m: _set(_weight(m), chunks=[5]),
+     f"a chunk of {W} is an int (5), expected a ChunkStorageMetadata"),
+    ("no-properties", lambda m: _del(_weight(m), "properties"),
+     f"field 'properties' of {W} is missing, expected a TensorProperties"),
+    ("string-offset", lambda m: _set(_chunk(m), offsets="00"),
+     f"field 'offsets' of a chunk of {W} is a str ('00'), expected a torch.Size of 2 integers >= 0"),
+    ("float-sizes", lambda m: _set(_chunk(m), sizes=(2.0, 4.0)),
+     f"field 'sizes' of a chunk of {W} is a tuple (2.0, 4.0), expected a torch.Size of 2 integers >= 0"),
+    ("chunks-tuple", lambda m: _set(_weight(m), chunks=tuple(_weight(m).chunks)),
+     f"field 'chunks' of {W} is a tuple, expected a list"),
+    ("size-list", lambda m: _set(_weight(m), size=[2, 4]),
+     f"field 'size' of {W} is a list [2, 4], expected a torch.Size of integers >= 0"),
+    ("dtype-string", lambda m: _set(_weight(m).properties, dtype="float32"),
+     f"field 'dtype' of {W} is a str ('float32'), expected a torch.dtype"),
+    ("no-entries", lambda m: _del(m, "state_dict_metadata"),
+     "field 'state_dict_metadata' of the metadata is missing, expected a dict"),
+    ("entry-int", lambda m: m.state_dict_metadata.update({"model.weight": 5}),
+     f"entry {W} is an int (5), expected a TensorStorageMetadata or BytesStorageMetadata"),
+    ("key-offset-text", lambda m: _rekey(m, offset="ab"),
+     f"field 'offset' of a storage key of {W} is a str ('ab'), expected None or a torch.Size of integers >= 0"),
+    ("storage-meta-int", lambda m: _set(m, storage_meta=5),
+     "field 'storage_meta' of the metadata is an int (5), expected None or a StorageMeta"),
+    ("planner-list", lambda m: _set(m, planner_data=[]),
+     "field 'planner_data' of the metadata is a list [], expected None or a dict"),
     ("planner-place", lambda m: m.planner_data.update({"model.weight": ["model", 1.5]}),
      f"the place of {W} in field 'planner_data' is a list ['model', 1.5], expected a tuple of names and indices"),
 ]
@@ -98,25 +94,12 @@ def test_a_field_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: pytest.Ca
                                                f".metadata is damaged: {said}")
 
 
-def _child(argv: list[str], tmp_path: Path) -> tuple[int, str, int]:
-    """``python -m nanhunt ARGV`` in a child process: its exit code, stderr and peak resident memory in bytes."""
-    with open(tmp_path / "err", "wb") as err:
-        p = subprocess.Popen([sys.executable, "-m", "nanhunt", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=err, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            _, status, usage = os.wait4(p.pid, 0)  # this child's own peak
-        except BaseException:
-            p.kill()
-            raise
-    return os.waitstatus_to_exitcode(status), (tmp_path / "err").read_text(errors="replace"), usage.ru_maxrss * 1024
-
-
 def test_ten_megabytes_of_empty_sets_are_refused_before_unpickling(tmp_path: Path) -> None:
     # GIVEN a 10 MB .metadata of ten million EMPTY_SET opcodes (unpickled: 2.75 GB of sets)
     cap = one_rank_capture(tmp_path / "cap")
     (cap / "state" / ".metadata").write_bytes(b"\x80\x04" + b"\x8f" * 10_000_000 + b".")
     # WHEN it is replayed in a child process
-    code, err, peak = _child(["replay", str(cap)], tmp_path)
+    code, err, peak = run_nanhunt(["replay", str(cap)], tmp_path)
     # THEN one line refuses it, and the child's peak memory stayed under 1 GiB
     assert (code, err.strip()) == (2, f"nanhunt: error: the capture's state '{cap / 'state'}': its .metadata would "
                                       "take more than 512 MiB of memory to unpickle, which no DCP checkpoint nanhunt "
@@ -139,7 +122,7 @@ def test_a_key_nested_a_hundred_thousand_deep_is_one_line_not_a_crash(tmp_path: 
     cap = one_rank_capture(tmp_path / "cap")
     (cap / "state" / ".metadata").write_bytes(_nested_tuple(100_000))
     # WHEN it is replayed in a child process  THEN one line refuses it before it is unpickled
-    code, err, _ = _child(["replay", str(cap)], tmp_path)
+    code, err, _ = run_nanhunt(["replay", str(cap)], tmp_path)
     assert (code, err.strip()) == (2, f"nanhunt: error: the capture's state '{cap / 'state'}': its .metadata nests "
                                       "values more than 32 deep (DCP's own nest 11); nanhunt refuses it")
 

@@ -231,3 +231,66 @@ def test_without_peft_installed_the_replay_says_what_to_do(tmp_path: Path, monke
     # WHEN it is loaded  THEN one line says to install it or pass --model
     msg = _refusal(ck, bt)
     assert "holds a PEFT adapter, and peft is not installed here; install it (pip install nanhunt[transformers])" in msg
+
+
+REGEX = r"([\w.]+)+Z"  # matching it against a module name of 30 characters backtracks for minutes
+
+
+@pytest.mark.parametrize("entry, said", [
+    ({"target_modules": REGEX}, "its target_modules \"([\\\\w.]+)+Z\" is a pattern, not a module name"),
+    ({"modules_to_save": ["lm_head", REGEX]}, "its modules_to_save \"([\\\\w.]+)+Z\" is a pattern, not a module name"),
+    ({"exclude_modules": "(a|aa)+b"}, "its exclude_modules \"(a|aa)+b\" is a pattern, not a module name"),
+    ({"layers_pattern": [REGEX]}, "its layers_pattern \"([\\\\w.]+)+Z\" is a pattern, not a module name"),
+    ({"rank_pattern": {REGEX: 2}}, "its rank_pattern names \"([\\\\w.]+)+Z\", which is a pattern, not a module name"),
+], ids=["target_modules", "modules_to_save", "exclude_modules", "layers_pattern", "rank_pattern"])
+def test_a_pattern_naming_modules_is_refused_unmatched(tmp_path: Path, entry: dict[str, Any], said: str) -> None:
+    # GIVEN a capture whose adapter names its modules with a regular expression (peft matches it against every
+    # module name: this one takes minutes)
+    ck, bt = _capture(tmp_path)
+    _tampered(ck, **entry)
+    # WHEN it is loaded  THEN one line refuses it before any name is matched, saying how to build it instead
+    assert f"{said}: nanhunt matches no pattern read from a file (one can run for hours); build the adapter in " \
+           "your own factory; pass --model package.module:factory" in _refusal(ck, bt)
+
+
+def test_module_names_and_suffixes_are_not_patterns(tmp_path: Path) -> None:
+    # GIVEN a capture whose adapter names its modules by a dotted suffix and keeps lm_head trainable
+    ck, bt = _capture(tmp_path)
+    _tampered(ck, target_modules=["attn.c_attn"], modules_to_save=None, rank_pattern={"h.0.attn.c_attn": 2})
+    # WHEN it is loaded  THEN it is rebuilt as saved
+    assert [n for n, p in load_step(ck, bt).model.named_parameters() if p.requires_grad] == TRAINABLE
+
+
+def test_a_rank_of_four_million_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    from tests.helpers_peak import run_nanhunt
+
+    # GIVEN a capture whose LoRA rank is 4,000,000 on a layer of 16 x 48 (built, it took 4.4 GB)
+    ck, bt = _capture(tmp_path)
+    _tampered(ck, r=4_000_000)
+    # WHEN it is replayed in a child process
+    code, err, peak = run_nanhunt(["replay", ck, bt], tmp_path)
+    # THEN one line refuses it, and the child's peak memory stayed under 1 GiB
+    assert (code, err.strip().splitlines()[-1]) == (
+        2, "nanhunt: error: refusing to rebuild PEFT adapter 'default' from the capture: its rank 4000000 is larger "
+           "than the smallest dimension (16) of 'transformer.h.0.attn.c_attn', which it adapts: a rank beyond it adds "
+           "nothing an adapter can learn; pass --model package.module:factory")
+    assert peak < 1 << 30
+
+
+@pytest.mark.parametrize("entry, said", [
+    ({"rank_pattern": {"c_attn": 100_000}}, "its rank 100000 is larger than the smallest dimension (16) of "
+                                            "'transformer.h.0.attn.c_attn'"),
+    ({"rank_pattern": {"c_attn": "8"}}, "its rank_pattern gives \"c_attn\" a string \"8\", not a rank"),
+    ({"trainable_token_indices": list(range(1000))}, "its trainable_token_indices name a token twice or one beyond "
+                                                     "the embedding's 32 rows"),
+    ({"trainable_token_indices": [3, 3]}, "its trainable_token_indices name a token twice"),
+    ({"layer_replication": [[0, 1]] * 1000}, "its layer_replication makes copies of base layers, as many as the file "
+                                             "says"),
+], ids=["rank_pattern", "rank_text", "tokens-beyond", "tokens-twice", "layer_replication"])
+def test_sizes_beyond_the_model_are_refused_before_anything_is_allocated(tmp_path: Path, entry: dict[str, Any],
+                                                                         said: str) -> None:
+    # GIVEN a capture whose adapter asks for more than the base model's layers hold
+    ck, bt = _capture(tmp_path)
+    _tampered(ck, **entry)
+    # WHEN it is loaded  THEN one line refuses it
+    assert said in _refusal(ck, bt)
