@@ -62,7 +62,6 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False) -> Any:
     name = f"{what} {path!r}"
     size = _check_path(path, name)
     is_zip = _check_format(path, name, size)
-    _check_pickles(path, name, is_zip)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # the weights-only unpickler runs no code from the file: any error means a bad file
@@ -109,12 +108,12 @@ def check_bytes(data: bytes, *, name: str) -> None:
     of a DCP checkpoint, for ``torch.load(io.BytesIO(data))``): its format, zip directory, CRCs and pickle."""
     if not data:
         raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
-    f = io.BytesIO(data)
-    _check_pickles(f, name, _check_stream(f, name, len(data)))
+    _check_stream(io.BytesIO(data), name, len(data))
 
 
 def _check_format(path: str, name: str, size: int) -> bool:
-    """Whether the file is a zip archive (checked whole); a file that is not must begin with a pickle."""
+    """Whether the file is a zip archive (checked whole); a file that is not must begin with a pickle. Either
+    way, the pickle torch would read is scanned (:func:`_scan_pickle`) and refused when too deep or long."""
     with open(path, "rb") as f:
         return _check_stream(f, name, size)
 
@@ -145,6 +144,7 @@ def _check_stream(f: io.BufferedIOBase, name: str, size: int) -> bool:
         runs = f" (it names {_few(bad)}, which would run code if unpickled)" if bad else ""
         raise CommandError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
                            f"file{runs}; save it with torch.save")
+    _check_pickles(f, name, legacy=True)
     return False
 
 
@@ -169,14 +169,20 @@ def _is_text(head: bytes) -> bool:
 
 
 def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
-    """The archive's directory, that it holds a torch pickle, and every member's CRC-32."""
+    """The archive's directory, that it holds a torch pickle, every member's CRC-32, then that pickle's opcodes."""
     try:
         infos = zipfile.ZipFile(f).infolist()
     except Exception as e:  # zipfile parses the bytes, running nothing: any error means a damaged archive
         raise CommandError(f"{name} is a damaged zip archive (corrupt or truncated): {_first_line(e)}") from e
     if not infos:
         raise CommandError(f"{name} is an empty zip archive, not a torch file")
-    if not any(_is_pickle(i.filename) for i in infos):
+    seen: set[str] = set()
+    for info in infos:  # which of two a reader takes is its own choice: the one checked may not be the one read
+        if info.filename in seen:
+            raise CommandError(f"{name} is not a valid zip archive: it lists two members named {info.filename!r}")
+        seen.add(info.filename)
+    pkl = _torch_pickle(infos)
+    if pkl is None:
         raise CommandError(f"{name} is a zip archive but not a torch file: it has no data.pkl")
     starts: dict[zipfile.ZipInfo, int] = {}
     for info in infos:
@@ -191,7 +197,7 @@ def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
             raise _cut_short(name, info)
         starts[info] = start
     _check_overlap(starts, name)
-    _check_sizes(infos, name)
+    _check_sizes(infos, pkl, name)
     buf = bytearray(_CHUNK)
     for info in infos:
         try:
@@ -203,17 +209,24 @@ def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
         if crc != info.CRC:
             raise CommandError(f"{name} is corrupt: its member {info.filename!r} fails its CRC-32 check (the "
                                "file changed after it was written); copy it again from its source")
+    f.seek(starts[pkl])
+    data = f.read(pkl.compress_size)  # at most MAX_PICKLE_BYTES, inflated: torch reads it whole too
+    if pkl.compress_type == zipfile.ZIP_DEFLATED:
+        data = zlib.decompressobj(-15).decompress(data, MAX_PICKLE_BYTES)
+    _check_pickles(io.BytesIO(data), name, legacy=False)
 
 
-def _is_pickle(member: str) -> bool:
-    return member == "data.pkl" or member.endswith("/data.pkl")
+def _torch_pickle(infos: list[zipfile.ZipInfo]) -> zipfile.ZipInfo | None:
+    """The pickle torch reads: ``data.pkl`` in the directory of the archive's first member."""
+    want = infos[0].filename.partition("/")[0] + "/data.pkl"
+    return next((i for i in infos if i.filename == want), None)
 
 
 def _cut_short(name: str, info: zipfile.ZipInfo) -> CommandError:
     return CommandError(f"{name} is corrupt or truncated: its member {info.filename!r} is cut short or damaged")
 
 
-def _check_sizes(infos: list[zipfile.ZipInfo], name: str) -> None:
+def _check_sizes(infos: list[zipfile.ZipInfo], pkl: zipfile.ZipInfo, name: str) -> None:
     """Refuse members that would grow far beyond the file once read, from what the directory declares.
 
     torch.save stores every member as it is; an archive re-packed by a zip tool deflates them, which
@@ -223,7 +236,7 @@ def _check_sizes(infos: list[zipfile.ZipInfo], name: str) -> None:
     allocate it whole). data.pkl is read whole by torch: at most ``MAX_PICKLE_BYTES``."""
     inflated = 0
     for info in infos:
-        if _is_pickle(info.filename) and info.file_size > MAX_PICKLE_BYTES:
+        if info is pkl and info.file_size > MAX_PICKLE_BYTES:
             raise CommandError(f"{name} holds a pickle ({info.filename!r}) of {info.file_size / 2**20:,.1f} MiB; "
                                f"torch.save writes some 100 bytes a tensor, and nanhunt reads at most "
                                f"{MAX_PICKLE_BYTES >> 20} MiB")
@@ -454,7 +467,9 @@ def _pickles(source: str | io.BufferedIOBase, is_zip: bool) -> tuple[list[str], 
     try:
         if is_zip:
             with zipfile.ZipFile(source) as z:
-                member = next(i for i in z.infolist() if _is_pickle(i.filename))
+                member = _torch_pickle(z.infolist())
+                if member is None:
+                    raise ValueError("no data.pkl")
                 with z.open(member) as m:
                     names += _scan_pickle(io.BufferedReader(m, _PICKLE_BUFFER))  # type: ignore[type-var]
         else:
@@ -474,12 +489,19 @@ def _pickles(source: str | io.BufferedIOBase, is_zip: bool) -> tuple[list[str], 
     return names, None
 
 
-def _check_pickles(source: str | io.BufferedIOBase, name: str, is_zip: bool) -> None:
-    """Refuse, before torch unpickles it, a pickle too deep or too large to unpickle safely, or a damaged one."""
+def _check_pickles(f: io.BufferedIOBase, name: str, *, legacy: bool) -> None:
+    """Refuse, before torch unpickles it, a pickle too deep or too large to unpickle safely, or a damaged one:
+    ``f`` is a legacy-format file (a few pickles), or holds a zip archive's data.pkl."""
     try:
-        damaged = _pickles(source, is_zip)[1]
+        if legacy:
+            damaged = _pickles(f, False)[1]
+        else:
+            _scan_pickle(f)
+            damaged = None
     except _PickleTooBig as e:
         raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
+    except ValueError as e:
+        damaged = _reason(e)
     if damaged is not None:
         raise CommandError(f"{name} is corrupt: its pickle is damaged ({damaged})")
 

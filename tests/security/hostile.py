@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["torch_zip", "deep_pickle", "many_lists", "zero_storage_batch", "overlapping_zip", "big_json"]
+__all__ = ["torch_zip", "deep_pickle", "decoy_pickle", "many_lists", "zero_storage_batch", "overlapping_zip",
+           "big_json"]
 
 _PROTO = b"\x80\x02"  # torch.save's pickle protocol
 _STORED, _DEFLATED = 0, 8
@@ -90,7 +91,21 @@ def torch_zip(pkl: bytes, storages: dict[str, bytes] | None = None, *, deflate: 
 def deep_pickle(depth: int) -> bytes:
     """A torch zip whose data.pkl is ``{((((),),),): None}``, the key a tuple nested ``depth`` deep (one opcode a
     level, deflated: a million levels take 1.8 kB). Hashing the key recurses once a level, in C."""
-    return torch_zip(_PROTO + b"})" + b"\x85" * depth + b"Ns.", deflate=True)  # {}, (), TUPLE1 x depth, None, SETITEM
+    return torch_zip(_deep_key(depth), deflate=True)
+
+
+def _deep_key(depth: int) -> bytes:
+    return _PROTO + b"})" + b"\x85" * depth + b"Ns."  # {}, (), TUPLE1 x depth, None, SETITEM
+
+
+def decoy_pickle(depth: int, *, same_name: bool = False) -> bytes:
+    """A torch zip holding a harmless data.pkl (``{}``) and the one torch reads, :func:`deep_pickle`'s: torch
+    reads ``<dir>/data.pkl`` of the directory of the archive's first member, here ``archive/version``, and the
+    decoy is ``archive/decoy/data.pkl`` listed before it; ``same_name``: the decoy is ``archive/data.pkl`` too
+    (torch reads the last of the two)."""
+    decoy = "archive/data.pkl" if same_name else "archive/decoy/data.pkl"
+    return _zip([_Member("archive/version", b"3\n"), _Member(decoy, _PROTO + b"}."),
+                 _Member("archive/data.pkl", _deep_key(depth), deflate=True), _Member("archive/byteorder", b"little")])
 
 
 def many_lists(n: int) -> bytes:

@@ -102,6 +102,24 @@ def test_key_nested_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> No
     assert f"checkpoint {path!r} nests containers more than 64 levels deep" in line, line
 
 
+def test_decoy_pickle_listed_first_does_not_hide_the_one_torch_reads(tmp_path: Path) -> None:
+    # GIVEN a checkpoint holding a harmless archive/decoy/data.pkl listed before the archive/data.pkl torch reads
+    # (in the directory of the first member), a key nested a million deep
+    path = _write(tmp_path, "deep.pt", hostile.decoy_pickle(1_000_000))
+    # WHEN it is inspected, in a child process THEN the pickle torch reads is the one refused
+    line, _ = _child(["inspect", path], tmp_path)
+    assert f"checkpoint {path!r} nests containers more than 64 levels deep" in line, line
+
+
+def test_two_members_of_one_name_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a checkpoint whose directory lists archive/data.pkl twice: a harmless one, then a deep one
+    path = _write(tmp_path, "deep.pt", hostile.decoy_pickle(1000, same_name=True))
+    # WHEN it is inspected THEN one line: which of the two a reader takes is the reader's choice
+    line = _run(["inspect", path], capsys)
+    assert f"checkpoint {path!r} is not a valid zip archive: it lists two members named 'archive/data.pkl'" \
+        in line, line
+
+
 @pytest.mark.parametrize("depth", [1000, 100_000])
 @pytest.mark.parametrize("how", ["tuple1", "marks", "legacy"])
 def test_deep_pickle_is_refused_before_unpickling(depth: int, how: str, tmp_path: Path,
