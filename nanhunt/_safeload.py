@@ -9,8 +9,8 @@ bounded memory is refused. When torch's weights-only unpickler refuses a file, t
 a damaged file, or a valid pickle naming globals that only a full (code-running) unpickle can load.
 What loads is checked for what later code could not handle: containers nested deeper than any real
 batch, and tensors that are not dense data on the CPU or whose strides make them far larger than
-the bytes they hold (a stride-0 view of 2**40 elements). JSON (a report, a manifest, a rule, a
-config inside a capture) is read bounded in size and depth by :func:`read_json` / :func:`parse_json`.
+the bytes they hold (a stride-0 view of 2**40 elements). A JSON file (a report, an acceptance rule)
+is read bounded in size and depth by :func:`read_json`.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ __all__ = ["load_file", "check_bytes", "read_json", "parse_json"]
 MAX_DEPTH = 64  # containers inside containers; real checkpoints and batches nest a handful
 MAX_ITEMS = 10_000_000  # values visited, shared references counted each time they are reached
 MAX_VIEW_BYTES = 1 << 30  # a view may span at most this much more than the bytes it holds
-MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst take under 0.5 GiB
+MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst (empty sets) take 0.5 GiB
 # torch.save's data.pkl of MAX_OPS opcodes is some 7 MiB; JSON text in it (a model's config) is a few kB and,
 # parsed, stays under half a GiB at this size (see MAX_JSON_BYTES)
 MAX_PICKLE_BYTES = 16 << 20
 MAX_RATIO = 64  # a deflated member growing more than this is mostly zeros: real weights deflate by some 10%
 MAX_INFLATED = 64 << 20  # what such members may hold together: zero biases and masks of a re-packed archive
-# A JSON file nanhunt reads is a report, a manifest, a rule or an event: tens of kB (a report with its timeline is
-# some 20 kB). Parsed, JSON takes up to ~27 bytes a byte ('[[],[],...]': a list object each 3 bytes), so 16 MiB
+# A JSON file nanhunt reads is a report or an acceptance rule: tens of kB (a report with its timeline is some
+# 20 kB). Parsed, JSON takes up to ~27 bytes a byte ('[[],[],...]': a list object each 3 bytes), so 16 MiB
 # of it stays under half a GiB; a 99 MB report took 2.45 GB.
 MAX_JSON_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64  # a report nests 6 levels; json itself raises RecursionError near 1000
