@@ -599,11 +599,12 @@ def _check_bundle(directory: str, report: str | None) -> None:
     from ._bundle import earlier_bundle
     from ._files import check_directory
 
-    check_directory(directory, what="the bundle directory")
     if report is not None and os.path.realpath(os.path.dirname(os.path.abspath(report))) == os.path.realpath(directory):
         raise CommandError(f"--report {report!r} is inside the bundle directory {directory!r}, which holds the reports "
                            "already; leave --report out or give it a path outside")
-    earlier_bundle(directory)
+    if os.path.isdir(directory):  # before the write probe: a directory of the user's own files is left untouched
+        earlier_bundle(directory)
+    check_directory(directory, what="the bundle directory")
 
 
 def _replaced_line(directory: str, earlier: list[str], now: list[str], kept: str) -> None:
