@@ -44,21 +44,28 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return _one_line(code, capsys.readouterr().err)
 
 
+# ``python -m nanhunt`` that writes its peak resident memory (VmHWM, since exec) to a file as it exits. Not the
+# child's rusage: a spawned child's ru_maxrss starts at the size of the process it was spawned from (pytest's).
+_MEASURED = """import atexit, runpy, sys
+peak_file = sys.argv.pop(1)
+def peak():
+    with open("/proc/self/status") as status, open(peak_file, "w") as out:
+        out.write(next(line.split()[1] for line in status if line.startswith("VmHWM:")))  # kB
+atexit.register(peak)
+sys.argv[0] = "nanhunt"
+runpy.run_module("nanhunt", run_name="__main__", alter_sys=True)
+"""
+
+
 def _child(argv: list[str], tmp_path: Path) -> tuple[str, int]:
-    """``python -m nanhunt ARGV`` in a child process: its one error line and its peak resident memory in bytes.
-    A crash (a negative exit code, 139 from a shell) fails the exit-code check."""
-    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
-        p = subprocess.Popen([sys.executable, "-m", "nanhunt", *argv], cwd=ROOT, stdout=out, stderr=err,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            _, status, usage = os.wait4(p.pid, 0)  # this child's own peak, not the largest child's so far
-        except BaseException:
-            p.kill()
-            raise
-        p.returncode = os.waitstatus_to_exitcode(status)
-    text = (tmp_path / "err").read_text(errors="replace")
-    assert "Traceback" not in text, text
-    return _one_line(p.returncode, text), usage.ru_maxrss * 1024
+    """``python -m nanhunt ARGV`` in a child process: its one error line and its peak resident memory in bytes
+    (Linux). A crash (a negative exit code, 139 from a shell) fails the exit-code check."""
+    peak = tmp_path / "peak"
+    p = subprocess.run([sys.executable, "-c", _MEASURED, str(peak), *argv], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert "Traceback" not in p.stderr, p.stderr
+    line = _one_line(p.returncode, p.stderr)
+    return line, int(peak.read_text()) * 1024
 
 
 def _write(tmp_path: Path, name: str, data: bytes) -> str:
