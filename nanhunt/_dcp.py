@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ._errors import CommandError, first_line as _first_line
+from ._safeload import check_bytes, parse_json
 
 __all__ = ["MANIFEST", "STATE", "sharded", "batch_file", "is_capture_dir", "not_linked", "write_capture_dir",
            "read_manifest", "pick_rank", "load_state", "optimizer_by_index"]
@@ -45,7 +46,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STATE = "state"
 WRAPPERS = ("fsdp2", "ddp")
-MAX_MANIFEST_BYTES = 64 << 20  # a manifest holds names and flags: a model with a million modules fits
+MAX_MANIFEST_BYTES = 16 << 20  # names and flags: a model of 100,000 modules fits; parsed, JSON takes ~27x its size
 MAX_WORLD = 1 << 20
 # a .metadata holds a few kB per tensor; a tensor is stored in about as many chunks as ranks wrote it
 MAX_METADATA_BYTES = 64 << 20
@@ -266,10 +267,10 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise CommandError(f"{where}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no capture "
                            "writes; nanhunt refuses it")
     try:
-        with open(file, encoding="utf-8") as f:
-            man = json.load(f)
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise CommandError(f"{where}: {MANIFEST} is not valid JSON ({_first_line(e)}); the capture is damaged") from e
+        with open(file, "rb") as f:
+            man = parse_json(f.read(MAX_MANIFEST_BYTES + 1), max_bytes=MAX_MANIFEST_BYTES)
+    except ValueError as e:  # too deep, not UTF-8, not JSON: bounded before json recurses
+        raise CommandError(f"{where}: {MANIFEST} {_first_line(e)}; the capture is damaged") from e
     if not isinstance(man, dict) or man.get("nanhunt_capture_dir") != FORMAT:
         raise CommandError(f"{where}: {MANIFEST} is not a nanhunt manifest of format {FORMAT}; write the capture "
                            "again with this nanhunt")
@@ -435,6 +436,8 @@ def safe_reader(path: str) -> tuple[Any, Any]:
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            # the bytes' pickle bounded first, as a file's is: a hostile entry is refused, never a crash
+            check_bytes(value.getvalue(), name=f"the entry {read_item.dest_index.fqn!r} of the capture's state")
             self.load_object(read_item, torch.load(value, map_location="cpu", weights_only=True))
 
         def load_object(self, read_item: Any, obj: Any) -> None:
@@ -868,6 +871,7 @@ def _load(path: str, info: Any, where: str, fqn: str) -> Any:
     with open(os.path.join(path, info.relative_path), "rb") as f:
         f.seek(info.offset)
         data = f.read(info.length)
+    check_bytes(data, name=f"{where}: the data of {fqn!r}")  # bounded before the unpickler recurses or allocates
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:

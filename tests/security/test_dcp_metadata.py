@@ -234,3 +234,25 @@ def test_a_dataclass_of_the_metadata_left_as_dcp_writes_it_loads(tmp_path: Path)
     write_metadata(cap, dataclasses.replace(meta))
     state = load_state(str(cap / "state"))
     assert sorted(state["model"]) == ["bias", "weight"]
+
+
+def test_an_entry_whose_pickle_nests_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> None:
+    # GIVEN a capture directory whose weight's stored bytes are a 1.8 kB torch file nesting a key a million deep
+    from tests.security.hostile import deep_pickle
+
+    cap = one_rank_capture(tmp_path / "cap")
+    meta = read_metadata(cap)
+    key = next(k for k in meta.storage_data if k.fqn == "model.weight")
+    info = meta.storage_data[key]
+    shard = cap / "state" / info.relative_path
+    data = deep_pickle(1_000_000)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(data)
+    _set(info, offset=offset, length=len(data))
+    write_metadata(cap, meta)
+    # WHEN it is replayed in a child process  THEN one line refuses the entry before torch unpickles it
+    code, err, peak = run_nanhunt(["replay", str(cap)], tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'model.weight'" in err, err
+    assert "deeper than" in err or "nests" in err, err
+    assert peak < GIB
