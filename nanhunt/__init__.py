@@ -41,17 +41,17 @@ import importlib
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._errors import GuardError, NanhuntError, NonFiniteError, Stop
-from ._version import __version__
+from ._util._errors import GuardError, NanhuntError, NonFiniteError, Stop
+from ._util._version import __version__
 
 if TYPE_CHECKING:
-    from .capture import load_capture, save_capture
-    from .compare import compare
-    from .guard import Guard, GuardEvent
-    from .hunt import replay
-    from .precision import keep_fp32, keep_fp32_permanently
+    from .capture.capture import load_capture, save_capture
+    from .comparison.engine import compare
+    from .guard.guard import Guard, GuardEvent
+    from .hunt.pipeline import replay
+    from .step.precision import keep_fp32, keep_fp32_permanently
     from .records import FullStats, Occurrence, Phase, Record, Report, Role, Verdict
-    from .tracer import Trace, trace
+    from .tracing.tracer import Trace, trace
 
 __all__ = [
     "trace",
@@ -83,8 +83,9 @@ __all__ = [
 last: Stop | None = None
 
 _WHERE = {
-    "trace": "tracer", "Trace": "tracer", "replay": "hunt", "compare": "compare", "save_capture": "capture", "load_capture": "capture",
-    "Guard": "guard", "GuardEvent": "guard", "keep_fp32": "precision", "keep_fp32_permanently": "precision",
+    "trace": "tracing.tracer", "Trace": "tracing.tracer", "replay": "hunt.pipeline", "compare": "comparison.engine",
+    "save_capture": "capture.capture", "load_capture": "capture.capture", "Guard": "guard.guard", "GuardEvent": "guard.guard",
+    "keep_fp32": "step.precision", "keep_fp32_permanently": "step.precision",
     "Report": "records", "Verdict": "records", "Occurrence": "records", "Record": "records", "Phase": "records",
     "Role": "records", "FullStats": "records",
 }
@@ -93,7 +94,7 @@ _WHERE = {
 class _Package(types.ModuleType):
     """Importing the submodule ``nanhunt.replay`` (or ``nanhunt.compare``) must not replace the function of
     that name: the import system sets the submodule as the package's attribute, eagerly imported names
-    used to win by coming later. The submodule stays in ``sys.modules`` (``from nanhunt.replay import ...``)."""
+    used to win by coming later. The submodule stays in ``sys.modules`` (``from nanhunt.hunt._twice import ...``)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _WHERE and isinstance(value, types.ModuleType):

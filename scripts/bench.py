@@ -768,9 +768,9 @@ def _peaks(run: Callable[[], Any]) -> tuple[float, float, float]:
 
 def scale_case(kind: str, n: int) -> dict[str, Any]:
     """One case, in this (fresh) process: see the section comment."""
-    from nanhunt.graph import nonfinite_graph
-    from nanhunt.hunt import hunt
-    from nanhunt.step import Step
+    from nanhunt.tracing.graph import nonfinite_graph
+    from nanhunt.hunt.pipeline import hunt
+    from nanhunt.step.step import Step
 
     hwm = _can_reset_hwm()
     dtype, pick = _pick_dtype(kind, n) if kind != "wide" else (torch.float32, {"note": "float32: the memory case"})

@@ -4,7 +4,7 @@
     ./.venv/bin/python scripts/bench_load.py              # 1 GiB in 64 tensors, 3 repetitions
     ./.venv/bin/python scripts/bench_load.py --mib 256 --reps 5
 
-``nanhunt.capture.load_file`` checks every zip member's CRC-32 before torch reads the file (torch does
+``nanhunt.capture.capture.load_file`` checks every zip member's CRC-32 before torch reads the file (torch does
 not, so a flipped bit loads as different numbers), then walks what was loaded. Both loads read the
 same file from the page cache (it is read once first), so the ratio is the CPU cost of the checks,
 not the disk's. Timings are medians over interleaved repetitions. The file is deleted at the end.
@@ -22,8 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanhunt._safeload import _check_format  # noqa: E402
-from nanhunt.capture import load_file  # noqa: E402
+from nanhunt._util._safeload import _check_format  # noqa: E402
+from nanhunt.capture.capture import load_file  # noqa: E402
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 import nanhunt  # noqa: E402
-from nanhunt import stats as nh_stats  # noqa: E402
+from nanhunt.tracing import stats as nh_stats  # noqa: E402
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
              torch.float64: torch.int64}

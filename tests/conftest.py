@@ -36,8 +36,8 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture()
 def snapshots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
-    """Every ``nanhunt.step.StepState`` made while the test runs."""
-    from nanhunt import step as step_module
+    """Every ``nanhunt.step.step.StepState`` made while the test runs."""
+    from nanhunt.step import step as step_module
 
     made: list[Any] = []
     init = step_module.StepState.__init__

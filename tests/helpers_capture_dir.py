@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt.capture import capture_record
+from nanhunt.capture.capture import capture_record
 
 
 def one_rank_capture(path: Path) -> Path:

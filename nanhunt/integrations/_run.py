@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import GuardError
-from ..guard import Guard
+from .._util._errors import GuardError
+from ..guard.guard import Guard
 
 __all__ = ["GuardedRun", "check_options"]
 

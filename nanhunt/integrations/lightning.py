@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..guard import Guard
+from ..guard.guard import Guard
 from ._run import GuardedRun, check_options
 
 __all__ = ["NanhuntCallback"]

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 
-from ..guard import Guard
+from ..guard.guard import Guard
 from ._run import GuardedRun, check_options
 
 __all__ = ["NanhuntCallback"]

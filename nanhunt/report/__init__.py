@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .._bundle import claim
-from .._errors import CommandError
-from .._files import write_file
+from .._util._bundle import claim
+from .._util._errors import CommandError
+from .._util._files import write_file
 from ..records import Report
 
 __all__ = ["renderer_for", "render_for_format", "write", "write_bundle", "targets", "FORMATS", "BUNDLE_FILES"]
@@ -82,9 +82,9 @@ def write(report: Report, path: str, fmt: str | None = None) -> list[str]:
 def write_bundle(report: Report, directory: str) -> list[str]:
     """``report.md``, ``report.json``, ``report.html`` and ``report.png`` in ``directory`` (made if needed), and
     the marker that makes it a bundle nanhunt may replace; refused in one line when it holds files nanhunt did
-    not write. The repro files, when there are any, were written there before (:func:`nanhunt.repro.make_repro`).
+    not write. The repro files, when there are any, were written there before (:func:`nanhunt.hunt.repro.make_repro`).
     Each file is replaced on its own: the command line writes into a new directory and swaps it in whole
-    (:class:`nanhunt._bundle.Staging`)."""
+    (:class:`nanhunt._util._bundle.Staging`)."""
     claim(directory)
     written: list[str] = []
     for name in ("report.md", "report.json", "report.html"):

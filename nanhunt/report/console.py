@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .._errors import visible
+from .._util._errors import visible
 from . import _common as _c
 from ..records import Comparison, Inspection, Occurrence, Report, TensorDiff
 

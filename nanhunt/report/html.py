@@ -12,7 +12,7 @@ import base64
 import dataclasses
 import html as _html
 
-from .._errors import visible
+from .._util._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span

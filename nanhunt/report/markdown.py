@@ -17,7 +17,7 @@ import html
 import re
 from collections.abc import Sequence
 
-from .._errors import visible
+from .._util._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
 from ._common import Span

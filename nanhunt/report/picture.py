@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from .._errors import visible
+from .._util._errors import visible
 from ..records import DTYPE_MAX, Comparison, Report, TensorDiff
 
 __all__ = ["figure", "comparison_figure", "png", "svg", "FP16_MAX", "BF16_MAX"]

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from nanhunt.step import Step
-from nanhunt.tracer import Trace
+from nanhunt.step.step import Step
+from nanhunt.tracing.tracer import Trace
 from tests.helpers_dist import finish_rank
 
 D_IN = 64

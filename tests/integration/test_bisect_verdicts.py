@@ -343,7 +343,7 @@ def _small_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_with(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor) -> bool:
-    from nanhunt.step import StepState, run_step
+    from nanhunt.step.step import StepState, run_step
 
     state = StepState(model)
     try:

@@ -254,7 +254,7 @@ def test_a_failure_inside_nanhunt_is_not_blamed_on_the_batch(monkeypatch: pytest
     import operator
 
     # a builtin that raises (TypeError: one argument expected): the failing frame is nanhunt's own
-    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "module_status", operator.itemgetter(0))
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt.pipeline"), "module_status", operator.itemgetter(0))
     # WHEN a good capture is replayed  THEN one line says it is nanhunt's failure, not the batch's
     assert main(["replay", *_pair("clean")]) == 2
     err = _err(capsys)

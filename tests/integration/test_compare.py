@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from nanhunt import compare
 from nanhunt.cli import main
-from nanhunt.compare import TIE_RULE, top_two
+from nanhunt.comparison.engine import TIE_RULE, top_two
 from nanhunt.records import Comparison, Report
 from nanhunt.report.console import render_text
 
@@ -263,7 +263,7 @@ def test_json_round_trip_and_replay_reports_unchanged() -> None:
 
 
 def test_bad_arguments_are_input_errors() -> None:
-    from nanhunt._errors import CommandError
+    from nanhunt._util._errors import CommandError
 
     batch: Any = (FLIP_X, FLIP_Y)
     for kw in ({"dtype": torch.float32}, {"task": "rank"}, {"rtol": -1.0}, {"max_flips": -1}):

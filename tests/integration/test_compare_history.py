@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanhunt.cli import main
-from nanhunt.compare import HISTORY_FILE, History
+from nanhunt.comparison.engine import HISTORY_FILE, History
 from nanhunt.records import Report
 from tests._golden import render
 from tests.helpers_compare import FLIP_X, FLIP_Y, Flip

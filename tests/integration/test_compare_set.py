@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from nanhunt import compare
-from nanhunt._errors import CommandError
+from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report, Rule
 
@@ -202,7 +202,7 @@ def test_cli_directory_of_a_clean_model_exits_0(tmp_path: Path, capsys: pytest.C
     torch.save((torch.randn(8, 8), torch.randint(0, 4, (8,))), d / "a.pt")
     torch.save((torch.randn(8, 8), torch.randint(0, 4, (8,))), d / "b.pt")
     # AND a look at stderr at the moment the runs start: the rule must already be printed
-    cmp_mod = importlib.import_module("nanhunt.compare")  # the module (nanhunt.compare is the function)
+    cmp_mod = importlib.import_module("nanhunt.comparison.engine")  # the module (nanhunt.compare is the function)
     real = cmp_mod.compare
     seen: list[str] = []
 

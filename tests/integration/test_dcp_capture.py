@@ -101,7 +101,7 @@ def test_replay_dir_names_the_culprit_on_rank_1(fsdp_run: tuple[Path, Path, dict
 def test_replay_dir_loads_the_full_state_of_every_shard(fsdp_run: tuple[Path, Path, dict[int, dict[str, Any]]],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
-    from nanhunt.capture import load_capture_dir
+    from nanhunt.capture.capture import load_capture_dir
 
     # GIVEN the capture WHEN it is loaded THEN the unwrapped model holds both ranks' shards: exactly the state the
     # failing step began with, gathered whole by the run; the Adam state of the two updates before; rank 1's batch

@@ -69,7 +69,7 @@ def test_replay_dir_in_one_process_holds_the_step_and_names_the_culprit(
         ddp_run: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path,
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
-    from nanhunt.capture import load_capture_dir
+    from nanhunt.capture.capture import load_capture_dir
 
     cap = ddp_run[0] / "step000002"
     # GIVEN the capture WHEN it is loaded THEN it holds exactly the replicas' state the failing step began with

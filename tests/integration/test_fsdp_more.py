@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fixtures.models  # noqa: F401  the capture's model class, imported as a replay of it would find it
-from nanhunt.capture import load_capture_dir
+from nanhunt.capture.capture import load_capture_dir
 from nanhunt.cli import main
 from nanhunt.records import Report
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 
 from helpers_guard import batch, guard_for, mlp_setup, train_step
@@ -343,7 +343,7 @@ def test_on_fail_dump_and_warn_continue(tmp_path: Path) -> None:
 
     model, opt, scaler = mlp_setup()
     guard = guard_for(model, opt, scaler, tmp_path / "warn", on_fail="warn")
-    with pytest.warns(nanhunt.guard.GuardWarning, match="non-finite loss at step 0"):
+    with pytest.warns(nanhunt.guard.guard.GuardWarning, match="non-finite loss at step 0"):
         train_step(guard, model, opt, scaler, batch(0, big_input=True))
     assert guard.stepped is False
 

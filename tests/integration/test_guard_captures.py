@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 
 from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanhunt.capture import save_capture
+from nanhunt.capture.capture import save_capture
 from nanhunt.cli import main as cli_main
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_a_script_name_is_never_imported_from_the_file_alone(tmp_path: Path,
 
 
 def test_a_confirmed_script_runs_only_its_definitions(tmp_path: Path) -> None:
-    from nanhunt._names import load_script
+    from nanhunt.capture._names import load_script
 
     # GIVEN a script that trains at its top level in every way a script does, around a loss and a constant
     ran = tmp_path / "ran.txt"

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 
 from helpers_guard import dist_worker
 from tests.helpers_dist import rank_results, run_ranks

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.guard import GuardWarning
+from nanhunt.guard.guard import GuardWarning
 
 from helpers_guard import batch as mlp_batch
 from helpers_guard import guard_for, mlp_setup

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from nanhunt.cli import main
-from nanhunt.inspect_ckpt import inspect_checkpoint
+from nanhunt.capture.inspect_ckpt import inspect_checkpoint
 
 
 # ------------------------------------------------------------------ nanhunt inspect

@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 from nanhunt.cli import main
-from nanhunt.inspect_ckpt import inspect_checkpoint
+from nanhunt.capture.inspect_ckpt import inspect_checkpoint
 from nanhunt.records import Inspection
 from nanhunt.report.console import render_inspection
 from tests._golden import WIDTH, check_golden

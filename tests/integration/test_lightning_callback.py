@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.capture import callable_path, load_step
+from nanhunt.capture.capture import callable_path, load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
 

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
 from nanhunt import NonFiniteError, Phase
-from nanhunt._watch import land
+from nanhunt.tracing._watch import land
 
 ROOT = Path(__file__).resolve().parents[2]
 # nanhunt's own frames, by the package's real location (a checkout folder may be named nanhunt too)
@@ -300,8 +300,8 @@ def test_a_transformers_overflow_lands_in_the_library_line_that_ran_it() -> None
 
 def test_a_watch_outside_a_trace_leaves_its_traceback_whole() -> None:
     # GIVEN a NonFiniteError raised by a watch outside a trace's with block (unit use of the watch)
-    from nanhunt._records_store import Raw, RecordStore
-    from nanhunt._watch import OriginWatch
+    from nanhunt.tracing._records_store import Raw, RecordStore
+    from nanhunt.tracing._watch import OriginWatch
     from nanhunt.records import Role
 
     store = RecordStore()

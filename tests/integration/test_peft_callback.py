@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
 

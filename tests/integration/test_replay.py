@@ -1,4 +1,4 @@
-"""nanhunt.replay: deterministic, reproducibility check, and nothing of the user's state lost."""
+"""nanhunt.hunt._twice: deterministic, reproducibility check, and nothing of the user's state lost."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 
 
 class DropNet(nn.Module):

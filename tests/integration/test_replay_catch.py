@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from nanhunt.hunt import hunt
+from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Phase, Repro
-from nanhunt.replay import trace_twice
-from nanhunt.step import Step
-from nanhunt.tracer import Trace
+from nanhunt.hunt._twice import trace_twice
+from nanhunt.step.step import Step
+from nanhunt.tracing.tracer import Trace
 
 
 @pytest.fixture(autouse=True)

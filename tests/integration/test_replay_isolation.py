@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
-from nanhunt.bisect import bisect
-from nanhunt.step import Step
+from nanhunt.hunt.bisection import bisect
+from nanhunt.step.step import Step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,7 +114,7 @@ def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     ("replay", 2, KeyboardInterrupt),      # second traced run
     ("replay", 4, KeyboardInterrupt),      # a bisection trial: partial verdict
     ("replay", 4, RuntimeError),           # the model fails in a bisection trial
-    ("bisect", 3, KeyboardInterrupt),      # nanhunt.bisect.bisect called directly
+    ("bisect", 3, KeyboardInterrupt),      # nanhunt.hunt.bisection.bisect called directly
 ])
 def test_exception_from_forward_leaves_everything(api: str, stop: int, error: type[BaseException]) -> None:
     # GIVEN a model mid-training whose forward raises at its `stop`-th call

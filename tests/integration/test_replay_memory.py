@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt.hunt import hunt
-from nanhunt.step import Step, StepState
+from nanhunt.hunt.pipeline import hunt
+from nanhunt.step.step import Step, StepState
 
 
 class _Block(nn.Module):

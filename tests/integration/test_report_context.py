@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
-from nanhunt.hunt import hunt
+from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Advice, GuardEvent, Report
 from nanhunt.report.console import render_text
 from nanhunt.report.html import render as render_html
@@ -204,7 +204,7 @@ def test_source_line_missing_file_gives_none_and_hostile_text_is_escaped(tmp_pat
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from nanhunt.step import Step
+    from nanhunt.step.step import Step
 
     def run() -> Report:
         return hunt(Step.of(mod.M(), (torch.ones(2, 2), torch.zeros(2, 2)), loss_fn=F.mse_loss, dtype=torch.float32))

@@ -16,8 +16,8 @@ from torch import nn
 
 import nanhunt
 from nanhunt.records import Occurrence, Phase, Record, Repro, Role
-from nanhunt.repro import INPUTS, SCRIPT, capture_origin_call, make_repro, verify_repro, write_repro
-from nanhunt.step import Step
+from nanhunt.hunt.repro import INPUTS, SCRIPT, capture_origin_call, make_repro, verify_repro, write_repro
+from nanhunt.step.step import Step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -263,7 +263,7 @@ def test_script_with_finite_inputs_exits_zero(tmp_path: Path) -> None:
 
 def test_the_bundle_repro_comes_from_the_replay_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN a step whose exp overflows, replayed with a bundle and no bisection
-    from nanhunt.hunt import hunt
+    from nanhunt.hunt.pipeline import hunt
 
     kw = _step(ExpNet(), torch.float32)
     runs: list[int] = []

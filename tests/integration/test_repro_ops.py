@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.repro import INPUTS, SCRIPT, make_repro
-from nanhunt.step import Step
+from nanhunt.hunt.repro import INPUTS, SCRIPT, make_repro
+from nanhunt.step.step import Step
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
 from nanhunt import NonFiniteError
-from nanhunt._errors import TraceStateError
+from nanhunt._util._errors import TraceStateError
 
 # ---------------------------------------------------------------- helpers
 

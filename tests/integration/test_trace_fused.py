@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.graph import nonfinite_graph
+from nanhunt.tracing.graph import nonfinite_graph
 
 
 def _step(n: int, *, fused: bool) -> nanhunt.Trace:

@@ -14,11 +14,11 @@ from torch import nn
 
 import nanhunt
 from nanhunt import NonFiniteError, Phase
-from nanhunt.hunt import hunt
-from nanhunt.locate import factor_negative, origin_kind
+from nanhunt.hunt.pipeline import hunt
+from nanhunt.tracing.locate import factor_negative, origin_kind
 from nanhunt.records import Record, Role
-from nanhunt.repro import make_repro
-from nanhunt.step import Step
+from nanhunt.hunt.repro import make_repro
+from nanhunt.step.step import Step
 
 from models import batch, seeded, where
 

@@ -176,8 +176,8 @@ def test_inplace_on_view_of_view_is_named() -> None:
 
 @pytest.mark.usefixtures("nan_filled_uninitialised_memory")
 def test_a_replay_of_an_uninitialised_read_says_what_it_is_and_what_to_fix() -> None:
-    from nanhunt.hunt import hunt
-    from nanhunt.step import Step
+    from nanhunt.hunt.pipeline import hunt
+    from nanhunt.step.step import Step
 
     # GIVEN the step whose loss reads torch.empty(4) written only in half
     # WHEN it is replayed

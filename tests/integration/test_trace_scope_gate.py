@@ -275,7 +275,7 @@ def test_backward_of_an_in_place_op_on_a_view_belongs_to_its_module(scope: tuple
 def test_a_mode_left_on_a_stack_after_the_block_records_nothing() -> None:
     # GIVEN a finished scoped trace whose mode something pushed again (as a thread's stack could
     # keep it): ops run under it must run plainly and add nothing to the finished trace
-    from nanhunt import _dispatch
+    from nanhunt._util import _dispatch
 
     m = M.sqrt_model()
     with nanhunt.trace(m, scope=["norm"]) as t:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
 from tests.helpers_dist import torchrun
@@ -213,7 +213,7 @@ def test_an_option_the_guard_does_not_take_fails_when_the_callback_is_made(tmp_p
 
 def test_importing_nanhunt_imports_no_framework() -> None:
     # GIVEN a fresh interpreter  WHEN nanhunt, its Guard, capture code and the integrations package are imported
-    code = ("import sys, nanhunt, nanhunt.guard, nanhunt.capture, nanhunt.integrations; "
+    code = ("import sys, nanhunt, nanhunt.guard.guard, nanhunt.capture.capture, nanhunt.integrations; "
             "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate', 'peft') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanhunt._errors import CommandError
+from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,8 +60,8 @@ def no_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("the step was replayed before the output path was checked")
 
-    # the CLI imports the pipeline (nanhunt.hunt.hunt) when it runs: patch the module attribute
-    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "hunt", boom)
+    # the CLI imports the pipeline (nanhunt.hunt.pipeline.hunt) when it runs: patch the module attribute
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt.pipeline"), "hunt", boom)
 
 
 def _one_error_line(code: int, err: str, *words: str) -> str:
@@ -146,7 +146,7 @@ def test_report_output_through_a_link_is_refused(out: str, tmp_path: Path,
 
 
 def test_a_link_planted_while_writing_is_never_written_through(tmp_path: Path) -> None:
-    from nanhunt._files import new_file
+    from nanhunt._util._files import new_file
 
     # GIVEN a write in progress to report.md
     victim = _victim(tmp_path)

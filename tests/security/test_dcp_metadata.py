@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from nanhunt._dcp import load_state
-from nanhunt._errors import CommandError
+from nanhunt.distributed._dcp import load_state
+from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from tests.helpers_capture_dir import one_rank_capture, read_metadata, write_metadata
 from tests.helpers_peak import run_nanhunt

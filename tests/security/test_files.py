@@ -1,6 +1,6 @@
 """Damaged, malformed and hostile input files (issue 19): one error line and exit 2, or a correct replay.
 
-Loading lives in ``nanhunt/_safeload.py``: a zip archive's CRC-32s are checked before torch reads it,
+Loading lives in ``nanhunt/_util/_safeload.py``: a zip archive's CRC-32s are checked before torch reads it,
 a file that is no torch file is said to be one, ``--trust-pickle`` is suggested only for a valid pickle
 naming globals the safe loader refuses, and what loads is checked for depth and for tensors that are
 not dense data (a stride-0 view of 2**40 elements).

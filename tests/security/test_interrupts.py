@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt import step as step_module
-from nanhunt.bisect import bisect
-from nanhunt.guard import _StepContext
-from nanhunt.step import Step, StepState
+from nanhunt.step import step as step_module
+from nanhunt.hunt.bisection import bisect
+from nanhunt.guard.guard import _StepContext
+from nanhunt.step.step import Step, StepState
 
 NANHUNT = os.path.dirname(os.path.abspath(nanhunt.__file__)) + os.sep
 RESTORES = {StepState.restore.__code__, StepState._restore.__code__, StepState._unspill_grads.__code__,
@@ -367,7 +367,7 @@ def test_a_custom_handler_is_called_after_the_restore_and_put_back(signum: int) 
 def test_sigterm_ends_a_bisection_once_its_restore_is_done() -> None:
     # GIVEN SIGTERM raising, as the command line has it, and a bisection (whose trials end the search with what
     # they found on a Ctrl-C)
-    from nanhunt._interrupt import Terminated, terminate_raises
+    from nanhunt._util._interrupt import Terminated, terminate_raises
 
     model, opt, scaler = _setup()
     before = _state(model, opt, scaler)
@@ -530,7 +530,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ("report.md", "report.json", "report.html", "report.png", "repro.py", "repro_inputs.pt")
 REPLAY = ["--model", "fixtures.models:MLP", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"]
 # Where the command line writes the report and the bundle (the renderers are left out: no file changes there)
-WRITING = tuple(NANHUNT + f for f in ("cli.py", "_bundle.py", "_files.py", "_interrupt.py",
+WRITING = tuple(NANHUNT + f for f in (os.path.join("cli", "__init__.py"), os.path.join("_util", "_bundle.py"),
+                                      os.path.join("_util", "_files.py"), os.path.join("_util", "_interrupt.py"),
                                       os.path.join("report", "__init__.py")))
 
 
@@ -549,7 +550,7 @@ def replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A replay command line whose hunt returns the golden report at once, its repro written into the bundle as
     make_repro writes it, and whose picture is a fixed PNG: only the command line's own writing runs."""
     from fixtures.models import MLP
-    from nanhunt._bundle import claim
+    from nanhunt._util._bundle import claim
     from nanhunt.records import Report
 
     monkeypatch.chdir(ROOT)
@@ -564,7 +565,7 @@ def replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return report
 
     # the command line imports them when it runs: patch the modules' attributes
-    monkeypatch.setattr(importlib.import_module("nanhunt.hunt"), "hunt", hunt)
+    monkeypatch.setattr(importlib.import_module("nanhunt.hunt.pipeline"), "hunt", hunt)
     monkeypatch.setattr(importlib.import_module("nanhunt.report.picture"), "png", lambda r, **kw: b"\x89PNG picture")
     torch.save(MLP().state_dict(), tmp_path / "checkpoint.pt")
     torch.save((torch.randn(4, 16), torch.randn(4, 4)), tmp_path / "batch.pt")

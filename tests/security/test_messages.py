@@ -27,7 +27,7 @@ def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_visible_escapes_every_control_character() -> None:
-    from nanhunt._errors import visible
+    from nanhunt._util._errors import visible
 
     # GIVEN text holding a line break, an ANSI colour, a C1 CSI, a bidi override and a line separator
     text = "a\nb\r\x1b[31m\x9b\u202e\u2028\t\x00z"

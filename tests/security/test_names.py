@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt._errors import CommandError
-from nanhunt._names import FLAGS, NeedsConfirmation
-from nanhunt.capture import resolve
+from nanhunt._util._errors import CommandError
+from nanhunt.capture._names import FLAGS, NeedsConfirmation
+from nanhunt.capture.capture import resolve
 from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_what_a_capture_writes_still_resolves(name: str, what: str, expected: An
 def test_a_stdlib_module_is_refused_before_it_is_imported() -> None:
     # GIVEN a capture naming a class in a standard-library module that runs code when imported
     # (antigravity opens a web browser), not imported yet
-    code = ("import sys; from nanhunt.capture import resolve; from nanhunt._errors import CommandError\n"
+    code = ("import sys; from nanhunt.capture.capture import resolve; from nanhunt._util._errors import CommandError\n"
             "try:\n    resolve('antigravity:Net', what='model factory', trusted=False)\n"
             "except CommandError as e:\n    print('refused', e)\n"
             "print('imported' if 'antigravity' in sys.modules or 'webbrowser' in sys.modules else 'not imported')\n")
@@ -435,7 +435,7 @@ def test_a_huge_torch_nn_model_is_checked_on_meta_before_it_is_allocated(tmp_pat
 
 
 def test_the_guards_command_confirms_every_name_outside_torchs_own(lib: Path) -> None:
-    from nanhunt._names import confirmations
+    from nanhunt.capture._names import confirmations
 
     # GIVEN a run whose model, loss and optimizer are an installed library's, beside torch's own
     importlib.import_module("nhsec_lib.nets")

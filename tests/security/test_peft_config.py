@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt._errors import CommandError
-from nanhunt.capture import load_step
+from nanhunt._util._errors import CommandError
+from nanhunt.capture.capture import load_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

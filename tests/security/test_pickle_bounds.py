@@ -84,8 +84,8 @@ def _legacy(pkl: bytes) -> bytes:
 
 # ------------------------------------------------------------------- depth
 def test_torch_bytes_in_memory_get_the_checks_of_a_file() -> None:
-    from nanhunt._errors import CommandError
-    from nanhunt._safeload import check_bytes
+    from nanhunt._util._errors import CommandError
+    from nanhunt._util._safeload import check_bytes
 
     # GIVEN torch files held in memory, as a DCP checkpoint holds its entries: hostile, then a tensor torch.save wrote
     hostile_files = {"nests containers more than 64 levels deep": hostile.deep_pickle(1_000_000),

@@ -24,10 +24,10 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nanhunt
-from nanhunt import stats
-from nanhunt._errors import NanhuntError, TraceStateError
+from nanhunt.tracing import stats
+from nanhunt._util._errors import NanhuntError, TraceStateError
 from nanhunt.records import Phase
-from nanhunt.stats import PendingStats
+from nanhunt.tracing.stats import PendingStats
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 COMPLEX = (torch.complex64, torch.complex128)

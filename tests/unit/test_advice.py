@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt.advice import PATTERNS, advise
-from nanhunt.hunt import hunt
+from nanhunt.hunt.advice import PATTERNS, advise
+from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Advice, FullStats, Occurrence, Phase, Record, Report, Role
-from nanhunt.step import Step
+from nanhunt.step.step import Step
 
 X = torch.ones(2, 4)
 

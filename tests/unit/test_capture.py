@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from nanhunt.capture import load_step
+from nanhunt.capture.capture import load_step
 from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from nanhunt._errors import CommandError
-from nanhunt.capture import resolve
+from nanhunt._util._errors import CommandError
+from nanhunt.capture.capture import resolve
 
 # ====================================================================== capture.resolve
 

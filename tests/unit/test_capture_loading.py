@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
-from nanhunt._errors import CommandError
-from nanhunt.capture import load_step, map_state_dict
+from nanhunt._util._errors import CommandError
+from nanhunt.capture.capture import load_step, map_state_dict
 
 from tests.helpers_cli import FrozenBNNet
 from tests.models import clean_mlp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from nanhunt.graph import loss_index, nonfinite_graph, propagation_path, reached_sinks
+from nanhunt.tracing.graph import loss_index, nonfinite_graph, propagation_path, reached_sinks
 from nanhunt.records import Phase, Record, Role
 
 NAN, INF = math.nan, math.inf

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt._guard_capture import CaptureWriter, EntryBuffers, StepEntry, _both_or_neither
+from nanhunt.guard._guard_capture import CaptureWriter, EntryBuffers, StepEntry, _both_or_neither
 
 
 class _Net(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanhunt._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite, seen
+from nanhunt.guard._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite, seen
 
 
 def _detector() -> tuple[nn.Linear, Detector]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from nanhunt.locate import leading_origin, locate, origin_kind
+from nanhunt.tracing.locate import leading_origin, locate, origin_kind
 from nanhunt.records import Phase, Record, Role
 
 NAN, INF = math.nan, math.inf

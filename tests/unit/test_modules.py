@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanhunt._modules import ModuleHooks
-from nanhunt._ops import OpRecorder
-from nanhunt._phases import PhaseTracker
-from nanhunt._records_store import RecordStore
-from nanhunt._watch import OriginWatch
+from nanhunt.tracing._modules import ModuleHooks
+from nanhunt.tracing._ops import OpRecorder
+from nanhunt.tracing._phases import PhaseTracker
+from nanhunt.tracing._records_store import RecordStore
+from nanhunt.tracing._watch import OriginWatch
 from nanhunt.records import Phase, Role
 
 

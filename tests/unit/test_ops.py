@@ -8,11 +8,11 @@ from contextlib import contextmanager
 
 import torch
 
-from nanhunt._dispatch import TraceMode, peek_sequence_nr
-from nanhunt._ops import OpRecorder
-from nanhunt._phases import PhaseTracker
-from nanhunt._records_store import RecordStore
-from nanhunt._watch import OriginWatch
+from nanhunt._util._dispatch import TraceMode, peek_sequence_nr
+from nanhunt.tracing._ops import OpRecorder
+from nanhunt.tracing._phases import PhaseTracker
+from nanhunt.tracing._records_store import RecordStore
+from nanhunt.tracing._watch import OriginWatch
 from nanhunt.records import Phase, Role
 
 

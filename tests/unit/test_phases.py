@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from nanhunt._dispatch import node_sequence_nr, peek_sequence_nr
-from nanhunt._phases import PhaseTracker
-from nanhunt._records_store import Raw, RecordStore
+from nanhunt._util._dispatch import node_sequence_nr, peek_sequence_nr
+from nanhunt.tracing._phases import PhaseTracker
+from nanhunt.tracing._records_store import Raw, RecordStore
 from nanhunt.records import Phase, Role
 
 F, L, B, U, I = Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, Phase.UPDATE, Phase.INPUT

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from nanhunt._records_store import STALE, Raw, RecordStore, cast_pair, cast_value, format_source
+from nanhunt.tracing._records_store import STALE, Raw, RecordStore, cast_pair, cast_value, format_source
 from nanhunt.records import Phase, Role
 
 
@@ -130,7 +130,7 @@ def test_known_tensors_are_held_weakly_and_released() -> None:
 
 
 def test_a_write_into_the_storage_after_a_record_is_seen() -> None:
-    from nanhunt._tensors import storage_key
+    from nanhunt.tracing._tensors import storage_key
 
     store = RecordStore()
     x = torch.ones(4)

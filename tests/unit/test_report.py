@@ -386,7 +386,7 @@ def test_a_value_outside_the_model_is_born_outside_it() -> None:
 
 
 def test_renderer_for_suffixes() -> None:
-    from nanhunt._errors import CommandError
+    from nanhunt._util._errors import CommandError
     from nanhunt.report import render_for_format, renderer_for
 
     for path in ("a.md", "a.MARKDOWN", "a.html", "a.htm", "a.json", "a.txt"):
@@ -443,7 +443,7 @@ def test_report_layer_imports_no_torch() -> None:
                 roots |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom):
                 if node.level == 2:
-                    assert node.module in ("records", "_errors", "_files"), (path.name, node.module)
+                    assert node.module in ("records", "_util._errors", "_util._files"), (path.name, node.module)
                 elif node.level == 0:
                     roots.add((node.module or "").split(".")[0])
         third = roots - set(sys.stdlib_module_names) - {"__future__"}

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from nanhunt import _dispatch
-from nanhunt._ops import OpRecorder
-from nanhunt._phases import PhaseTracker
-from nanhunt._records_store import RecordStore
-from nanhunt._scope import ScopeGate, in_scope
-from nanhunt._watch import OriginWatch
+from nanhunt._util import _dispatch
+from nanhunt.tracing._ops import OpRecorder
+from nanhunt.tracing._phases import PhaseTracker
+from nanhunt.tracing._records_store import RecordStore
+from nanhunt.tracing._scope import ScopeGate, in_scope
+from nanhunt.tracing._watch import OriginWatch
 
 
 def _gate() -> tuple[ScopeGate, OpRecorder, PhaseTracker, list[Any]]:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from nanhunt import _serial
-from nanhunt._serial import JSONData, absent
+from nanhunt.records import _serial
+from nanhunt.records._serial import JSONData, absent
 from nanhunt.records import (SCHEMA_VERSION, Comparison, Decision, FullStats, GuardEvent, Occurrence, Phase,
                              Record, Regression, Report, Role, TensorDiff, Verdict)
 

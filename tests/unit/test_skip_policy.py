@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanhunt._skip_policy import SkipPolicy
+from nanhunt.guard._skip_policy import SkipPolicy
 
 
 def _record(policy: SkipPolicy, pattern: str) -> list[str | None]:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanhunt.stats import PendingStats, full_stats
-from nanhunt.tracer import _cast_value
+from nanhunt.tracing.stats import PendingStats, full_stats
+from nanhunt.tracing.tracer import _cast_value
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanhunt.bisect import _step_finite
+from nanhunt.hunt.bisection import _step_finite
 
 
 def _trained() -> tuple[nn.Module, torch.Tensor, torch.optim.Optimizer]:

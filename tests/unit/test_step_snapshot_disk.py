@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt import step as step_module
-from nanhunt._errors import CommandError
+from nanhunt.step import step as step_module
+from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
-from nanhunt.hunt import hunt
+from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Phase
-from nanhunt.step import Step, StepState
+from nanhunt.step.step import Step, StepState
 from tests.models import fp16_overflow_mlp, where
 
 MIB = 1 << 20

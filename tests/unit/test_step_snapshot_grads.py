@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanhunt.step import StepState
+from nanhunt.step.step import StepState
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="disk snapshot: Linux")
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_grads_in_shared_memory_survive_a_disk_snapshot(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch
         from torch import nn
-        from nanhunt.step import StepState
+        from nanhunt.step.step import StepState
         torch.set_num_threads(1)
         m = nn.Linear(512, 1024)
         m(torch.ones(2, 512)).sum().backward()
@@ -65,7 +65,7 @@ def test_grads_in_shared_memory_survive_a_disk_snapshot(tmp_path: Path) -> None:
 
 def test_a_restore_failing_half_way_leaves_the_grads_on_their_parameters(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from nanhunt import step as step_module
+    from nanhunt.step import step as step_module
 
     # GIVEN a parameter with a 2 MiB .grad, spilled to the disk snapshot on entry
     m = nn.Linear(512, 1024)
@@ -102,7 +102,7 @@ def test_a_grad_the_optimizer_state_also_holds_survives_a_disk_snapshot(tmp_path
     script = textwrap.dedent(f"""
         import torch
         from torch import nn
-        from nanhunt.step import StepState
+        from nanhunt.step.step import StepState
         torch.set_num_threads(1)
         m = nn.Linear(512, 1024)
 

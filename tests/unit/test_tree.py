@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from nanhunt._tree import iter_tensors, map_tensors
+from nanhunt._util._tree import iter_tensors, map_tensors
 
 Pair = namedtuple("Pair", ["a", "b"])
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nanhunt import NonFiniteError
-from nanhunt._records_store import Raw, RecordStore
-from nanhunt._watch import WINDOW, OriginWatch
+from nanhunt.tracing._records_store import Raw, RecordStore
+from nanhunt.tracing._watch import WINDOW, OriginWatch
 from nanhunt.records import Phase, Role
 
 

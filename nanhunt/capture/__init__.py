@@ -1,0 +1,1 @@
+"""Captures: names, write, read, framework rebuilds (HF, Lightning, PEFT), inspect."""

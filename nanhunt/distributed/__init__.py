@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP) and FSDP1: used by capture and guard."""

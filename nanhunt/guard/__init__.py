@@ -1,0 +1,1 @@
+"""Guard: detection flags, skip policy, the capture writer, rollback."""

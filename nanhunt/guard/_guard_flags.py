@@ -1,0 +1,151 @@
+"""The Guard's detection: each check an on-device flag, every rank's flags in one host read (one all_reduce)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._util import _dispatch
+
+__all__ = ["LOSS", "GRADS", "PARAMS", "SKIP", "Detector", "nonfinite", "any_set", "seen"]
+
+# The four flags of one check, in this order, as bits of a rank's answer. On the device each flag is a
+# float scalar that is 0 when fine and non-zero (1 or NaN) otherwise, so one all_reduce(SUM) of a
+# (world, 4) matrix tells every rank what every rank saw.
+LOSS, GRADS, PARAMS, SKIP = 1, 2, 4, 8
+_N_FLAGS = 4
+
+
+class Detector:
+    """Flags for the loss, the gradients and the parameters an optimizer updates, and the read that turns them
+    into every rank's bits. ``rank`` is None outside ``torch.distributed``; ``world`` is 1 there."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, process_group: Any = None) -> None:
+        # What an update can change: the optimizer's parameters (frozen weights are never written).
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._params_by_device = _by_device(self.params)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self._zero = torch.zeros((), device=self.device)
+        self._pg = process_group
+        self.rank: int | None = None
+        self.world = 1
+        self._comm_device = torch.device("cpu")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank(process_group)
+            self.world = dist.get_world_size(process_group)
+            if self.device.type == "cuda" and "nccl" in str(dist.get_backend(process_group)):
+                self._comm_device = self.device
+
+    def loss_flag(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        if loss is None:
+            return None
+        # 0 * x is 0 for finite x and NaN for NaN/Inf: one op, no overflow on large finite losses.
+        zeroed = loss * 0
+        return zeroed if zeroed.dim() == 0 else zeroed.sum(dtype=torch.float32)
+
+    def grads_flag(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> torch.Tensor:
+        """With a GradScaler, its ``found_inf`` (unscaling first if the loop did not); else one fused check."""
+        if scaler is not None:
+            found = scaler._found_inf_per_device(optimizer)
+            if not found:
+                scaler.unscale_(optimizer)
+                found = scaler._found_inf_per_device(optimizer)
+            infs = list(found.values())
+            return infs[0] if len(infs) == 1 else torch.stack([t.to(self.device) for t in infs]).sum()
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return nonfinite(grads, self.device)
+
+    def params_flag(self) -> torch.Tensor:
+        """The parameters the optimizer updates."""
+        return nonfinite(self.params, self.device, self._params_by_device)
+
+    def weights_flag(self, module: nn.Module) -> torch.Tensor:
+        """The model's parameters, and any other parameter the optimizer updates."""
+        weights = list(module.parameters())
+        ids = {id(p) for p in weights}
+        return nonfinite(weights + [p for p in self.params if id(p) not in ids], self.device)
+
+    def read(self, flags: list[torch.Tensor | None], extra: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Every rank's flag bits and this rank's extra scalars, in one host read (and one all_reduce)."""
+        parts = [self._zero if f is None else f for f in flags] + extra
+        dev, f32 = self.device, torch.float32
+        # Convert only what needs it: each tensor op costs microseconds, attribute checks don't.
+        vec = torch.stack([t if t.dtype is f32 and t.device == dev and t.dim() == 0 else t.reshape(()).to(dev, f32)
+                           for t in parts])
+        world = self.world
+        if world > 1:
+            import torch.distributed as dist
+
+            mat = torch.zeros((world, _N_FLAGS), device=self._comm_device)
+            mat[self.rank or 0] = vec[:_N_FLAGS].to(self._comm_device)
+            dist.all_reduce(mat, group=self._pg)
+            values = torch.cat([mat.reshape(-1), vec[_N_FLAGS:].to(self._comm_device)]).tolist()
+        else:
+            values = vec.tolist()
+        n = world * _N_FLAGS
+        # NaN != 0 is True: a NaN flag (a NaN that reached the reduction) counts as set.
+        per_rank = [sum(1 << i for i in range(_N_FLAGS) if values[r * _N_FLAGS + i] != 0) for r in range(world)]
+        return per_rank, [float(v) for v in values[n:]]
+
+    def own(self, per_rank: list[int]) -> int:
+        """This rank's bits."""
+        return per_rank[self.rank or 0]
+
+
+def any_set(per_rank: list[int]) -> int:
+    """The bits any rank set."""
+    out = 0
+    for b in per_rank:
+        out |= b
+    return out
+
+
+def seen(per_rank: list[int], mask: int) -> tuple[int, ...]:
+    """The ranks that set a bit of ``mask``."""
+    return tuple(r for r, b in enumerate(per_rank) if b & mask)
+
+
+def nonfinite(tensors: list[torch.Tensor], device: torch.device,
+              groups: dict[torch.device, list[torch.Tensor]] | None = None) -> torch.Tensor:
+    """A float scalar on ``device``: 0 when every tensor is finite, non-zero otherwise; a fused check
+    per device, no host read. On CUDA the max-norm (read-only, one multi-tensor kernel; unlike the
+    2-norm it cannot overflow on large finite values, and it propagates NaN). On the CPU,
+    ``_foreach_norm`` runs one op per tensor, so use GradScaler's fused check with an inverse scale
+    of 1, which leaves every value as it was."""
+    flags: list[torch.Tensor] = []
+    with torch.no_grad():  # no per-tensor detach(): at this size the Python per tensor is the cost
+        for dev, ts in (groups if groups is not None else _by_device(tensors)).items():
+            if dev.type == "cpu":
+                found = torch.zeros((), device=dev)
+                _dispatch.amp_check_and_unscale(ts, found, _one(dev))
+            else:
+                found = torch.stack(_dispatch.foreach_norm(ts, math.inf, dtype=torch.float32)).amax() * 0
+            flags.append(found if dev == device else found.to(device))
+    if not flags:
+        return torch.zeros((), device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    first = tensors[0].device if tensors else None
+    if all(t.device == first and not t.is_sparse for t in tensors):
+        return {first: tensors} if first is not None else {}
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t.coalesce()._values() if t.is_sparse else t)
+    return out
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), device=device)
+    return one

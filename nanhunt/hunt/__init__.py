@@ -1,0 +1,1 @@
+"""The pipeline: trace twice -> bisect -> repro -> advice -> Report; the torchrun replay and its choice of rank."""

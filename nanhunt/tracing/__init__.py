@@ -1,0 +1,1 @@
+"""trace(), Trace: op and module recording, phases, the records store, locate, the dataflow graph, stats."""
