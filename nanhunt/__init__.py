@@ -4,8 +4,6 @@ The names below are imported when first used (PEP 562): ``nanhunt --help`` and t
 import torch, and ``import nanhunt`` costs what the name you use needs.
 """
 
-from __future__ import annotations
-
 import sys
 
 
@@ -36,15 +34,17 @@ if sys.argv[:1] == ["-m"] and sys.path and _run_with_m(list(getattr(sys, "orig_a
 
     if os.path.realpath(sys.path[0] or ".") == os.path.realpath(os.getcwd()):
         del sys.path[0]
+    del os
 
-import importlib
-import types
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import types as _types
+import typing as _typing
 
+from ._util import _last
 from ._util._errors import GuardError, NanhuntError, NonFiniteError, Stop
 from ._util._version import __version__
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from .capture.capture import load_capture, save_capture
     from .comparison.engine import compare
     from .guard.guard import Guard, GuardEvent
@@ -77,10 +77,10 @@ __all__ = [
     "__version__",
 ]
 
-# Where the last ``trace(stop_at_first=True)`` stopped, with its op's tensors (set by the trace; a debugger
-# reads ``nanhunt.last.inputs[0]``, ``nanhunt.last.record``). Holds those tensors until the next stop.
-# Not in __all__: read it as ``nanhunt.last`` (a name imported from here would keep an old stop).
-last: Stop | None = None
+# ``nanhunt.last``: where the last ``trace(stop_at_first=True)`` stopped, with its op's tensors (set by the trace
+# in _util/_last.py, read here by __getattr__; a debugger reads ``nanhunt.last.inputs[0]``, ``nanhunt.last.record``).
+# Holds those tensors until the next stop. Not in __all__: read it as ``nanhunt.last`` (a name imported from here
+# would keep an old stop).
 
 _WHERE = {
     "trace": "tracing.tracer", "Trace": "tracing.tracer", "replay": "hunt.pipeline", "compare": "comparison.engine",
@@ -91,28 +91,35 @@ _WHERE = {
 }
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """Importing the submodule ``nanhunt.replay`` (or ``nanhunt.compare``) must not replace the function of
     that name: the import system sets the submodule as the package's attribute, eagerly imported names
     used to win by coming later. The submodule stays in ``sys.modules`` (``from nanhunt.hunt._twice import ...``)."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _WHERE and isinstance(value, types.ModuleType):
+    def __setattr__(self, name: str, value: _typing.Any) -> None:
+        if name in _WHERE and isinstance(value, _types.ModuleType):
+            return
+        if name == "last":  # as before: ``nanhunt.last = None`` lets go of the stop's tensors
+            _last.stop = value
             return
         super().__setattr__(name, value)
 
 
 sys.modules[__name__].__class__ = _Package
+del sys  # dir(nanhunt) and its globals: the public API, and private names only
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
+    if name == "last":
+        return _last.stop  # read each time: a stop comes after the package was imported
     where = _WHERE.get(name)
     if where is None:
         raise AttributeError(f"module 'nanhunt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    value = getattr(_importlib.import_module(f".{where}", __name__), name)
     globals()[name] = value  # once: later lookups do not come here
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public API: ``__all__`` and ``last``; not the helpers nor the sub-packages imported meanwhile."""
+    return sorted({*__all__, "last"})

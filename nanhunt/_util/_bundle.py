@@ -28,11 +28,15 @@ _MARK = f"nanhunt bundle, format {FORMAT}\n"
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+# The files a bundle holds: the report's (written by nanhunt.report) and the repro's (nanhunt.hunt.repro). Named
+# here, the bottom of both, so that this module imports neither.
+BUNDLE_FILES = ("report.md", "report.json", "report.html", "report.png")
+SCRIPT = "repro.py"
+INPUTS = "repro_inputs.pt"
+
+
 def _names() -> tuple[str, ...]:
     """Every file a bundle may hold, the marker aside."""
-    from ..report import BUNDLE_FILES
-    from ..hunt.repro import INPUTS, SCRIPT
-
     return (*BUNDLE_FILES, SCRIPT, INPUTS)
 
 

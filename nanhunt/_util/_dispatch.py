@@ -428,3 +428,29 @@ def fsdp_fresh_buffers(modules: list[Any], *, reshard: bool = True) -> None:
                 p._unsharded_inner_tensors = []
                 if hasattr(p, "_unsharded_param"):
                     del p._unsharded_param
+
+
+def dcp_storage_info() -> type:
+    """DCP's ``_StorageInfo``, the type of a distributed checkpoint's ``storage_data`` values (imported here,
+    when a checkpoint is read: ``torch.distributed.checkpoint`` is heavy)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def dcp_mem_format(value: int) -> Any:
+    """DCP's memory-format enum member of ``value`` (``_MEM_FORMAT_ENCODING``)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return _MEM_FORMAT_ENCODING(value)
+
+
+def weights_only_allowed() -> set[str]:
+    """The globals torch's weights-only unpickler allows; none when this torch does not say (its allowlist has
+    no public name)."""
+    try:
+        from torch import _weights_only_unpickler as wou
+
+        return set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
+    except Exception:  # another torch: the caller names every global that is not torch's own
+        return set()

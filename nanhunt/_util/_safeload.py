@@ -423,13 +423,9 @@ def _scan_pickle(f: io.BufferedIOBase) -> list[str]:
 
 def _forbidden(names: Iterable[str]) -> list[str]:
     """The globals torch's weights-only unpickler refuses, in order, once each."""
-    allowed: set[str] = set()
-    try:
-        from torch import _weights_only_unpickler as wou  # private: its allowlist has no public name
+    from ._dispatch import weights_only_allowed
 
-        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
-    except Exception:  # another torch: name every global that is not torch's own
-        pass
+    allowed = weights_only_allowed()
     out: list[str] = []
     for full in names:
         mod, _, qual = full.rpartition(".")

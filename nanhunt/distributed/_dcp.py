@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .._util._errors import CommandError, first_line as _first_line
+from .._util import _dispatch
 from .._util._safeload import check_bytes, parse_json
 
 __all__ = ["MANIFEST", "STATE", "sharded", "batch_file", "is_capture_dir", "not_linked", "write_capture_dir",
@@ -487,9 +488,7 @@ def _empty_dict() -> dict[Any, Any]:
 def _mem_format(value: int) -> Any:
     """DCP's memory-format enum member; a function, so that no pickle can make one of its members and set
     attributes on it (NEWOBJ of an Enum class returns the member itself)."""
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
-
-    return _MEM_FORMAT_ENCODING(value)
+    return _dispatch.dcp_mem_format(value)
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
@@ -717,7 +716,7 @@ def _shape(value: Any, ndim: int | None = None) -> bool:
 def _check_metadata(meta: Any, where: str) -> None:
     """Every field of the metadata that nanhunt or DCP's planner reads is of the type DCP writes: the file
     could hold any value the unpickler makes (a chunk that is a number, a size of floats, a field left out)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    _StorageInfo = _dispatch.dcp_storage_info()
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-import nanhunt
-
+from .._util import _last
 from .._util._errors import NonFiniteError, Stop
 from ._phases import PhaseTracker
 from ._records_store import RecordStore
@@ -128,7 +127,7 @@ class OriginWatch:
                 self._held_graph = graph
                 return
             self.stopped = occ
-            nanhunt.last = stop
+            _last.stop = stop
             raise NonFiniteError(occ, stop)
 
     def settle(self) -> None:
@@ -173,7 +172,7 @@ class OriginWatch:
                                   inputs=tuple(store.record(i) for i in out.inputs))
         stop = dataclasses.replace(stop, occurrence=occ, landing=None if at_exit else _landing())
         self.stopped = occ
-        nanhunt.last = stop
+        _last.stop = stop
         return NonFiniteError(occ, stop)
 
     def _stop(self, occ: Occurrence, culprit: Held | None, window: list[Held],
@@ -287,5 +286,5 @@ def land(exc: NonFiniteError) -> None:
     if stop is not None and stop.landing is None:  # raised where no frame was the user's (autograd's device thread)
         code = last.tb_frame.f_code
         exc._landed(f"{code.co_filename}:{last.tb_lineno} in {code.co_name}")
-        if nanhunt.last is stop:
-            nanhunt.last = exc.stop
+        if _last.stop is stop:
+            _last.stop = exc.stop

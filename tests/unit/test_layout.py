@@ -1,17 +1,32 @@
-"""Imports point one way (STYLE.md): data at the bottom, renderers torch-free, the CLI on top."""
+"""Imports point one way: data at the bottom, renderers torch-free, the CLI on top.
+
+nanhunt's sub-packages, from the bottom up (:data:`ORDER`): a module imports from its own package or from one
+below it, never from one above. The package root (``nanhunt/__init__.py``, ``__main__.py``) is the top: no module
+imports it. Every import counts, one inside a function or under ``TYPE_CHECKING`` too.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "nanhunt"
 
+# The packages from the bottom up; "" is the package root (nanhunt/__init__.py, nanhunt/__main__.py).
+ORDER = ["records", "_util", "distributed", "tracing", "step", "capture", "hunt", "guard", "comparison", "report",
+         "integrations", "cli", ""]
+
 
 def _imports(path: Path) -> set[str]:
-    """Top-level names imported by a module, with relative imports resolved to nanhunt.*."""
-    tree = ast.parse(path.read_text())
-    rel_base = path.relative_to(PKG.parent).with_suffix("").parts[:-1]
+    """Every name a module imports, with relative imports resolved to nanhunt.*: ``import a.b`` gives
+    ``a.b``; ``from a import b`` gives ``a`` and ``a.b`` (``b`` may be a module: ``from torch import _C``)."""
+    return _imports_of(path.read_text(), path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+
+
+def _imports_of(source: str, rel_base: tuple[str, ...]) -> set[str]:
+    """:func:`_imports` of ``source``, a module of the package ``rel_base`` (its dotted parts)."""
+    tree = ast.parse(source)
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -20,82 +35,127 @@ def _imports(path: Path) -> set[str]:
             if node.level:
                 base = list(rel_base[: len(rel_base) - node.level + 1])
                 mod = ".".join(base + ([node.module] if node.module else []))
-                if node.module is None:
-                    out.update(f"{mod}.{a.name}" for a in node.names)
-                else:
-                    out.add(mod)
-            elif node.module:
-                out.add(node.module)
+            else:
+                mod = node.module or ""
+            if node.module is not None:
+                out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names if a.name != "*")
     return out
 
 
-def _nanhunt(imports: set[str]) -> set[str]:
-    return {i for i in imports if i == "nanhunt" or i.startswith("nanhunt.")}
+def _modules() -> dict[str, Path]:
+    """nanhunt's modules by dotted name (a package by its own name)."""
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _nanhunt(imports: set[str], modules: dict[str, Path] | None = None) -> set[str]:
+    """The nanhunt modules among ``imports`` (``from .x import name``: the module x, not x.name)."""
+    modules = _modules() if modules is None else modules
+    out = set()
+    for i in imports:
+        if i != "nanhunt" and not i.startswith("nanhunt."):
+            continue
+        while i not in modules and "." in i:
+            i = i.rsplit(".", 1)[0]
+        out.add(i)
+    return out
+
+
+def _package(module: str) -> str:
+    """The sub-package a module belongs to ("" for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] not in ("__main__",) else ""
+
+
+def _torch(imports: set[str]) -> set[str]:
+    return {i for i in imports if i == "torch" or i.startswith("torch.")}
+
+
+def test_every_module_is_in_a_package_of_the_order() -> None:
+    for name, f in _modules().items():
+        assert _package(name) in ORDER, f"{f}: a package missing from ORDER"
+        if _package(name) == "":
+            assert f.name in ("__init__.py", "__main__.py"), f"{f}: a module at the root; put it in a package"
+
+
+def test_packages_import_downward() -> None:
+    # a lower package never imports a higher one; the root (the public API) is above all: none imports it
+    modules = _modules()
+    wrong = []
+    for name, f in sorted(modules.items()):
+        mine = ORDER.index(_package(name))
+        for dep in sorted(_nanhunt(_imports(f), modules)):
+            if dep != name and ORDER.index(_package(dep)) > mine:
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, wrong
 
 
 def test_records_imports_nothing_from_nanhunt_nor_torch() -> None:
-    # but its private JSON serializer, which imports nothing from nanhunt nor torch either
-    imps = _imports(PKG / "records.py")
-    assert _nanhunt(imps) <= {"nanhunt.records._serial"}
-    assert not any(i.startswith("torch") for i in imps)
-    serial = _imports(PKG / "_serial.py")
-    assert not _nanhunt(serial)
-    assert not any(i.startswith("torch") for i in serial)
+    # but its own private JSON serializer, which imports nothing from nanhunt nor torch either
+    for f in (PKG / "records").glob("*.py"):
+        imps = _imports(f)
+        assert _nanhunt(imps) <= {"nanhunt.records", "nanhunt.records._serial"}, f
+        assert not _torch(imps), f
+    assert not _nanhunt(_imports(PKG / "records" / "_serial.py"))
 
 
 def test_skip_policy_is_plain_python() -> None:
-    imps = _imports(PKG / "_skip_policy.py")
+    imps = _imports(PKG / "guard" / "_skip_policy.py")
     assert not _nanhunt(imps)
     assert not any(i.startswith(("torch", "numpy")) for i in imps)
 
 
 def test_renderers_import_only_records_and_no_torch() -> None:
+    allowed = {"nanhunt.records", "nanhunt._util._errors", "nanhunt._util._files", "nanhunt._util._bundle",
+               "nanhunt.report"}
     for f in (PKG / "report").glob("*.py"):
         imps = _imports(f)
-        assert not any(i == "torch" or i.startswith("torch.") for i in imps), f
-        allowed = {"nanhunt.records", "nanhunt._util._errors", "nanhunt._util._files", "nanhunt.report"}
-        assert _nanhunt(imps) <= allowed | {i for i in _nanhunt(imps) if i.startswith("nanhunt.report.")}, f
+        assert not _torch(imps), f
+        assert {i for i in _nanhunt(imps) if not i.startswith("nanhunt.report.")} <= allowed, f
 
 
 def test_graph_and_locate_are_pure() -> None:
     for name in ("graph.py", "locate.py"):
-        imps = _imports(PKG / name)
-        assert not any(i == "torch" or i.startswith("torch.") for i in imps), name
+        imps = _imports(PKG / "tracing" / name)
+        assert not _torch(imps), name
         assert _nanhunt(imps) <= {"nanhunt.records", "nanhunt.tracing.graph"}, name
 
 
 def test_nothing_imports_the_cli() -> None:
     for f in PKG.rglob("*.py"):
-        if f.name in ("cli.py", "__main__.py"):
+        if f.parent.name == "cli" or f.name == "__main__.py":
             continue
-        assert "nanhunt.cli" not in _imports(f), f
+        assert not any(i == "nanhunt.cli" or i.startswith("nanhunt.cli.") for i in _imports(f)), f
 
 
 def test_private_torch_imports_live_in_dispatch() -> None:
+    # ``import torch._C``, ``from torch.utils import _pytree`` and ``from torch import _C`` alike
+    private = re.compile(r"^torch(\.[A-Za-z]\w*)*\._")
     for f in PKG.rglob("*.py"):
-        if f.name == "_dispatch.py":
+        if f.relative_to(PKG).as_posix() == "_util/_dispatch.py":
             continue
-        for i in _imports(f):
-            assert not i.startswith("torch.utils._") and not i.startswith("torch._"), (f, i)
+        for i in _torch(_imports(f)):
+            assert not private.match(i), (f, i)
 
 
-def _module_name(f: Path) -> str:
-    parts = f.relative_to(PKG.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def test_the_private_import_check_sees_every_form() -> None:
+    # the check above, on the forms it must catch
+    private = re.compile(r"^torch(\.[A-Za-z]\w*)*\._")
+    for src in ("import torch._C", "from torch._C import _get", "from torch import _C", "from torch.utils import _pytree",
+                "from torch.utils._pytree import tree_map"):
+        assert any(private.match(i) for i in _torch(_imports_of(src, ()))), src
 
 
 def test_no_import_cycles() -> None:
     # every import counts, also one inside a function: a cycle there is a cycle of meaning
-    modules = {_module_name(f): f for f in PKG.rglob("*.py")}
+    modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, f in modules.items():
-        deps = set()
-        for i in _nanhunt(_imports(f)):
-            while i not in modules and "." in i:
-                i = i.rsplit(".", 1)[0]  # `from . import _dispatch`: the module itself, or its package
-            if i in modules and i != name and i != "nanhunt":
-                deps.add(i)
-        graph[name] = deps
+        graph[name] = {d for d in _nanhunt(_imports(f), modules) if d != name and d != "nanhunt"}
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
 
@@ -116,12 +176,18 @@ def test_no_import_cycles() -> None:
 
 def test_private_torch_attributes_live_in_dispatch() -> None:
     # torch._C, torch.utils._python_dispatch, ... are torch's internals: one module wraps them
-    import re
-
     private = re.compile(r"\btorch\.(?:[a-z_]+\.)*_[a-zA-Z]\w*")
     for f in PKG.rglob("*.py"):
-        if f.name == "_dispatch.py":
+        if f.relative_to(PKG).as_posix() == "_util/_dispatch.py":
             continue
         for n, line in enumerate(f.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             assert not private.search(code), f"{f.name}:{n}: {line.strip()}"
+
+
+def test_dir_shows_the_public_api_only() -> None:
+    import nanhunt
+
+    assert dir(nanhunt) == sorted({*nanhunt.__all__, "last"})
+    for name in ("Any", "sys", "importlib", "types", "annotations", "TYPE_CHECKING", "os"):
+        assert not hasattr(nanhunt, name) or name in nanhunt.__all__, name
