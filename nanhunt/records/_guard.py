@@ -1,0 +1,100 @@
+"""A Guard's event: what it detected, where, and what it did."""
+
+from __future__ import annotations
+
+import enum
+import math
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import _serial
+from ._serial import JSONData, absent
+
+
+@dataclass(frozen=True)
+class GuardEvent(JSONData):
+    """One detection of :class:`nanhunt.Guard`: what went wrong, at which step, and where the capture is.
+
+    ``step`` is the guard's 0-based iteration index. ``ranks`` are the ranks whose
+    check saw it at that step (the first to see it); ``rank`` is this process's
+    rank (both empty/None outside ``torch.distributed``). ``captured_step`` is the
+    step whose starting state the capture holds: the failing step itself, or an
+    earlier last-good snapshot. ``pre_update`` is True when the capture's weights
+    are those the failing step started from.
+
+    :meth:`nanhunt.Guard.rollback` appends events of two more kinds. ``"rollback"``: the detection of ``step``
+    (its ``detail`` and capture) was undone, back to the state ``restored_step`` began with, ``rollbacks`` so
+    far; or, with ``rollback_error``, it could not be. ``"change"``: ``changes`` of policy made before the
+    loop resumed at ``step`` (a float32 region, the autocast dtype, a note), an experiment to judge, not a fix.
+    ``updates`` and ``skipped`` are then the counters after the rollback.
+    """
+
+    step: int
+    kind: str  # "loss", "grads", "params" or "skips"; "rollback" or "change"
+    detail: str
+    rank: int | None = None
+    ranks: tuple[int, ...] = ()
+    checkpoint: str | None = None
+    batch: str | None = None
+    captured_step: int | None = None
+    pre_update: bool = False
+    capture_error: str | None = None
+    iterations: int = 0
+    updates: int = 0
+    skipped: int = 0
+    scale: float | None = None
+    # what `nanhunt replay` needs besides the two files to work as printed: --model / --loss confirmations of
+    # the user's own code, and notes for names no flag confirms (defined in a notebook)
+    replay_args: tuple[str, ...] = ()
+    replay_notes: tuple[str, ...] = ()
+    restored_step: int | None = None  # "rollback": the step whose starting state was restored
+    changes: tuple[str, ...] = ()  # "rollback", "change": changes of policy recorded before resuming
+    rollbacks: int = 0  # "rollback": rollbacks done so far, this one included
+    rollback_error: str | None = None  # "rollback": why it was refused (nothing was restored)
+
+    def replay_command(self) -> str | None:
+        """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
+        A capture directory (FSDP2: ``batch`` is None) is replayed alone: ``nanhunt replay DIR``."""
+        if not self.checkpoint:
+            return None
+        files = (self.checkpoint,) if self.batch is None else (self.checkpoint, self.batch)
+        return " ".join(shlex.quote(a) for a in ("nanhunt", "replay", *files, *self.replay_args))
+
+    def describe(self) -> str:
+        where = f"step {self.step}"
+        if self.rank is not None:
+            seen = ", ".join(map(str, self.ranks)) or "none"
+            where += f" (rank {self.rank}; seen first by rank(s) {seen})"
+        if self.kind == "change":
+            return f"nanhunt.Guard: change of policy before {where} (an experiment): {'; '.join(self.changes)}"
+        text = f"nanhunt.Guard: {self.detail} at {where}"
+        if self.kind == "rollback":
+            if self.rollback_error is not None:
+                text += f"; cannot roll back: {self.rollback_error}"
+            else:
+                first = self.step if self.restored_step is None else self.restored_step
+                undone = f"step {first}" if first == self.step else f"steps {first} to {self.step}"
+                text += (f"; rolled back (#{self.rollbacks}) to the state step {first} began with, "
+                         f"{undone} undone and skipped")
+                if self.changes:
+                    text += f"; changes before resuming (an experiment): {'; '.join(self.changes)}"
+            if self.checkpoint:
+                text += f"; capture: {self.replay_command()}"
+            return text
+        if self.checkpoint:
+            what = "the pre-update state"
+            if self.captured_step is not None and self.captured_step != self.step:
+                what = f"the last good snapshot (start of step {self.captured_step}"
+                what += ", before the update that wrote them)" if self.pre_update else f"; re-run to step {self.step})"
+            elif not self.pre_update:
+                what = "the state with the weights already non-finite (pass snapshot_every=1 for the state before)"
+            text += f"; capture of {what}: {self.replay_command()}"
+            text += "".join(f" ({n})" for n in self.replay_notes)
+        elif self.capture_error:
+            text += f"; no capture: {self.capture_error}"
+        return text
+
+
+_serial.prepare(JSONData.__subclasses__())  # every class above, resolved once at import

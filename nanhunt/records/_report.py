@@ -1,0 +1,248 @@
+"""A replay's report: its advice, verdict, repro, and what ``nanhunt inspect`` reads."""
+
+from __future__ import annotations
+
+import enum
+import math
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import _serial
+from ._serial import JSONData, absent
+from ._comparison import Comparison
+from ._guard import GuardEvent
+from ._trace import DTYPE_MAX, Occurrence, Record
+
+
+# Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
+# ``Report.from_dict`` reads every older version: a missing key takes its default.
+SCHEMA_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Advice(JSONData):
+    """A fix beyond float32 for a known pattern (:mod:`nanhunt.hunt.advice`): ``pattern`` its id, ``advice`` one
+    line, ``fix`` the idiomatic code as a short snippet, ``because`` the measurement of this run that
+    triggered it (op, kind, phase, dtype, the inputs' values, the scaler, the optimizer's eps)."""
+
+    pattern: str = field(metadata=absent(""))
+    advice: str = ""
+    fix: str = ""
+    because: str = ""
+
+
+@dataclass(frozen=True)
+class Report(JSONData):
+    """Everything one replay found, as plain data; renderers only format it.
+
+    ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
+    ``"not-reproducible"`` (two replays of the same step disagreed, or a Guard's capture
+    whose event says the step failed replayed finite: see :class:`Verdict`).
+
+    JSON layout (``to_json``; key names are stable, numbers stay numbers, and
+    NaN/Inf are the strings ``"nan"``/``"inf"``/``"-inf"`` so files are strict
+    JSON): ``schema_version``, ``status``, ``first`` (an occurrence or null),
+    ``origins``, ``path`` (records), ``runs``, ``loss``, ``config`` (dtype,
+    device_type, level, train, loss_fn, optimizer, scaler_scale,
+    scaler_growth_tracker, grads_finite, scaler_would_skip), ``modules``
+    (module -> "finite" / "nan in backward" ...), ``module_classes``,
+    ``environment``, ``command``, ``notes``, ``n_records``, ``verdict``,
+    ``timeline`` (``[index, phase, max |x| or "nan", "finite"|"nan"|"inf"]``
+    per record) and, from version 2, ``repro``; ``advice`` and ``guard_event`` only
+    when present (optional keys: an older file without them reads as none). An
+    occurrence holds ``phase``, ``module``, ``module_class``, ``call_index``, ``op``,
+    ``kind``, ``source``, ``output`` and ``inputs`` (records), ``reached``,
+    ``allowed``, ``path``, ``source_text``, ``forward_ops``; a record the fields of
+    :class:`Record`.
+    """
+
+    status: str = field(metadata=absent("clean"))
+    first: Occurrence | None = field(metadata=absent(None))
+    origins: tuple[Occurrence, ...] = ()
+    path: tuple[Record, ...] = ()
+    runs: tuple[Occurrence | None, ...] = ()
+    loss: float | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)  # module -> "nan" / "inf" / "finite"
+    module_classes: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)
+    command: str | None = None
+    notes: tuple[str, ...] = ()
+    n_records: int = 0
+    verdict: Verdict | None = None
+    # One point per record, in execution order: (index, phase, largest finite |x| or NaN, "finite"/"nan"/"inf").
+    timeline: tuple[tuple[int, str, float, str], ...] = ()
+    repro: Repro | None = None  # the origin op alone, as a standalone script (``nanhunt.hunt.repro``)
+    schema_version: int = SCHEMA_VERSION
+    # ``nanhunt compare``: float32 reference vs autocast. Written under "comparison" only when present, so the
+    # JSON of a replay is unchanged; read back with ``.get`` (absent in older files).
+    comparison: Comparison | None = None
+    # Fixes beyond float32 derived from the measured origins (``nanhunt.hunt.advice``), and the Guard's event when
+    # the capture came from a Guard (read from the ``-event.json`` beside it: the failing step, kind, detail,
+    # rank). Written only when present, like ``comparison``.
+    advice: tuple[Advice, ...] = ()
+    guard_event: GuardEvent | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _serial.to_dict(self)
+        for key in ("comparison", "guard_event"):
+            if d[key] is None:
+                del d[key]
+        if not d["advice"]:
+            del d["advice"]
+        return {"schema_version": d.pop("schema_version"), **d}  # first, as every version wrote it
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Report:
+        # Read in any older layout, held in the current one (schema_version is the default): written back, it
+        # is a current file. A null among the origins is dropped.
+        current = {k: v for k, v in d.items() if k != "schema_version"}
+        if "origins" in current:
+            current["origins"] = [o for o in current["origins"] if o is not None]
+        return _serial.from_dict(cls, current)
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        import json
+
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """One stored tensor of a checkpoint (a parameter, buffer or optimizer moment)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nan: int
+    inf: int
+    absmax: float  # largest finite magnitude
+    min_nonzero: float | None = None  # smallest finite non-zero magnitude; None: there is none
+    below_fp16_normal: int = 0  # finite non-zero values below float16's smallest normal (6.1e-05)
+    numel: int = 0
+    eps: float | None = None  # an optimizer second moment: the eps of its parameter group, when the state has one
+    below_eps: int = 0  # a second moment v with eps: elements with sqrt(v) < eps (eps sets the update's size there)
+
+    @property
+    def fp16_headroom(self) -> float:
+        return math.inf if self.absmax == 0 else DTYPE_MAX["float16"] / self.absmax
+
+    @property
+    def bf16_headroom(self) -> float:
+        return math.inf if self.absmax == 0 else 3.3895313892515355e38 / self.absmax  # bfloat16's max
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What ``nanhunt inspect`` found in a checkpoint.
+
+    ``flagged``: non-finite, or within 16x of the float16 max. For a checkpoint that holds none (and beside the
+    ones it holds), ``largest`` are the other tensors closest to the dtype limits (largest magnitude first),
+    ``tiniest`` those holding non-zero values below float16's smallest normal (most first), ``moments`` the
+    optimizer's second moments (Adam's ``exp_avg_sq``...) with their eps, largest first; each at most 10."""
+
+    path: str
+    n_tensors: int
+    flagged: tuple[TensorSummary, ...]
+    scaler: dict[str, Any] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    largest: tuple[TensorSummary, ...] = ()
+    tiniest: tuple[TensorSummary, ...] = ()
+    moments: tuple[TensorSummary, ...] = ()
+    n_elements: int = 0
+    scaler_meaning: tuple[str, ...] = ()  # what the GradScaler state means for the next steps, one sentence each
+
+    @property
+    def scaler_nonfinite(self) -> bool:
+        """The GradScaler's saved scale is NaN or Inf (every later step scales by it)."""
+        s = self.scaler.get("scale")
+        return isinstance(s, (int, float)) and not math.isfinite(s)
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.scaler_nonfinite or any(t.nan or t.inf for t in self.flagged)
+
+
+@dataclass(frozen=True)
+class Verdict(JSONData):
+    """What the float32 bisection proved.
+
+    ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
+    ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
+    scale overflows the gradients), ``not-reproducible``, ``clean``, ``interrupted``
+    (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
+    ``precision`` verdict). ``not-reproducible`` is also the verdict (and the report's status)
+    of a Guard's capture whose event says its step failed, on that rank alone, and whose
+    ``replays`` (``hunt(repeat=)``, ``--repeat``) all stayed finite.
+
+    A step is *fixed* when its loss, every gradient and what the update wrote (parameters,
+    buffers, optimizer state) are finite and no origin is born in it (the silent ones
+    included; harmless and allowed ones do not count).
+
+    ``culprits``: a minimal set of modules (and ``<loss>`` / ``<update>``) whose float32 makes
+    the step finite; when every origin is silent, makes the leading origin no longer born.
+    ``origin_alone_fixes``: the same question for the leading origin's module (or region)
+    alone, one replay: True when that replay was finite (and, every origin silent, the leading
+    one was not born again); it says nothing of the other origins (see ``remaining``). None:
+    the origin is in no module or region that can run in float32.
+
+    The proposed fix (``precision``): ``fix_regions`` run in float32, the culprits extended
+    while origins remain (their modules added, or, when two or more of them and most of a
+    class's modules hold origins, every module of that class: ``fix_classes``, as
+    ``"package.module:Class"``), at most three rounds; ``fix`` is its code to paste.
+    ``remaining``: the origins born in a traced replay with ``fix_regions`` in float32 (an
+    extension is kept only when that replay is finite): ``()`` with ``confirmed`` means the fix
+    fixes the step. None: not measured (no fix, or Ctrl-C first).
+    """
+
+    kind: str = field(metadata=absent("clean"))
+    culprits: tuple[str, ...] = ()
+    origin_alone_fixes: bool | None = None
+    confirmed: bool = False
+    replays: int = 0
+    seconds: float = 0.0
+    alternatives: dict[str, bool] = field(default_factory=dict)  # e.g. {"bfloat16": True, "scale 1": False}
+    fix: str | None = None
+    float32_first: Occurrence | None = None  # where the step fails in float32 (not-precision)
+    interrupted: bool = False
+    candidates: int = 0  # modules (and the loss) bisection chose among
+    # precision, for a step that stays finite: the culprits make its only (silent) origin go away
+    silent: bool = False
+    corrupted: tuple[str, ...] = ()  # silent: the values that took the origin's non-finite values in
+    fix_regions: tuple[str, ...] = ()
+    fix_classes: tuple[str, ...] = ()
+    remaining: tuple[Occurrence, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Repro(JSONData):
+    """The origin op alone: its saved inputs and a standalone ``repro.py`` (needs only torch).
+
+    ``call`` is the op call as the script writes it; ``inputs`` the ``(dtype,
+    shape)`` of each saved tensor. ``sliced`` says the inputs were narrowed to
+    fit the size cap (``original_shapes`` were the shapes as the op ran).
+    ``verified`` is True only when a fresh Python process ran the script and its
+    output was non-finite of the same kind; ``result`` is what that run printed.
+    """
+
+    op: str = field(metadata=absent(""))
+    overload: str = "default"
+    device_type: str = "cpu"
+    autocast_dtype: str | None = None  # None: the op ran with autocast off
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    call: str = ""
+    nbytes: int = 0
+    sliced: bool = False
+    original_shapes: tuple[tuple[int, ...], ...] = ()
+    files: tuple[str, ...] = ()
+    verified: bool = False
+    result: str = ""
+    command: str = "python repro.py"
