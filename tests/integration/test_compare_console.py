@@ -191,7 +191,7 @@ def test_speed_measures_peak_rss_growth_on_cpu() -> None:
 
 def test_speed_says_not_measured_where_the_peak_cannot_be_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN no writable clear_refs (not Linux, or not allowed)
-    monkeypatch.setattr(sys.modules["nanhunt.comparison.engine"], "_CLEAR_REFS", "/nonexistent/clear_refs")
+    monkeypatch.setattr(sys.modules["nanhunt.comparison._speed"], "_CLEAR_REFS", "/nonexistent/clear_refs")
     c = _speed()
     sp = c.speed
     # THEN the times are there, the peaks are None and say why, in every format
