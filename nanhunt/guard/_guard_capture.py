@@ -20,7 +20,8 @@ from .._util._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
 from ..capture._names import capture_name, confirmations
 from .._util._wrappers import user_class, user_modules
-from ..capture.capture import _hf_model_spec, capture_record, resolve, save_capture, unwrap_model
+from ..capture._hf import _hf_model_spec
+from ..capture.capture import capture_record, resolve, save_capture, unwrap_model
 from ..records import GuardEvent
 
 __all__ = ["StepEntry", "Written", "EntryBuffers", "CaptureWriter", "restore_scaler"]

@@ -1,0 +1,174 @@
+"""Writing a capture: the step's checkpoint and batch files (save_capture, capture_record)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import _dcp
+from . import _names
+from .._util._tree import map_tensors
+from .._util._wrappers import user_class
+from ..step.step import rng_state, split_batch
+from ._build import _group_names
+from ._hf import _hf_model_spec
+from ._resolve import callable_path
+
+
+CAPTURE_FORMAT = 1
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module to save: without DDP/FSDP-style ``.module`` and torch.compile's ``_orig_mod``."""
+    for _ in range(4):
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel",
+                                                                    "FullyShardedDataParallel"):
+            model = inner
+            continue
+        break
+    return model
+
+
+def save_capture(
+    checkpoint_path: str | os.PathLike[str],
+    batch_path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    model_factory: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    device_type: str | None = None,
+    dtype: torch.dtype | None = None,
+    rng: Mapping[str, Any] | None = None,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    scaler_state: Mapping[str, Any] | None = None,
+    step_call: str | None = None,
+) -> None:
+    """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
+
+    ``batch`` is ``(inputs, targets)``, a tensor, or a dict of model keyword
+    arguments. ``model_factory`` is ``"package.module:callable"`` (called with
+    ``model_kwargs``); by default the model's class. ``loss_fn`` must be importable
+    by name (a module-level function or an ``nn.Module`` loss with default
+    arguments); ``None`` means the model returns its loss. ``rng`` defaults to the
+    RNG state now: save before the step runs. ``model_state``/``optimizer_state``/
+    ``scaler_state`` save those state dicts instead of the live objects' (a snapshot
+    taken earlier); ``model`` and ``optimizer`` still name the classes. Both files
+    load with ``torch.load(..., weights_only=True)``.
+
+    A ``transformers`` model saved under its own class name also saves its config (JSON): the replay
+    rebuilds it from that config, no ``--model`` needed. ``step_call="training_step"`` (Lightning): the
+    step's loss is ``model.training_step(*inputs)``, not ``model(*inputs)``.
+    """
+    ckpt, bfile = capture_record(
+        model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, model_factory=model_factory,
+        model_kwargs=model_kwargs, device_type=device_type, dtype=dtype, rng=rng, model_state=model_state,
+        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call)
+    torch.save(ckpt, os.fspath(checkpoint_path))
+    torch.save(bfile, os.fspath(batch_path))
+
+
+def capture_record(
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    model_factory: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    device_type: str | None = None,
+    dtype: torch.dtype | None = None,
+    rng: Mapping[str, Any] | None = None,
+    model_state: Mapping[str, torch.Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
+    scaler_state: Mapping[str, Any] | None = None,
+    step_call: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What :func:`save_capture` writes: the checkpoint's and the batch file's contents (the Guard's capture
+    directory writes the same fields, the tensors as DCP shards)."""
+    model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ckpt: dict[str, Any] = {
+        "nanhunt_capture": CAPTURE_FORMAT,
+        "model": {k: v.detach().cpu()
+                  for k, v in (model.state_dict() if model_state is None else model_state).items()},
+        "model_factory": factory,
+        "model_kwargs": dict(model_kwargs or {}),
+        # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
+        # (under FSDP2 the class the user wrote, not the one fully_shard made on the fly)
+        "hf_model": _hf_model_spec(model) if factory == callable_path(user_class(model)) else None,
+        "step_call": step_call,
+        "training": bool(model.training),
+        # every module's own flag: a frozen (eval) BatchNorm inside a training model stays frozen
+        "module_training": {name: bool(m.training) for name, m in model.named_modules()},
+        "loss_fn": loss_path,
+        "optimizer": dict(optimizer_state) if optimizer_state is not None else (
+            None if optimizer is None else optimizer.state_dict()),
+        # a class defined in the training script by the script's path (replayed with --optimizer)
+        "optimizer_class": None if optimizer is None else _optimizer_name(optimizer),
+        # each group's parameters by name: the state_dict numbers them in group order, not model order
+        "optimizer_params": None if optimizer is None else _group_names(model, optimizer),
+        "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),
+        "autocast": {
+            "device_type": device_type or dev.type,
+            "dtype": str(dtype or torch.float16).replace("torch.", ""),
+        },
+        "torch_version": str(torch.__version__),
+        "device": str(dev),
+    }
+    if _dcp.sharded(model):  # FSDP2: which modules fully_shard wrapped, for the distributed replay to wrap again
+        ckpt["fsdp"] = _dcp.fsdp_layout(model)
+    inputs, targets = split_batch(batch)
+    bfile = {
+        "nanhunt_batch": CAPTURE_FORMAT,
+        "inputs": _to_cpu(inputs),
+        "targets": _to_cpu(targets),
+        "rng": dict(rng) if rng is not None else rng_state(),
+    }
+    return ckpt, bfile
+
+
+def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
+                   step_call: str | None) -> tuple[nn.Module, str, str | None]:
+    """``save_capture``'s checks: the unwrapped model, the factory and the loss function's importable name."""
+    if step_call not in (None, "training_step"):
+        raise ValueError(f"step_call must be None or 'training_step', not {step_call!r}")
+    model = unwrap_model(model)  # a DDP / torch.compile wrapper is saved as the model it wraps
+    factory = model_factory or _names.capture_name(user_class(model))  # FSDP2: your class, not FSDP<Cls>
+    if factory is None:
+        raise ValueError("cannot name the model's class for rebuilding: pass model_factory='package.module:callable'")
+    loss_path = None
+    if loss_fn is not None:
+        loss_path = _names.capture_name(loss_fn)
+        if loss_path is None:
+            raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
+    return model, factory, loss_path
+
+
+def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
+    """The optimizer's class as a capture names it; None for one defined in a notebook (the replay then leaves
+    the update out, as for a plain checkpoint)."""
+    name = _names.capture_name(optimizer)
+    return None if name is None or _names.is_session(name) else name
+
+
+def _to_cpu(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.detach().cpu())
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    return map_tensors(obj, lambda t: t.to(device))
