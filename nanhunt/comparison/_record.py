@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._util._tree import map_tensors
 from ..records import Occurrence
-from ..step.step import _backward, _call_model, _loss_of
+from ..step._run import _backward, _call_model, _loss_of
 from ..tracing.tracer import Trace
 
 

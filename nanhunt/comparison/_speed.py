@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..records import Speed
-from ..step.step import Step, _backward, _call_model, _loss_of
+from ..step._run import _backward, _call_model, _loss_of
+from ..step.step import Step
 
 
 # ------------------------------------------------------------------ speed, after the numbers

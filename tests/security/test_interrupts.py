@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt.step import step as step_module
+from nanhunt.step import snapshot as step_module
 from nanhunt.hunt.bisection import bisect
 from nanhunt.guard.guard import _StepContext
 from nanhunt.step.step import Step, StepState

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt.step import step as step_module
+from nanhunt.step import snapshot as step_module
 from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from nanhunt.hunt.pipeline import hunt

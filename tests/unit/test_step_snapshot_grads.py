@@ -65,7 +65,7 @@ def test_grads_in_shared_memory_survive_a_disk_snapshot(tmp_path: Path) -> None:
 
 def test_a_restore_failing_half_way_leaves_the_grads_on_their_parameters(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from nanhunt.step import step as step_module
+    from nanhunt.step import snapshot as step_module
 
     # GIVEN a parameter with a 2 MiB .grad, spilled to the disk snapshot on entry
     m = nn.Linear(512, 1024)
