@@ -20,7 +20,7 @@ from ._errors import CommandError
 from ._files import check_target, write_file
 from ._interrupt import atomic
 
-__all__ = ["MARKER", "claim", "earlier_bundle", "Staging"]
+__all__ = ["MARKER", "REPORT_FILES", "SCRIPT", "INPUTS", "claim", "earlier_bundle", "Staging"]
 
 MARKER = ".nanhunt-bundle"
 FORMAT = 1
@@ -28,12 +28,16 @@ _MARK = f"nanhunt bundle, format {FORMAT}\n"
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+# What a bundle holds besides the marker: the reports (nanhunt.report writes them) and the repro (nanhunt.repro).
+# Named here, below both, so that neither imports the other's module to know the other's files.
+REPORT_FILES = ("report.md", "report.json", "report.html", "report.png")
+SCRIPT = "repro.py"
+INPUTS = "repro_inputs.pt"
+
+
 def _names() -> tuple[str, ...]:
     """Every file a bundle may hold, the marker aside."""
-    from .report import BUNDLE_FILES
-    from .repro import INPUTS, SCRIPT
-
-    return (*BUNDLE_FILES, SCRIPT, INPUTS)
+    return (*REPORT_FILES, SCRIPT, INPUTS)
 
 
 def _marked(directory: str) -> bool:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from . import _dispatch
-from ._bundle import claim
+from ._bundle import INPUTS, SCRIPT, claim
 from ._tree import iter_leaves, iter_tensors, map_tensors
 from ._files import new_file, write_file
 from .capture import split_batch
@@ -54,8 +54,6 @@ __all__ = ["OriginCall", "capture_origin_call", "write_repro", "verify_repro", "
            "SCRIPT", "INPUTS"]
 
 DEFAULT_CAP = 16 * 2**20  # bytes of saved inputs: small enough to attach to a ticket
-SCRIPT = "repro.py"
-INPUTS = "repro_inputs.pt"
 _MARK = "nanhunt-repro:"
 _MAX_TRIALS = 2000
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .._bundle import claim
+from .._bundle import REPORT_FILES as BUNDLE_FILES, claim
 from .._errors import CommandError
 from .._files import write_file
 from ..records import Report
@@ -18,7 +18,6 @@ from ..records import Report
 __all__ = ["renderer_for", "render_for_format", "write", "write_bundle", "targets", "FORMATS", "BUNDLE_FILES"]
 
 FORMATS = {".json": "json", ".txt": "console", ".md": "md", ".markdown": "md", ".html": "html", ".htm": "html"}
-BUNDLE_FILES = ("report.md", "report.json", "report.html", "report.png")
 
 
 def render_for_format(fmt: str) -> Callable[[Report], str]:
