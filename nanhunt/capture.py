@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _dcp, _names, _peft
+from . import _dcp, _names, _nn_structure, _peft
 from ._names import loaded_from as _loaded_from, recognised as _allowed
 from ._errors import CommandError, first_line as _first_line
 from ._safeload import load_file
@@ -351,6 +351,8 @@ def capture_record(
                   for k, v in (model.state_dict() if model_state is None else model_state).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
+        # torch.nn's own model (a Sequential of torch.nn layers): its layers, which its class alone does not rebuild
+        "nn_model": nn_spec(model, model_factory, model_kwargs),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
         # (under FSDP2 the class the user wrote, not the one fully_shard made on the fly)
         "hf_model": _hf_model_spec(model) if factory == callable_path(user_class(model)) else None,
@@ -400,6 +402,63 @@ def _capture_names(model: nn.Module, model_factory: str | None, loss_fn: Any,
         if loss_path is None:
             raise ValueError("loss_fn must be importable by name (module-level function or nn.Module class)")
     return model, factory, loss_path
+
+
+def nn_spec(model: nn.Module, model_factory: str | None,
+            model_kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A model built by one of torch.nn's own classes (the model's, or ``model_factory`` naming one): its structure
+    (``_nn_structure``), or None when ``model_kwargs`` rebuild it. ValueError, asking for a factory, when neither
+    rebuilds it exactly."""
+    name = model_factory or _names.capture_name(user_class(model))
+    if name is None or not _names.torch_own(name.partition(":")[0], "model factory"):
+        return None  # your factory or class rebuilds it
+    try:
+        if model_kwargs:
+            _same_on_meta(model, _nn_class(name), model_kwargs)
+            return None
+        return _nn_structure.structure(model, _nn_class)
+    except (ValueError, CommandError) as e:
+        raise ValueError(f"cannot rebuild the model from torch.nn's classes: {e}; "
+                         "pass model_factory='package.module:factory'") from None
+
+
+def _same_on_meta(model: nn.Module, cls: type[nn.Module], kwargs: Mapping[str, Any]) -> None:
+    """``cls(**kwargs)`` (on the meta device) has ``model``'s parameters, buffers and repr."""
+    try:
+        with torch.device("meta"):
+            probe = cls(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+    except Exception as e:
+        raise ValueError(f"{cls.__name__}(**model_kwargs) raised {_first_line(e)}") from None
+    if _nn_structure.layout(probe) != _nn_structure.layout(model) or repr(probe) != repr(model):
+        raise ValueError(f"{cls.__name__}(**model_kwargs) differs from the model")
+
+
+def _nn_class(path: str) -> type[nn.Module]:
+    """One of torch.nn's module classes, named by a capture's description of a model (never anyone else's)."""
+    if not isinstance(path, str) or not _names.torch_own(path.partition(":")[0], "model factory"):
+        raise ValueError(f"names {path!r}, not one of torch.nn's classes")
+    cls = resolve(path, what="model factory", trusted=False)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(f"names {path!r}, not one of torch.nn's module classes")
+    return cls
+
+
+def _nn_model(spec: Mapping[str, Any], where: str, sd: Mapping[str, Any] | None) -> nn.Module:
+    """The model a capture's ``nn_model`` describes; with ``sd`` (the file's weights), built on the meta device
+    first and checked against them, as a factory the file names is (``_check_on_meta``)."""
+    fix = "save the capture again or pass --model package.module:factory"
+    try:
+        if sd is not None:
+            with torch.device("meta"):
+                probe = _nn_structure.build(spec, _nn_class)
+            map_state_dict(sd, probe)  # every key and shape, one error line
+            held = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
+            given = sum(t.numel() for t in sd.values() if isinstance(t, torch.Tensor))
+            if held > given:
+                raise ValueError(f"holds {held} values, more than the file's {given}")
+        return _nn_structure.build(spec, _nn_class)
+    except ValueError as e:
+        raise CommandError(f"{where}: its torch.nn model (field 'nn_model') {e}; {fix}") from None
 
 
 def _optimizer_name(optimizer: torch.optim.Optimizer) -> str | None:
@@ -869,8 +928,15 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev:
         kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
         hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
                      "pass --model package.module:factory")
-        got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes) if hf is not None else \
-            _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
+        layers = checked("nn_model", Mapping, "torch.nn layers' classes and arguments, or null",
+                         "pass --model package.module:factory")
+        if hf is not None:
+            got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes)
+        elif layers is not None and _names.torch_own(factory.partition(":")[0], "model factory"):
+            # (written only for a model of torch.nn's own class; another factory's name builds its own model)
+            got.model = _nn_model(layers, f"checkpoint {checkpoint!r}", got.sd if shapes else None)
+        else:
+            got.model = _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                      "so the result may differ")
