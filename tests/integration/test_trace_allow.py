@@ -51,13 +51,16 @@ def test_stale_grad_from_an_earlier_backward_is_state_entering_the_step() -> Non
     # A backward before the trace (no zero_grad since) left +Inf in module 3's .grad; the traced backward adds into
     # it. That value was not made in the traced step, so the allowed exp cannot explain it: it enters the step as
     # state, first read by module 3's backward. Reporting it (phase backward, module 3, role state) is right; it
-    # is no gradient the step made, and zeroing the gradients makes the step clean.
+    # is no gradient the step made, so its description says what it is, and zeroing the gradients makes the step
+    # clean.
     m = exp_head()
     m(torch.ones(2, 4)).sum().backward()
     with nanhunt.trace(m, allow=["aten::exp"]) as t:
         m(torch.ones(2, 4)).sum().backward()
     assert where(t.first) == (Phase.BACKWARD, "3", None, 0, "inf")
     assert t.first is not None and t.first.output.role is Role.STATE and t.first.output.inputs == ()
+    assert t.first.describe() == ("Inf born in phase backward, module 3 (Linear, call 0), role state: "
+                                  "a .grad from before the step, not zeroed")
     m.zero_grad(set_to_none=True)
     with nanhunt.trace(m, allow=["aten::exp"]) as t:
         m(torch.ones(2, 4)).sum().backward()
