@@ -3,8 +3,8 @@ its structure: each container's children by name, each layer's class and constru
 the attributes torch.nn's layers keep under the arguments' names. Its class alone cannot rebuild it (an empty
 ``Sequential``), so a capture holds this description (``nn_model``) and the replay builds the model from it.
 
-Capturing, the description is rebuilt on the meta device and must give the live model's parameters, buffers and
-``repr`` (every layer's ``extra_repr``) exactly, or there is none and the caller asks for a factory. Replaying, it
+Capturing, the description is rebuilt on the meta device and must give the live model's parameters, buffers,
+classes and every layer's ``extra_repr`` exactly, or there is none and the caller asks for a factory. Replaying, it
 comes from a file: every class must be torch.nn's own, every argument a plain value, and its size is bounded."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from ._names import capture_name
+from ._wrappers import user_class
 
-__all__ = ["structure", "build", "layout"]
+__all__ = ["structure", "build", "matches"]
 
 _CONTAINERS: tuple[type[nn.Module], ...] = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _MAX_DEPTH = 32  # containers inside containers
@@ -37,12 +38,23 @@ def structure(model: nn.Module, class_of: Callable[[str], type[nn.Module]]) -> d
     spec = _describe(model, "the model", 0, count)
     with torch.device("meta"):
         probe = build(spec, class_of)
-    if layout(probe) != layout(model) or repr(probe) != repr(model):
+    if not matches(probe, model):
         raise ValueError(f"its layers rebuilt from their arguments differ from it ({type(model).__name__})")
     return spec
 
 
-def layout(m: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+def matches(probe: nn.Module, model: nn.Module) -> bool:
+    """``probe`` (built on the meta device) is ``model`` rebuilt: the same parameters and buffers by name and
+    shape, the same modules by name, class and arguments."""
+    return _layout(probe) == _layout(model) and _layers(probe) == _layers(model)
+
+
+def _layers(m: nn.Module) -> list[tuple[str, type, str]]:
+    """Every module's name, class (the one you wrote: not FSDP2's) and ``extra_repr`` (its arguments)."""
+    return [(k, user_class(x), x.extra_repr()) for k, x in m.named_modules()]
+
+
+def _layout(m: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """Every parameter and buffer (persistent or not) by name, with its shape."""
     return [(k, tuple(t.shape)) for k, t in [*m.named_parameters(), *m.named_buffers()]]
 
@@ -51,11 +63,11 @@ def _describe(m: nn.Module, where: str, depth: int, count: list[int]) -> dict[st
     count[0] += 1
     if depth > _MAX_DEPTH or count[0] > _MAX_MODULES:
         raise ValueError(f"it nests more than {_MAX_DEPTH} containers or holds more than {_MAX_MODULES} modules")
-    name = capture_name(type(m))
+    name = capture_name(user_class(m))  # under FSDP2, not the class fully_shard made
     module = (name or "").partition(":")[0]
     if name is None or not (module == "torch.nn" or module.startswith("torch.nn.modules.")):
-        raise ValueError(f"{where} ({type(m).__name__}) is not one of torch.nn's classes")
-    if type(m) in _CONTAINERS:
+        raise ValueError(f"{where} ({user_class(m).__name__}) is not one of torch.nn's classes")
+    if user_class(m) in _CONTAINERS:
         return {"class": name, "children": [[k, _describe(c, f"layer {k!r}", depth + 1, count)]
                                             for k, c in m.named_children()]}
     return {"class": name, "args": _arguments(m, where)}
@@ -65,19 +77,19 @@ def _arguments(m: nn.Module, where: str) -> dict[str, Any]:
     """The constructor's arguments, each read from the attribute of its name (``bias``: whether the layer has
     one). An argument no attribute keeps cannot be known: no description."""
     args: dict[str, Any] = {}
-    params = list(inspect.signature(type(m).__init__).parameters.values())[1:]
+    params = inspect.signature(user_class(m)).parameters.values()  # the constructor's, self left out
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in _SKIPPED or p.name.startswith("_"):
             continue
         if not hasattr(m, p.name):
-            raise ValueError(f"{where} ({type(m).__name__}) keeps no attribute for its argument {p.name!r}")
+            raise ValueError(f"{where} ({user_class(m).__name__}) keeps no attribute for its argument {p.name!r}")
         value = getattr(m, p.name)
         if isinstance(p.default, bool) and (value is None or isinstance(value, torch.Tensor)):
             value = value is not None  # bias=True made a bias parameter
         try:
             args[p.name] = _plain(value, 0)
         except ValueError as e:
-            raise ValueError(f"{where} ({type(m).__name__}) has argument {p.name!r} = {e}") from None
+            raise ValueError(f"{where} ({user_class(m).__name__}) has argument {p.name!r} = {e}") from None
     return args
 
 

@@ -423,13 +423,13 @@ def nn_spec(model: nn.Module, model_factory: str | None,
 
 
 def _same_on_meta(model: nn.Module, cls: type[nn.Module], kwargs: Mapping[str, Any]) -> None:
-    """``cls(**kwargs)`` (on the meta device) has ``model``'s parameters, buffers and repr."""
+    """``cls(**kwargs)`` (on the meta device) is ``model`` (``_nn_structure.matches``)."""
     try:
         with torch.device("meta"):
             probe = cls(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
     except Exception as e:
         raise ValueError(f"{cls.__name__}(**model_kwargs) raised {_first_line(e)}") from None
-    if _nn_structure.layout(probe) != _nn_structure.layout(model) or repr(probe) != repr(model):
+    if not _nn_structure.matches(probe, model):
         raise ValueError(f"{cls.__name__}(**model_kwargs) differs from the model")
 
 
