@@ -16,6 +16,7 @@ from .._util._wrappers import user_class
 from ..step.step import rng_state, split_batch
 from ._build import _group_names
 from ._hf import _hf_model_spec
+from ._nn_model import nn_spec
 from ._resolve import callable_path
 
 
@@ -108,6 +109,8 @@ def capture_record(
                   for k, v in (model.state_dict() if model_state is None else model_state).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
+        # torch.nn's own model (a Sequential of torch.nn layers): its layers, which its class alone does not rebuild
+        "nn_model": nn_spec(model, model_factory, model_kwargs),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)
         # (under FSDP2 the class the user wrote, not the one fully_shard made on the fly)
         "hf_model": _hf_model_spec(model) if factory == callable_path(user_class(model)) else None,

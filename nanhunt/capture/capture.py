@@ -30,6 +30,7 @@ from .._util._safeload import load_file
 from ..step.step import Step, rng_state, set_rng_state, split_batch
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
 from ._hf import _hf_model
+from ._nn_model import nn_model, nn_spec
 from ._resolve import callable_path, resolve
 from ._statedict import map_state_dict, parse_dtype
 from ._write import CAPTURE_FORMAT, capture_record, save_capture, to_device, unwrap_model
@@ -49,6 +50,8 @@ __all__ = [
     "set_rng_state",
     "capture_record",
     "to_device",
+    "nn_spec",
+    "nn_model",
 ]
 
 
@@ -276,8 +279,15 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev:
         kwargs = checked("model_kwargs", Mapping, "a dict of keyword arguments", "pass --model package.module:factory")
         hf = checked("hf_model", Mapping, "a transformers model's class and JSON config, or null",
                      "pass --model package.module:factory")
-        got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes) if hf is not None else \
-            _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
+        layers = checked("nn_model", Mapping, "torch.nn layers' classes and arguments, or null",
+                         "pass --model package.module:factory")
+        if hf is not None:
+            got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes)
+        elif layers is not None and _names.torch_own(factory.partition(":")[0], "model factory"):
+            # (written only for a model of torch.nn's own class; another factory's name builds its own model)
+            got.model = nn_model(layers, f"checkpoint {checkpoint!r}", got.sd if shapes else None)
+        else:
+            got.model = _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                      "so the result may differ")

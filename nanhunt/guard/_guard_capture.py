@@ -21,7 +21,7 @@ from ._guard_flags import nonfinite
 from ..capture._names import capture_name, confirmations
 from .._util._wrappers import user_class, user_modules
 from ..capture._hf import _hf_model_spec
-from ..capture.capture import capture_record, resolve, save_capture, unwrap_model
+from ..capture.capture import capture_record, nn_spec, resolve, save_capture, unwrap_model
 from ..records import GuardEvent
 
 __all__ = ["StepEntry", "Written", "EntryBuffers", "CaptureWriter", "restore_scaler"]
@@ -132,6 +132,7 @@ class CaptureWriter:
         if self.model_factory is None:
             raise ValueError("cannot name the model's class for the capture: "
                              "pass model_factory='package.module:callable'")
+        nn_spec(self.module, model_factory, model_kwargs)  # a torch.nn model (Sequential): its layers rebuild it
         if loss_fn is not None and capture_name(loss_fn) is None:
             raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
         self.optimizer, self.scaler = optimizer, scaler

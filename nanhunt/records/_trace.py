@@ -47,7 +47,7 @@ class Role(str, enum.Enum):
     PARAM = "param"
     BUFFER = "buffer"
     GRAD = "grad"  # a parameter's .grad after backward
-    STATE = "state"  # optimizer or other long-lived state first seen in the update
+    STATE = "state"  # from before the step: optimizer state first seen in the update, a .grad backward adds into
     REMEASURED = "remeasured"  # a known tensor measured again after an in-place change or view write
     # memory allocated uninitialised (torch.empty), written only in part (through views), read: its unwritten
     # part is whatever the memory held; non-finite with nothing non-finite written since, it is an origin
@@ -182,6 +182,15 @@ class Record(RangeStats, JSONData):
         return " ".join(parts)
 
 
+def role_text(r: Record) -> str:
+    """An origin's role, as its description names it when no op made it: state says where it came from (the
+    step's backward adds into a ``.grad`` no ``zero_grad`` cleared; the optimizer's state)."""
+    if r.role is not Role.STATE:
+        return str(r.role)
+    return "state: " + ("a .grad from before the step, not zeroed" if r.phase is Phase.BACKWARD
+                        else "from before the step")
+
+
 @dataclass(frozen=True)
 class Occurrence(JSONData):
     """Where the first non-finite value of a step was born.
@@ -222,7 +231,7 @@ class Occurrence(JSONData):
             where += f" ({self.module_class}, call {self.call_index})"
         op = (f"op {self.op}" if self.op else
               "a read of memory no op wrote (allocated uninitialised, written in part)"
-              if self.output.role is Role.UNWRITTEN else f"role {self.output.role.value}")
+              if self.output.role is Role.UNWRITTEN else f"role {role_text(self.output)}")
         what = "NaN" if self.kind == "nan" else "Inf"
         tail = (" [harmless: it fed only integer / index / boolean results]" if self.harmless else
                 " [silent: absorbed before the loss and gradients]" if self.silent else "")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..records import (DTYPE_MAX, Comparison, Decision, Occurrence, Quality, Record, Regression, Report, Speed,
-                       TensorDiff, Verdict)
+                       TensorDiff, Verdict, role_text)
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans", "path_label",
@@ -94,7 +94,7 @@ def sentence(report: Report) -> list[Span]:
     if occ.op:
         out += [Span(" at "), Span(occ.op, True)]
     else:
-        out.append(Span(f" ({occ.output.role.value})"))
+        out.append(Span(f" ({role_text(occ.output)})"))
     v = report.verdict
     if v is not None and v.kind == "precision" and v.culprits:
         out.append(Span("; running "))

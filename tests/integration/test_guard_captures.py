@@ -14,7 +14,7 @@ import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 
-from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup
+from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup, train_step
 from tests.models import DictModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -419,3 +419,34 @@ def test_guard_leaves_training_bit_identical_and_capture_replays_the_dropout_ste
     rep = _replay(ev)
     assert rep.first is not None and rep.first.phase.value == "backward"
     assert rep.loss == losses[2]
+
+
+# ================================================================== Guard: a model of torch.nn's own classes
+
+
+def test_guard_on_a_sequential_captures_its_layers_and_the_replay_names_the_op(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN nn.Sequential of torch.nn layers (no factory, no model_kwargs: its class alone rebuilds an empty one)
+    # whose step 2 takes inputs of 3e38, which the first Linear's sums (positive weights) overflow in float32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.abs_()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = nanhunt.Guard(model, opt, None, dump_dir=tmp_path, loss_fn=F.mse_loss)
+    with pytest.raises(nanhunt.GuardError) as info:
+        for i in range(4):
+            x, y = batch(i)
+            if i == 2:
+                x = torch.full_like(x, 3e38)
+            train_step(guard, model, opt, None, (x, y), dtype=torch.float32)
+    ev = info.value.event
+    assert (ev.step, ev.kind) == (2, "loss")
+    capsys.readouterr()
+    # WHEN `nanhunt replay` is run on the capture alone, with no --model THEN it rebuilds the layers and names
+    # the first Linear's addmm
+    code = cli_main(["replay", str(ev.checkpoint), str(ev.batch), "--no-bisect"])
+    out = capsys.readouterr()
+    assert code == 1, out.err
+    first = out.out.splitlines()[0]
+    assert "in 0 (Linear" in first and "at aten::addmm" in first, first

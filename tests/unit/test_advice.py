@@ -309,11 +309,11 @@ def test_no_rule_fires_without_its_measurement() -> None:
 
 
 def test_every_pattern_is_documented_and_advice_round_trips() -> None:
-    # GIVEN the patterns WHEN the README is read THEN each id is listed with its trigger
+    # GIVEN the patterns WHEN the guide's "How it decides" is read THEN each id is listed with its trigger
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert all(f"`{p}`" in readme for p in PATTERNS)
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "how-it-decides.md").read_text()
+    assert all(f"`{p}`" in guide for p in PATTERNS)
     # AND an Advice survives the report's JSON
     a = Advice(pattern="log-of-zero", advice="a", fix="x = 1\ny = 2", because="b")
     assert Report.from_json(Report(status="clean", first=None, advice=(a,)).to_json()).advice == (a,)
