@@ -62,11 +62,8 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
     config_cls: Any = getattr(cls, "config_class", None)
     if not (_transformers_class(cls, transformers.PreTrainedModel) and _transformers_class(config_cls, base)):
         raise _refused(path, "model factory", "it is not a transformers PreTrainedModel class")
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError):
-        config = None
-    if not isinstance(config, dict):
+    config = _peft.json_object(text)
+    if config is None:
         raise CommandError(f"{where} is not a valid nanhunt capture: the config of {path!r} is not a JSON "
                            f"object; {fix}")
     fetching = _fetching(config)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ._names import capture_name
+from .._util._errors import first_line as _first_line
 from .._util._wrappers import user_class
 
 __all__ = ["structure", "build", "matches"]
@@ -87,20 +88,22 @@ def _arguments(m: nn.Module, where: str) -> dict[str, Any]:
         if isinstance(p.default, bool) and (value is None or isinstance(value, torch.Tensor)):
             value = value is not None  # bias=True made a bias parameter
         try:
-            args[p.name] = _plain(value, 0)
+            args[p.name] = _plain(value)
         except ValueError as e:
             raise ValueError(f"{where} ({user_class(m).__name__}) has argument {p.name!r} = {e}") from None
     return args
 
 
-def _plain(value: Any, depth: int) -> Any:
-    """``value`` as the capture stores it (JSON's types: a tuple as a list); ValueError for anything else."""
+def _plain(value: Any, depth: int = 0, *, sequence: Callable[[list[Any]], Any] = list) -> Any:
+    """``value`` if a plain value (JSON's types, a sequence at most two deep and ``_MAX_ITEMS`` long; a float
+    finite), its sequences made by ``sequence``: a list as the capture stores it, a tuple as a constructor takes
+    it; ValueError for anything else."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float) and math.isfinite(value):
         return value
     if isinstance(value, (tuple, list)) and depth < 2 and len(value) <= _MAX_ITEMS:
-        return [_plain(v, depth + 1) for v in value]
+        return sequence([_plain(v, depth + 1, sequence=sequence) for v in value])
     raise ValueError(f"a {type(value).__name__}, not a plain value")
 
 
@@ -146,22 +149,10 @@ def _build(spec: Any, class_of: Callable[[str], type[nn.Module]], depth: int, co
                                                 for k in args):
         raise ValueError(f"gives {spec['class']!r} arguments that are not a dict of names")
     try:
-        kwargs = {k: _argument(v, 0) for k, v in args.items()}
+        kwargs = {k: _plain(v, sequence=tuple) for k, v in args.items()}  # a list as a tuple
     except ValueError as e:
         raise ValueError(f"gives {spec['class']!r} an argument that is {e}") from None
     try:
         return cls(**kwargs)
     except Exception as e:
-        raise ValueError(f"builds {spec['class']!r}, which raised {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-
-
-def _argument(value: Any, depth: int) -> Any:
-    """A stored argument as the constructor takes it (a list as a tuple); ValueError unless a plain value."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
-    if isinstance(value, (list, tuple)) and depth < 2 and len(value) <= _MAX_ITEMS:
-        return tuple(_argument(v, depth + 1) for v in value)
-    raise ValueError(f"a {type(value).__name__}, not a plain value")
+        raise ValueError(f"builds {spec['class']!r}, which raised {_first_line(e)}") from None

@@ -30,7 +30,7 @@ from torch import nn
 
 from .._util._errors import CommandError, first_line as _first_line
 
-__all__ = ["is_peft_model", "spec", "rebuild"]
+__all__ = ["is_peft_model", "spec", "rebuild", "json_object"]
 
 # Adapter types whose construction reads only their config (no tokenizer, no other model, no module named in the
 # config). Others (prompt tuning loads a tokenizer by name, X-LoRA loads adapters from paths) replay with --model.
@@ -148,13 +148,19 @@ def _fields(saved: Any, where: str) -> tuple[dict[str, str], str, list[str]]:
     return dict(configs), active, list(trainable)
 
 
-def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> Any:
-    """The config object of adapter ``name``: peft's own class for its ``peft_type``, built from checked JSON."""
+def json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object a capture stores as text (a model's or an adapter's config); None if it is none."""
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
-        data = None
-    if not isinstance(data, dict):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> Any:
+    """The config object of adapter ``name``: peft's own class for its ``peft_type``, built from checked JSON."""
+    data = json_object(text)
+    if data is None:
         raise CommandError(f"{where} is not a valid nanhunt capture: adapter {name!r}'s config is not a JSON "
                            f"object; {_FIX}")
     kind = data.get("peft_type")
