@@ -160,6 +160,13 @@ class CaptureWriter:
         printed (run from this directory), and notes for names no flag confirms."""
         return self._confirm
 
+    def set_loss_fn(self, loss_fn: Any) -> None:
+        """The loss function learnt after the Guard was made (``nanhunt run`` sees it in the first step)."""
+        if capture_name(loss_fn) is None:
+            raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
+        self.loss_fn = loss_fn
+        self._confirm = self._confirmations()
+
     def _confirmations(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         named: list[tuple[str, str | None, Any]] = []
         cls = user_class(self.module)
