@@ -74,6 +74,7 @@ def test_clean_fixture_exit_0() -> None:
     assert main(["replay", *_pair("clean")]) == 0
 
 
+@pytest.mark.subprocess
 def test_subprocess_entry_points() -> None:
     # The capture names fixtures.models: importable from PYTHONPATH, trusted by the suite (conftest)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
@@ -303,6 +304,7 @@ def test_usage_error_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
 
 
+@pytest.mark.subprocess
 def test_help_and_usage_errors_do_not_import_torch() -> None:
     # GIVEN a fresh process  WHEN it prints help or a usage error  THEN torch (seconds to import) stayed out
     code = ("import sys\nfrom nanhunt.cli import main\n"
@@ -345,6 +347,7 @@ def test_the_reproduce_command_is_the_one_main_was_given(tmp_path: Path) -> None
     assert rep.command is not None and rep.command.startswith("nanhunt replay ") and "--no-bisect" in rep.command
 
 
+@pytest.mark.subprocess
 def test_a_bundle_s_replay_command_works_from_the_bundle_directory(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN a replay run from a project directory with relative paths, writing a bundle elsewhere
@@ -367,12 +370,12 @@ def test_a_bundle_s_replay_command_works_from_the_bundle_directory(tmp_path: Pat
 
 
 def test_the_torchrun_command_keeps_the_directory_it_ran_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import nanhunt.cli as cli
+    from nanhunt.cli import _common, replay
 
     # GIVEN a replay under torchrun of a capture directory named by a relative path
     (tmp_path / "caps").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_ARGV", ["replay", "caps"])
+    monkeypatch.setattr(_common, "ARGV", ["replay", "caps"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     # WHEN its command is recorded  THEN it starts torchrun from that directory
-    assert cli._command_line(cli._dist_launcher()) == f"cd {tmp_path} && torchrun --nproc-per-node 2 -m nanhunt replay caps"
+    assert _common.command_line(replay._dist_launcher()) == f"cd {tmp_path} && torchrun --nproc-per-node 2 -m nanhunt replay caps"

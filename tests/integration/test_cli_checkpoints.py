@@ -20,6 +20,8 @@ from nanhunt.records import Report
 from tests.helpers_bisect import step_finite, verdict_of
 from tests.helpers_cli import FrozenBN, HotNet, Net, averaged
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 D = 8
 

@@ -204,6 +204,7 @@ def test_report_with_a_wrongly_typed_field_is_one_line(fmt: str, tmp_path: Path,
     _one_error_line(code, err, "report.json")
 
 
+@pytest.mark.subprocess
 def test_untrusted_capture_does_not_import_code_from_cwd(tmp_path: Path) -> None:
     # GIVEN a ticket attachment unpacked into one directory: a capture naming `model:Net`, and a model.py
     marker = tmp_path / "IMPORTED"

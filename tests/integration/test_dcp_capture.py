@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 BAD_RANK, BAD_STEP = 1, 2
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,9 @@ from tests.helpers_dist import torchrun
 
 from .test_dcp_capture import ROOT, fsdp_run  # noqa: F401  the capture directory, written by two FSDP2 ranks
 
+pytestmark = pytest.mark.distributed
+
+
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     # --monitor-interval: torchrun stops the other ranks as soon as a poll sees one exited non-zero; every rank
     # exits with the same code right after a barrier, and a 10 s poll lets the summary show each rank's own code

@@ -33,6 +33,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, A
     return out, two_ranks(trace_run, out, "ddp", timeout=90)
 
 
+@pytest.mark.distributed
 @needs_gloo
 def test_ddp_trace_names_modules_as_written(ddp_run: tuple[Path, dict[int, Any]]) -> None:
     # GIVEN DDP(model), whose named_modules() say module.fc1, and only rank 1's batch overflowing fc1
@@ -50,6 +51,7 @@ def test_ddp_trace_names_modules_as_written(ddp_run: tuple[Path, dict[int, Any]]
     assert (res[0]["first"], res[0]["received"]) == (None, ["c10d::allreduce_", "backward"])
 
 
+@pytest.mark.distributed
 @needs_gloo
 def test_ddp_live_trace_and_replay_of_its_capture_agree(ddp_run: tuple[Path, dict[int, Any]], tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str],

@@ -27,8 +27,9 @@ from tests.helpers_dist import finish_rank
 
 TIMEOUT_S = 60
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 class _StaleWrites(dict[int, int]):

@@ -15,8 +15,9 @@ from tests.helpers_dist import rank_results, run_ranks
 
 TIMEOUT_S = 60
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 def _two_ranks(tmp_path: Path, wrapper: str, overflow: bool, level: str = "op") -> dict[int, dict[str, Any]]:

@@ -22,8 +22,9 @@ from .dist_more_worker import SNAP_BAD_STEP, gpt2_run, snapshot_batch, snapshot_
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 def _replay(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, Report]:

@@ -15,8 +15,9 @@ from tests.helpers_dist import rank_results, run_ranks
 
 from .fsdp_reset_worker import run
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 def test_a_later_run_is_not_blamed_on_what_fsdp2s_regrown_buffers_held(tmp_path: Path) -> None:

@@ -91,6 +91,7 @@ def _run_as_printed(command: str, where: Path) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.subprocess
 def test_names_defined_in_the_script_replay_with_the_printed_command(tmp_path: Path) -> None:
     # GIVEN a script whose model and loss are defined in it (__main__) and whose loop runs at the top level
     event = _train(tmp_path, imports="", definitions=NET + LOSS, loss="my_loss")
@@ -107,6 +108,7 @@ def test_names_defined_in_the_script_replay_with_the_printed_command(tmp_path: P
     assert (tmp_path / "runs.txt").read_text() == "run\n"
 
 
+@pytest.mark.subprocess
 def test_a_local_module_and_a_plain_function_are_confirmed_in_the_command(tmp_path: Path) -> None:
     # GIVEN the model class in model.py beside the script (not installed) and the loss a plain function there
     (tmp_path / "model.py").write_text("import torch\nfrom torch import nn\nEPS = 1e-6\n" + NET + LOSS)
@@ -118,6 +120,7 @@ def test_a_local_module_and_a_plain_function_are_confirmed_in_the_command(tmp_pa
     assert proc.stdout.splitlines()[0] == "Inf born in phase forward, in fc1 (Linear, call 0) at aten::_to_copy."
 
 
+@pytest.mark.subprocess
 def test_a_replay_without_the_confirmations_lists_them_all_at_once(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN the capture of the script above, replayed without the confirmations

@@ -18,8 +18,9 @@ from tests.helpers_dist import rank_results, run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 
 def test_only_rank1_goes_nonfinite_both_ranks_stop_and_rank1_writes_the_capture(

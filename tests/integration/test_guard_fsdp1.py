@@ -28,8 +28,9 @@ TIMEOUT_S = 120  # about 10 s on an idle machine; several times that when the 2 
 BAD_RANK, BAD_STEP = 1, 3
 CK, BT = "step000003-rank1-checkpoint.pt", "step000003-rank1-batch.pt"
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 Run = tuple[Path, Path, dict[int, dict[str, Any]], str]
 

@@ -513,6 +513,7 @@ def rollback_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: st
             json.dump(result, f)
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="torch.distributed with gloo is not available")
 def test_two_ranks_roll_back_together_and_go_on(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ pytest.importorskip("lightning.pytorch")
 from tests.helpers_dist import torchrun  # noqa: E402
 from tests.integration.test_lightning_callback import STEP  # noqa: E402
 
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -119,6 +119,7 @@ def _last_frame(tb: TracebackType | None) -> tuple[str, int, str]:
 # ---------------------------------------------------------------- python -m pdb
 
 
+@pytest.mark.subprocess
 def test_pdb_lands_on_the_line_that_ran_the_forward_op(tmp_path: Path) -> None:
     # GIVEN a script whose exp overflows in its own Act.forward, traced with stop_at_first
     # WHEN it runs under python -m pdb and the post-mortem is asked where it is and what it sees
@@ -137,6 +138,7 @@ def test_pdb_lands_on_the_line_that_ran_the_forward_op(tmp_path: Path) -> None:
                        "'aten::exp'"]
 
 
+@pytest.mark.subprocess
 def test_pdb_lands_on_the_backward_call_for_a_backward_op(tmp_path: Path) -> None:
     # GIVEN sqrt(0) in forward, whose backward divides by zero
     # WHEN the script runs under python -m pdb

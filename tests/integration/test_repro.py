@@ -248,6 +248,7 @@ def test_verify_times_out(tmp_path: Path) -> None:
     assert not rp.verified and "ran past" in rp.result
 
 
+@pytest.mark.subprocess
 def test_script_with_finite_inputs_exits_zero(tmp_path: Path) -> None:
     # GIVEN a real repro whose saved inputs are replaced by small values
     kw = _step(ExpNet(), torch.float32)

@@ -187,6 +187,7 @@ def test_a_clean_run_is_unchanged_by_the_callback(tmp_path: Path) -> None:
     assert not (tmp_path / "nan").exists()
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_processes_stop_together_and_the_rank_that_saw_it_writes(tmp_path: Path) -> None:
     # GIVEN a 2-process run (torchrun, gloo on the CPU) where only rank 1's weight turns inf as step 3 begins
@@ -211,6 +212,7 @@ def test_an_option_the_guard_does_not_take_fails_when_the_callback_is_made(tmp_p
         NanhuntCallback(dump_dir=tmp_path, on_fail="stop")
 
 
+@pytest.mark.subprocess
 def test_importing_nanhunt_imports_no_framework() -> None:
     # GIVEN a fresh interpreter  WHEN nanhunt, its Guard, capture code and the integrations package are imported
     code = ("import sys, nanhunt, nanhunt.guard.guard, nanhunt.capture.capture, nanhunt.integrations; "

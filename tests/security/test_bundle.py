@@ -354,6 +354,7 @@ def unwritable_dir(tmp_path: Path) -> Iterator[Path]:
         d.chmod(0o700)
 
 
+@pytest.mark.subprocess
 def test_an_unwritable_bundle_directory_fails_before_the_replay(overflow: list[str], unwritable_dir: Path,
                                                                 no_replay: None,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:

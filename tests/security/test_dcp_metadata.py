@@ -94,6 +94,7 @@ def test_a_field_of_the_wrong_type_is_one_line(tmp_path: Path, capsys: pytest.Ca
                                                f".metadata is damaged: {said}")
 
 
+@pytest.mark.subprocess
 def test_ten_megabytes_of_empty_sets_are_refused_before_unpickling(tmp_path: Path) -> None:
     # GIVEN a 10 MB .metadata of ten million EMPTY_SET opcodes (unpickled: 2.75 GB of sets)
     cap = one_rank_capture(tmp_path / "cap")
@@ -117,6 +118,7 @@ def _sparse_memo() -> bytes:
     return b"\x80\x04N" + b"r" + struct.pack("<I", 1 << 26) + b"."
 
 
+@pytest.mark.subprocess
 def test_a_key_nested_a_hundred_thousand_deep_is_one_line_not_a_crash(tmp_path: Path) -> None:
     # GIVEN a .metadata whose dict key is a tuple nested 100k deep (hashing it recursed through the C stack)
     cap = one_rank_capture(tmp_path / "cap")
@@ -236,6 +238,7 @@ def test_a_dataclass_of_the_metadata_left_as_dcp_writes_it_loads(tmp_path: Path)
     assert sorted(state["model"]) == ["bias", "weight"]
 
 
+@pytest.mark.subprocess
 def test_an_entry_whose_pickle_nests_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> None:
     # GIVEN a capture directory whose weight's stored bytes are a 1.8 kB torch file nesting a key a million deep
     from tests.security.hostile import deep_pickle

@@ -172,6 +172,7 @@ def test_tensor_without_dense_data_is_refused(kind: str, tmp_path: Path, capsys:
     assert "['w']" in _one_line(code, err)
 
 
+@pytest.mark.subprocess
 def test_malformed_files_as_a_subprocess(tmp_path: Path) -> None:
     # GIVEN a '.' checkpoint and a batch nested 700 deep
     (tmp_path / "dot.pt").write_bytes(b".")

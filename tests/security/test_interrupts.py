@@ -530,7 +530,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ("report.md", "report.json", "report.html", "report.png", "repro.py", "repro_inputs.pt")
 REPLAY = ["--model", "fixtures.models:MLP", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"]
 # Where the command line writes the report and the bundle (the renderers are left out: no file changes there)
-WRITING = tuple(NANHUNT + f for f in (os.path.join("cli", "__init__.py"), os.path.join("_util", "_bundle.py"),
+WRITING = tuple(NANHUNT + f for f in (os.path.join("cli", "replay.py"), os.path.join("cli", "_common.py"),
+                                      os.path.join("_util", "_bundle.py"),
                                       os.path.join("_util", "_files.py"), os.path.join("_util", "_interrupt.py"),
                                       os.path.join("report", "__init__.py")))
 
@@ -640,6 +641,7 @@ class Sleepy(nn.Module):
 """
 
 
+@pytest.mark.subprocess
 def test_sigterm_during_a_replay_puts_everything_back_and_exits_143(tmp_path: Path) -> None:
     import subprocess
     import time

@@ -91,6 +91,7 @@ def test_what_a_capture_writes_still_resolves(name: str, what: str, expected: An
     assert resolve(name, what=what, trusted=False) is expected
 
 
+@pytest.mark.subprocess
 def test_a_stdlib_module_is_refused_before_it_is_imported() -> None:
     # GIVEN a capture naming a class in a standard-library module that runs code when imported
     # (antigravity opens a web browser), not imported yet
@@ -368,6 +369,7 @@ LINEAR = {"in_features": 2, "out_features": 2}
 SHADOWS = ("networkx", "rich", "typing_extensions", "numpy")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv", [["--version"], ["replay", "CK", "BT", "--no-bisect"]],
                          ids=["version", "replay"])
 def test_python_m_nanhunt_imports_nothing_from_the_current_directory(tmp_path: Path, argv: list[str]) -> None:
@@ -410,6 +412,7 @@ def test_an_optimizer_defined_in_a_script_is_confirmed_by_optimizer(tmp_path: Pa
     assert main(["compare", *files, "--optimizer", f"{script}:MyOpt"]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_a_huge_torch_nn_model_is_checked_on_meta_before_it_is_allocated(tmp_path: Path) -> None:
     # GIVEN a 2 KB capture naming torch.nn's Linear with 18000 x 18000 features (1.3 GB of float32) over a 4 x 4
     # weight

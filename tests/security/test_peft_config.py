@@ -261,6 +261,7 @@ def test_module_names_and_suffixes_are_not_patterns(tmp_path: Path) -> None:
     assert [n for n, p in load_step(ck, bt).model.named_parameters() if p.requires_grad] == TRAINABLE
 
 
+@pytest.mark.subprocess
 def test_a_rank_of_four_million_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
     from tests.helpers_peak import run_nanhunt
 

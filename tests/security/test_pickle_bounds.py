@@ -100,6 +100,7 @@ def test_torch_bytes_in_memory_get_the_checks_of_a_file() -> None:
     check_bytes(buf.getvalue(), name="the data of 'w'")
 
 
+@pytest.mark.subprocess
 def test_key_nested_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> None:
     # GIVEN a 1.4 kB checkpoint whose dict key is a tuple nested a million deep (hashing it overflowed the C stack)
     path = _write(tmp_path, "deep.pt", hostile.deep_pickle(1_000_000))
@@ -109,6 +110,7 @@ def test_key_nested_a_million_deep_is_one_line_not_a_crash(tmp_path: Path) -> No
     assert f"checkpoint {path!r} nests containers more than 64 levels deep" in line, line
 
 
+@pytest.mark.subprocess
 def test_decoy_pickle_listed_first_does_not_hide_the_one_torch_reads(tmp_path: Path) -> None:
     # GIVEN a checkpoint holding a harmless archive/decoy/data.pkl listed before the archive/data.pkl torch reads
     # (in the directory of the first member), a key nested a million deep
@@ -155,6 +157,7 @@ def test_many_marks_unclosed_are_refused(tmp_path: Path, capsys: pytest.CaptureF
 
 
 # ------------------------------------------------------------------ memory
+@pytest.mark.subprocess
 def test_eight_million_empty_lists_are_refused_in_bounded_memory(tmp_path: Path) -> None:
     # GIVEN an 8 kB checkpoint whose deflated data.pkl makes 8 million empty lists (3.3 GB once loaded)
     path = _write(tmp_path, "lists.pt", hostile.many_lists(8_000_000))
@@ -165,6 +168,7 @@ def test_eight_million_empty_lists_are_refused_in_bounded_memory(tmp_path: Path)
     assert peak < GIB, peak
 
 
+@pytest.mark.subprocess
 def test_deflated_gib_of_zeros_in_a_batch_is_refused_before_reading(tmp_path: Path) -> None:
     # GIVEN a 4.5 MB batch whose inputs' storage is a GiB of deflated zeros (deflated harder, 1 MB: the same)
     path = _write(tmp_path, "batch.pt", hostile.zero_storage_batch(1024))
@@ -203,6 +207,7 @@ def test_directory_entries_sharing_one_member_are_refused_before_any_crc(tmp_pat
 
 
 # -------------------------------------------------------------------- JSON
+@pytest.mark.subprocess
 def test_report_of_a_40_mib_json_is_refused_in_bounded_memory(tmp_path: Path) -> None:
     # GIVEN a 40 MiB JSON array of empty arrays (a 99 MB one took 2.45 GB to parse)
     path = _write(tmp_path, "big.json", hostile.big_json(40))

@@ -480,6 +480,7 @@ def test_picture_puts_infinite_errors_in_their_own_column() -> None:
     assert len(zero) == 1 and len(zero[0].get_offsets()) == 1  # small: exact
 
 
+@pytest.mark.subprocess
 def test_picture_leaves_no_pyplot_state() -> None:
     # A fresh interpreter: drawing must not import pyplot nor register a figure anywhere.
     code = ("import sys, json; sys.path.insert(0, 'tests'); from tests.unit.test_compare_report import sample_comparison; "

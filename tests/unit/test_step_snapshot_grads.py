@@ -39,6 +39,7 @@ def test_a_grad_in_a_numpy_array_s_memory_stays_on_its_parameter(tmp_path: Path)
     assert bool((g == 0.5).all())
 
 
+@pytest.mark.subprocess
 def test_grads_in_shared_memory_survive_a_disk_snapshot(tmp_path: Path) -> None:
     # GIVEN a model whose grads live in shared memory (model.share_memory(): Hogwild, torch.multiprocessing)
     script = textwrap.dedent(f"""
@@ -96,6 +97,7 @@ def test_a_restore_failing_half_way_leaves_the_grads_on_their_parameters(tmp_pat
     assert torch.equal(g, want)
 
 
+@pytest.mark.subprocess
 def test_a_grad_the_optimizer_state_also_holds_survives_a_disk_snapshot(tmp_path: Path) -> None:
     # GIVEN an optimizer that keeps the last gradient in its state by reference (set_to_none gives a fresh
     # tensor each step, so no copy is needed): one tensor is both a .grad and an optimizer state entry
