@@ -52,17 +52,20 @@ def name_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_writable(path: str, fmt: str | None = None) -> None:
-    """Fail on a report path that cannot be written before the long replay, not after it: its directory,
-    and every file the report writes there (an HTML page's picture too) is absent or a regular file."""
-    from .._util._files import check_target
+    """Fail on a report path that cannot be written before the long replay, not after it: its directory (made
+    when the report is written, as a bundle's is, when missing), and every file the report writes there (an HTML
+    page's picture too) is absent or a regular file."""
+    from .._util._files import check_directory, check_target
     from ..report import targets
 
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
+    if os.path.lexists(parent) and not os.path.isdir(parent):
+        raise CommandError(f"cannot write {path!r}: {parent!r} is not a directory; give a path in a directory")
     if not os.path.isdir(parent):
-        what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise CommandError(f"cannot write {path!r}: {parent!r} {what}; give a path in an existing directory")
+        check_directory(parent, what="the report's directory")  # can be made: nothing is in it to check
+        return
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CommandError(f"cannot write {path!r}: the directory {parent!r} is not writable; give another path")
     for p in targets(path, fmt):

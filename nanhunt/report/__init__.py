@@ -60,10 +60,15 @@ def targets(path: str, fmt: str | None = None) -> list[str]:
 def write(report: Report, path: str, fmt: str | None = None) -> list[str]:
     """Write ``report`` to ``path`` in ``fmt`` (default: the format its suffix names); beside an HTML
     page, also its picture (``page.png`` next to ``page.html``), to attach to a ticket. Returns the
-    paths written. Each file is written new and renamed onto its name: a symbolic link at a name is
-    refused, never written through."""
+    paths written. Its directory is made if missing. Each file is written new and renamed onto its
+    name: a symbolic link at a name is refused, never written through."""
     render = renderer_for(path) if fmt is None else render_for_format(fmt)
     paths = targets(path, fmt)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CommandError(f"cannot create {directory!r}: {e.strerror}") from e
     if len(paths) == 1:
         write_file(path, render(report))
         return paths

@@ -347,6 +347,20 @@ def test_the_reproduce_command_is_the_one_main_was_given(tmp_path: Path) -> None
     assert rep.command is not None and rep.command.startswith("nanhunt replay ") and "--no-bisect" in rep.command
 
 
+def test_a_report_in_a_missing_directory_makes_it_as_a_bundle_does(tmp_path: Path) -> None:
+    # GIVEN a report path two directories below any that exist
+    out = tmp_path / "reports" / "nan" / "r.html"
+    # WHEN the replay writes it, and `nanhunt report` another format of it beside
+    assert main(["replay", *_pair("nan_weight"), "--no-bisect", "--report", str(out)]) == 1
+    json_out = tmp_path / "more" / "r.json"
+    assert main(["replay", *_pair("nan_weight"), "--no-bisect", "--report", str(json_out)]) == 1
+    assert main(["report", str(json_out), "-o", str(tmp_path / "again" / "r.md")]) == 0
+    # THEN the directories are made and hold the report (the HTML page its picture too)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["r.html", "r.png"]
+    assert Report.from_json(json_out.read_text()).command is not None
+    assert (tmp_path / "again" / "r.md").read_text().startswith("#")
+
+
 @pytest.mark.subprocess
 def test_a_bundle_s_replay_command_works_from_the_bundle_directory(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
