@@ -182,7 +182,7 @@ def test_scaled_gradient_overflow_after_a_silent_forward_origin_is_scale_induced
     rep = nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16),
                          bisect=True)
     # the forward origin (clamped) is silent; the leading one is the scaled gradient overflow that reaches
-    # the gradients (issue 13: the headline follows the first origin that reaches a sink)
+    # the gradients (the headline follows the first origin that reaches a sink)
     assert rep.first is not None and not rep.first.silent and rep.first.phase.value == "backward"
     assert rep.origins[0].silent and rep.origins[0].phase.value == "forward"
     v = verdict_of(rep)

@@ -1,6 +1,6 @@
-"""``nanhunt compare`` when the autocast run is non-finite (issue 17): non-finite samples are their own category,
+"""``nanhunt compare`` when the autocast run is non-finite: non-finite samples are their own category,
 never flips; the console shows the counts per category and the worst rows, the other formats every row. And
-``--speed``'s peak memory on CPU (issue 18): measured where Linux lets the peak RSS be reset, "not measured"
+``--speed``'s peak memory on CPU: measured where Linux lets the peak RSS be reset, "not measured"
 elsewhere (structure only: no number is asserted).
 
 Goldens: ``tests/golden/compare.nonfinite.{txt,md}`` from a real run of :class:`Mixed`; regenerate with

@@ -1,4 +1,4 @@
-"""``nanhunt compare --report``'s history (issue 18): a rule widened after a failing run of the same checkpoint is
+"""``nanhunt compare --report``'s history: a rule widened after a failing run of the same checkpoint is
 visible in the new report as a warning naming the earlier rule's hash and the clause it failed.
 
 The history is ``nanhunt-compare-history.jsonl`` in the report's directory, one JSON object per run.

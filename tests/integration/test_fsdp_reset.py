@@ -1,6 +1,6 @@
 """A step replayed under FSDP2 starts every run as the first one did: FSDP2 keeps each parameter's all-gather
 buffers from one step to the next (memory freed after use, grown back before the next all-gather), and a later
-run's trace must not read what that memory held as values entering the step (issue 14: the torchrun replay's
+run's trace must not read what that memory held as values entering the step (it did: the torchrun replay's
 float32 control named ``('input', None, None)`` in about 1 run of 6)."""
 
 from __future__ import annotations

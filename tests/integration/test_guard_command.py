@@ -1,4 +1,4 @@
-"""The replay command a Guard prints works when pasted as printed (issue 15, item 3): names defined in the
+"""The replay command a Guard prints works when pasted as printed: names defined in the
 training script (``__main__``) are recorded by the script's path, local modules and plain functions are
 confirmed in the command, and a replay missing several confirmations lists them all at once."""
 

@@ -1,4 +1,4 @@
-"""nanhunt inspect on a healthy checkpoint (issue 17): the tensors closest to the dtype limits, the optimizer's
+"""nanhunt inspect on a healthy checkpoint: the tensors closest to the dtype limits, the optimizer's
 second moments against eps, what the GradScaler state means; a batch file refused with exit 2.
 
 Goldens (``tests/golden/inspect_*.txt``) at width 100; regenerate with NANHUNT_UPDATE_GOLDEN=1 and read the diff.

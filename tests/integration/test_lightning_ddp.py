@@ -1,4 +1,4 @@
-"""The Lightning callback under DDP (issue 15): a real 2-process Lightning run (torchrun, gloo on the CPU) where
+"""The Lightning callback under DDP: a real 2-process Lightning run (torchrun, gloo on the CPU) where
 only rank 1's weights turn inf: both ranks stop at the same optimizer step, only rank 1 writes its capture, and
 the capture replays on one process."""
 

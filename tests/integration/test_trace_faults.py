@@ -241,7 +241,7 @@ def test_origin_carries_full_statistics() -> None:
     with nanhunt.trace(m, full_stats=True) as t:
         m(torch.ones(2, 4)).sum().backward()
     occ = assert_where(t.first, phase=Phase.FORWARD, module="act", op="aten::exp", kind="inf")
-    # THEN the "full set for the tensors that matter" is there: counts for output and inputs
+    # THEN the full statistics of the tensors that matter are there: counts for output and inputs
     assert occ.output.full is not None
     assert (occ.output.full.posinf, occ.output.full.nan, occ.output.full.numel) == (2, 0, 16)
     assert all(r.full is not None for r in occ.inputs)

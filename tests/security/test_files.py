@@ -1,4 +1,4 @@
-"""Damaged, malformed and hostile input files (issue 19): one error line and exit 2, or a correct replay.
+"""Damaged, malformed and hostile input files: one error line and exit 2, or a correct replay.
 
 Loading lives in ``nanhunt/_util/_safeload.py``: a zip archive's CRC-32s are checked before torch reads it,
 a file that is no torch file is said to be one, ``--trust-pickle`` is suggested only for a valid pickle

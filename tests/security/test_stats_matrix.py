@@ -1,6 +1,6 @@
 """The statistics work under every dtype x autocast combination, and nanhunt's exit never hides the user's exception.
 
-Issue 19: a ``.half()`` model traced inside ``torch.autocast("cpu", dtype=torch.bfloat16)`` raised
+The case behind it: a ``.half()`` model traced inside ``torch.autocast("cpu", dtype=torch.bfloat16)`` raised
 ``Unexpected floating ScalarType in at::autocast::prioritize`` from the statistics' read-back (``torch.stack`` is
 on autocast's "promote" list, which refuses float16 under a bfloat16 autocast and bfloat16 under a float16 one),
 and that error replaced the user's own exception, a KeyboardInterrupt included.

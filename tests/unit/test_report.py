@@ -262,7 +262,7 @@ def test_html_self_contained_with_picture() -> None:
 
 
 def test_report_order() -> None:
-    # The order: verdict, birth place, the op's tensors, path, bisection + fix, GradScaler, environment, command.
+    # The order: verdict, birth place, the op's tensors, path, bisection + fix, GradScaler, environment, command.
     md = render("md", sample_report())
     marks = ["Inf born in phase forward", "#### Where it was born", "#### The op's tensors", "#### Propagation path",
              "#### Bisection", "Suggested fix", "#### GradScaler", "#### Environment", "#### Reproduce",
