@@ -19,6 +19,7 @@ import stat
 from ._errors import CommandError
 from ._files import check_target, write_file
 from ._interrupt import atomic
+from ._text import few
 
 __all__ = ["MARKER", "claim", "earlier_bundle", "Staging"]
 
@@ -52,10 +53,6 @@ def _marked(directory: str) -> bool:
         os.close(fd)
 
 
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def earlier_bundle(directory: str) -> list[str]:
     """The files of an earlier bundle in ``directory``: none when it is absent or empty. Raises a one-line
     :class:`CommandError` when it holds anything nanhunt did not write: a file at a bundle's name that is not a
@@ -73,12 +70,12 @@ def earlier_bundle(directory: str) -> list[str]:
             check_target(os.path.join(directory, name))
     if entries and not _marked(directory):
         raise CommandError(f"refusing to write a bundle into {directory!r}: it holds files nanhunt did not write "
-                           f"({_few(entries)}), which the bundle would replace or delete; give a new or empty "
+                           f"({few(entries)}), which the bundle would replace or delete; give a new or empty "
                            "directory, or remove them")
     foreign = [e for e in entries if e not in names and e != MARKER]
     if foreign:
         raise CommandError(f"refusing to replace the bundle in {directory!r}: it also holds files nanhunt did not "
-                           f"write ({_few(foreign)}), which replacing it would delete; move them out, or give "
+                           f"write ({few(foreign)}), which replacing it would delete; move them out, or give "
                            "another directory")
     return [n for n in names if n in entries]
 

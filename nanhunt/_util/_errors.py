@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ._text import dtype_name
+
 if TYPE_CHECKING:
     import torch
 
@@ -82,7 +84,7 @@ class Stop:
 
 
 def _shapes(ts: tuple[torch.Tensor, ...]) -> str:
-    return ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in ts)
+    return ", ".join(f"{dtype_name(t.dtype)}{list(t.shape)}" for t in ts)
 
 
 def _stop_message(occ: Occurrence, stop: Stop | None) -> str:

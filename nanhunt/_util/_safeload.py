@@ -34,6 +34,7 @@ from typing import IO, Any, cast
 import torch
 
 from ._errors import CommandError, first_line as _first_line
+from ._text import escaped, few
 
 __all__ = ["load_file", "check_bytes", "read_json", "parse_json"]
 
@@ -141,7 +142,7 @@ def _check_stream(f: io.BufferedIOBase, name: str, size: int) -> bool:
         # torch would unpickle it whole before finding no magic number: with --trust-pickle, run its code
         f.seek(0)
         bad = _forbidden(_scan_pickle(f))
-        runs = f" (it names {_few(bad)}, which would run code if unpickled)" if bad else ""
+        runs = f" (it names {few(bad, show=escaped)}, which would run code if unpickled)" if bad else ""
         raise CommandError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
                            f"file{runs}; save it with torch.save")
     _check_pickles(f, name, legacy=True)
@@ -531,9 +532,9 @@ def _explain(path: str, name: str, is_zip: bool, e: Exception) -> str:
     bad = _forbidden(names)
     missing = [n for n in bad if not _exists(n)]
     if missing:  # a name no installed code has: a damaged name, not an object to trust
-        return f"{name} is corrupt: its pickle names {_few(missing)}, which does not exist"
+        return f"{name} is corrupt: its pickle names {few(missing, show=escaped)}, which does not exist"
     if bad:
-        return (f"{name} holds pickled Python objects ({_few(bad)}), which run code when loaded; "
+        return (f"{name} holds pickled Python objects ({few(bad, show=escaped)}), which run code when loaded; "
                 "if you trust its source, rerun with --trust-pickle")
     if isinstance(e, pickle.UnpicklingError):
         # a valid pickle of allowed names that the safe loader still refuses (an opcode it lacks)
@@ -614,12 +615,6 @@ def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None
 def _at(where: tuple[object, ...]) -> str:
     s = "".join("..." if k is ... else f"[{k!r}]" for k in where) or "the top level"
     return s if len(s) <= 200 else s[:197] + "..."
-
-
-def _few(names: list[str], n: int = 3) -> str:
-    """The first names, control characters escaped: they come from the file."""
-    shown = [s.encode("unicode_escape").decode("ascii") for s in names[:n]]
-    return ", ".join(shown) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 def _reason(e: BaseException) -> str:

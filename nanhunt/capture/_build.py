@@ -14,9 +14,10 @@ from torch import nn
 
 from . import _names
 from .._util._errors import CommandError, first_line as _first_line
+from .._util._text import dtype_name, few
 from ._hf import _through_training_step
 from ._resolve import resolve
-from ._statedict import _few, map_state_dict
+from ._statedict import map_state_dict
 
 
 @dataclass
@@ -222,16 +223,12 @@ def _check_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
     cast silently by ``load_state_dict`` (int, bool or complex weights into float ones, float into int
     buffers) and change what the values mean."""
     own = model.state_dict(keep_vars=True)
-    bad = [f"{k} ({_dtype_name(v)} in the checkpoint, {_dtype_name(own[k])} in the model)"
+    bad = [f"{k} ({dtype_name(v.dtype)} in the checkpoint, {dtype_name(own[k].dtype)} in the model)"
            for k, v in sd.items() if k in own and v.dtype != own[k].dtype
            and not (v.is_floating_point() and own[k].is_floating_point())]
     if bad:
-        raise CommandError(f"checkpoint dtypes don't match the model: {_few(bad)}; nanhunt converts only between "
+        raise CommandError(f"checkpoint dtypes don't match the model: {few(bad)}; nanhunt converts only between "
                            "floating dtypes — is --model the factory that built this checkpoint?")
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 def _take_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._util._errors import CommandError
+from .._util._text import dtype_name, few as _few
 
 
 _PREFIXES = ("module", "_orig_mod")  # DDP, torch.compile
@@ -92,16 +93,11 @@ def _candidates(key: str) -> list[tuple[int, str | None, str]]:
     return out
 
 
-def _few(items: list[str], n: int = 3) -> str:
-    more = f" (+{len(items) - n} more)" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
-
-
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parse_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name.replace("torch.", "")]
+        return _DTYPES[dtype_name(name)]
     except KeyError:
         raise CommandError(f"unknown dtype {name!r}; use float16, bfloat16 or float32") from None

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..distributed import _dcp
 from . import _names
+from .._util._text import dtype_name
 from .._util._tree import map_tensors
 from .._util._wrappers import user_class
 from ..step.step import rng_state, split_batch
@@ -128,7 +129,7 @@ def capture_record(
         "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),
         "autocast": {
             "device_type": device_type or dev.type,
-            "dtype": str(dtype or torch.float16).replace("torch.", ""),
+            "dtype": dtype_name(dtype or torch.float16),
         },
         "torch_version": str(torch.__version__),
         "device": str(dev),

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._util._errors import CommandError
+from .._util._text import dtype_name
 from .capture import load_file
 from ..records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Inspection, TensorSummary
 
@@ -41,7 +42,7 @@ class _Found(NamedTuple):
 def _summary(found: _Found) -> TensorSummary:
     """One tensor's statistics: reductions on its device, one read-back of a few scalars."""
     name, t, eps, _ = found
-    dtype = str(t.dtype).replace("torch.", "")
+    dtype = dtype_name(t.dtype)
     x = t.detach()
     if x.numel() == 0:
         return TensorSummary(name, dtype, tuple(x.shape), 0, 0, 0.0, numel=0, eps=eps)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._util._errors import CommandError, NanhuntError, visible
+from .._util._text import dtype_name
 from ._common import (EXIT_CLEAN, EXIT_NONFINITE, check_writable, command_line, name_options, print_rich,
                       step_failed, warn_trust_pickle)
 
@@ -91,7 +92,7 @@ class CompareCommand:
         for n in step.notes:
             print(visible(f"warning: {n}"), file=sys.stderr)
         # A capture taken in float32 has no autocast dtype to compare: float16 then.
-        dtype = args.dtype or ["float16" if str(step.dtype) == "torch.float32" else str(step.dtype)]
+        dtype = args.dtype or ["float16" if dtype_name(step.dtype) == "float32" else dtype_name(step.dtype)]
         batches = _load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
         # Fixed before the run: printed (stderr: stdout starts with the verdict) and hashed into the report.
         print(visible(f"rule (fixed before the run): {rule.canonical()}"), file=sys.stderr)

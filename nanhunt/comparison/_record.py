@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._util._text import dtype_name
 from .._util._tree import map_tensors
 from ..records import Occurrence
 from ..step._run import _backward, _call_model, _loss_of
@@ -30,7 +31,7 @@ def _floats(obj: Any) -> tuple[list[torch.Tensor], list[str]]:
         if isinstance(o, torch.Tensor):
             if o.is_floating_point():
                 out.append(o.detach().to("cpu", torch.float32, copy=True))
-                dtypes.append(str(o.dtype).replace("torch.", ""))
+                dtypes.append(dtype_name(o.dtype))
         elif isinstance(o, Mapping):
             for v in o.values():
                 visit(v, depth + 1)

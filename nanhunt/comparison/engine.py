@@ -42,6 +42,7 @@ from torch import nn
 from .._util._errors import CommandError
 from ..records import Comparison, Report, Rule, Speed
 from .._util._env import environment
+from .._util._text import dtype_name
 from ..step.step import Step, split_batch
 from ._batch import _Candidate, _compare_batch, _reference_failed, _total
 from ._defaults import TASKS, TIE_RULE, _Rule, _as_dtype, default_tolerances
@@ -145,10 +146,10 @@ class _Comparer:
         self.scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         self.is_set = is_set
         self.need_quality = rule.max_quality_drop is not None or rule.min_quality is not None or metric_given
-        self.low = sorted({str(p.dtype).replace("torch.", "") for p in self.model.parameters()
+        self.low = sorted({dtype_name(p.dtype) for p in self.model.parameters()
                            if p.is_floating_point() and p.dtype != torch.float32})
         self.sets = _batch_sets(named, self.low)
-        self.names = [str(d).replace("torch.", "") for d in self.dts]
+        self.names = [dtype_name(d) for d in self.dts]
 
     def config(self, speed: int) -> dict[str, Any]:
         rule, dts, loss_fn = self.rule, self.dts, self.loss_fn

@@ -39,6 +39,7 @@ from torch import nn
 from .._util._errors import CommandError, first_line as _first_line
 from .._util import _dispatch
 from .._util._safeload import check_bytes, parse_json
+from .._util._text import dtype_name
 from ._dcp_metadata import _check_budget, _lists, _load, _read_metadata, _read_tensor, _set_nested, _storage_index, not_linked
 from ._dcp_metadata import _few as _few, _short as _short  # re-exported: the torchrun replay words its errors so
 
@@ -102,7 +103,7 @@ def fsdp_layout(module: nn.Module) -> list[dict[str, Any]]:
                 if not state._auto_reshard_after_forward:
                     entry["reshard_after_forward"] = group.post_forward_mesh_info is not None
             mp = state._mp_policy
-            entry["mp_policy"] = {k: None if getattr(mp, k) is None else str(getattr(mp, k)).replace("torch.", "")
+            entry["mp_policy"] = {k: None if getattr(mp, k) is None else dtype_name(getattr(mp, k))
                                   for k in ("param_dtype", "reduce_dtype", "output_dtype")}
             entry["mp_policy"]["cast_forward_inputs"] = bool(mp.cast_forward_inputs)
         out.append(entry)

@@ -17,6 +17,7 @@ import torch
 from .._util._errors import CommandError, first_line as _first_line
 from .._util import _dispatch
 from .._util._safeload import check_bytes
+from .._util._text import few
 
 
 # a .metadata holds a few kB per tensor; a tensor is stored in about as many chunks as ranks wrote it
@@ -496,5 +497,4 @@ def _short(value: Any, n: int = 80) -> str:
 
 
 def _few(items: list[str], n: int = 3) -> str:
-    shown = ", ".join(_short(i, 60) for i in items[:n])
-    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
+    return few(items, n, show=lambda i: _short(i, 60))

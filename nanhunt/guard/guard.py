@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed import _fsdp1
 from .._util._dispatch import local_tensor, tensor_version
 from .._util._errors import GuardError
+from .._util._text import dtype_name
 from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
 from .._util._interrupt import atomic
 from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, seen
@@ -778,7 +779,7 @@ def _fp32_regions(model: nn.Module) -> tuple[str, ...]:
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "float32 (no autocast)" if dtype is None else str(dtype).replace("torch.", "")
+    return "float32 (no autocast)" if dtype is None else dtype_name(dtype)
 
 
 def _nonfinite_weights(model: nn.Module, params: list[torch.Tensor]) -> str | None:

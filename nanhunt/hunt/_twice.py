@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._util._text import dtype_name
 from ..tracing.graph import loss_index
 from ..records import Occurrence, Phase, Record, Role
 from ..step.step import Step
@@ -72,7 +73,7 @@ def step_config(step: Step, level: str) -> dict[str, Any]:
     """What the step is replayed with (read before it runs: the scaler's scale)."""
     loss_fn, optimizer, scaler = step.loss_fn, step.optimizer, step.scaler
     config: dict[str, Any] = {
-        "dtype": str(step.dtype).replace("torch.", ""),
+        "dtype": dtype_name(step.dtype),
         "device_type": step.device_type,
         "level": level,
         "train": step.model.training if step.train is None else step.train,

@@ -42,6 +42,7 @@ from .._util import _dispatch
 from .._util._bundle import INPUTS, SCRIPT, claim
 from .._util._tree import iter_leaves, iter_tensors, map_tensors
 from .._util._files import new_file, write_file
+from .._util._text import dtype_name
 from ..capture.capture import split_batch
 from ..tracing._ops import read_tensors
 from ..tracing.locate import FACTORS, factor_negative, origin_kind
@@ -133,7 +134,7 @@ def _born(call: OriginCall, kind: str, args: tuple[Any, ...], kwargs: dict[str, 
 def _went(kind: str, outs: list[torch.Tensor], dtype: str | None = None, shape: tuple[int, ...] | None = None) -> bool:
     """An output (of the recorded dtype and shape, when given) holds the kind of non-finite value."""
     for o in outs:
-        if dtype is not None and str(o.dtype).replace("torch.", "") != dtype:
+        if dtype is not None and dtype_name(o.dtype) != dtype:
             continue
         if shape is not None and tuple(o.shape) != shape:
             continue
@@ -423,7 +424,7 @@ def write_repro(call: OriginCall, occurrence: Occurrence, directory: str, *, cap
 
 
 def _name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).replace("torch.", "")
+    return None if dtype is None else dtype_name(dtype)
 
 
 def _first_line(e: BaseException) -> str:

@@ -10,12 +10,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .._util._text import dtype_name
+
 __all__ = ["DTYPE_NAMES", "FLOATISH", "MAX_NEST", "TensorMap", "floatish", "input_shapes", "layout", "storage_key",
            "tensors"]
 
 _V = TypeVar("_V")
 
-DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).replace("torch.", "") for d in vars(torch).values()
+DTYPE_NAMES: dict[torch.dtype, str] = {d: dtype_name(d) for d in vars(torch).values()
                                        if isinstance(d, torch.dtype)}
 # Tensors whose values can be NaN/Inf: floating (float8 included) and complex.
 FLOATISH = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
