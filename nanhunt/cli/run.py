@@ -156,6 +156,10 @@ def _summary(attached: Any, target: str, code: int, stopped: GuardError | None, 
         _say(event.describe())
     if stopped is not None:
         _say(f"stopped {name}: {stopped.event.describe()}")
+        world = os.environ.get("WORLD_SIZE", "1")
+        command = stopped.event.replay_command()
+        if command and stopped.event.batch is None and world != "1":
+            _say(f"replay every rank's part with: torchrun --nproc-per-node {world} -m {command}")
         if note:
             _say(note)
         return EXIT_STOPPED

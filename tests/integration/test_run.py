@@ -1,0 +1,250 @@
+"""``nanhunt run SCRIPT``: real training scripts nanhunt never edits (tests/run_scripts/), each with a known bad
+step, run as a user runs them; the replay command each prints is pasted into a shell in another directory and
+must name the culprit. A clean run under ``nanhunt run`` gives the same losses, bit for bit, as without it, and
+the process is left as it was (every patch taken out, ``sys.argv`` and ``sys.path`` back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanhunt.cli import main as cli_main
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "run_scripts"
+ENV_DROP = ("NANHUNT_TRUST_NAMES",)  # a user's shell: nothing trusted beforehand
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DROP}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return env
+
+
+def _python(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _nanhunt_run(script: str, *args: str, cwd: Path, options: tuple[str, ...] = ()
+                 ) -> subprocess.CompletedProcess[str]:
+    return _python(["-m", "nanhunt", "run", *options, str(SCRIPTS / script), *args], cwd)
+
+
+def _printed_command(stderr: str) -> str:
+    """The replay command of the line ``nanhunt run: stopped ...``."""
+    line = next(x for x in stderr.splitlines() if x.startswith("nanhunt run: stopped"))
+    return "nanhunt replay " + line.split("nanhunt replay ", 1)[1]
+
+
+def _paste(command: str, cwd: Path, report: Path) -> tuple[int, dict[str, object]]:
+    """Run a printed ``nanhunt ...`` or ``torchrun ... -m nanhunt ...`` line from ``cwd``; its JSON report."""
+    argv = shlex.split(command)
+    if argv[0] == "torchrun":
+        argv = ["-m", "torch.distributed.run", "--standalone", *argv[1:]]
+    else:
+        assert argv[0] == "nanhunt"
+        argv = ["-m", "nanhunt", *argv[1:]]
+    done = _python([*argv, "--report", str(report)], cwd)
+    assert report.exists(), done.stderr[-3000:]
+    return done.returncode, json.loads(report.read_text())
+
+
+def _first(report: dict[str, object]) -> tuple[str, str, str]:
+    first = report["first"]
+    assert isinstance(first, dict)
+    return first["phase"], first["module"], first["op"]
+
+
+@pytest.fixture()
+def elsewhere(tmp_path: Path) -> Path:
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    return where
+
+
+def test_plain_float16_loop_stops_at_the_bad_step_and_its_command_names_fc1(tmp_path: Path, elsewhere: Path) -> None:
+    # GIVEN a float16 + GradScaler loop with module-level argparse whose batch 3 overflows float16 in fc1
+    # WHEN it runs under nanhunt run
+    done = _nanhunt_run("plain_loop.py", "--bad-step", "3", cwd=tmp_path)
+    # THEN the run stops at step 3 (steps 0-2 printed their losses), with exit 1 and the capture's command
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert [line.split()[1] for line in done.stdout.splitlines()] == ["0", "1", "2"]
+    assert "nanhunt run: stopped plain_loop.py: nanhunt.Guard: non-finite loss at step 3" in done.stderr
+    command = _printed_command(done.stderr)
+    assert f"--model {SCRIPTS / 'plain_loop.py'}:Net" in command
+    # AND the command pasted in another directory names fc1's float16 cast of the input
+    rc, report = _paste(command, elsewhere, tmp_path / "r.json")
+    assert rc == 1
+    phase, module, op = _first(report)
+    assert (phase, module) == ("forward", "fc1")
+    assert op in ("aten::addmm", "aten::_to_copy")
+
+
+def test_a_clean_run_gives_the_same_losses_bit_for_bit(tmp_path: Path) -> None:
+    # GIVEN the float16 loop with no bad batch, run with python and under nanhunt run
+    plain = _python([str(SCRIPTS / "plain_loop.py"), "--steps", "8"], tmp_path)
+    watched = _nanhunt_run("plain_loop.py", "--steps", "8", cwd=tmp_path)
+    # THEN both finish with exit 0 and print the same losses (full float repr), and nanhunt says it watched
+    assert plain.returncode == 0 and watched.returncode == 0, watched.stderr[-3000:]
+    assert watched.stdout == plain.stdout and len(plain.stdout.splitlines()) == 8
+    assert "a training loop was watched and no non-finite value was seen" in watched.stderr
+    assert not (tmp_path / "nan-captures").exists()
+
+
+def test_transformers_trainer_script_replays_with_no_argument(tmp_path: Path, elsewhere: Path) -> None:
+    # GIVEN a Trainer script whose own callback turns a weight of h.0.mlp.c_fc Inf at optimizer step 3
+    done = _nanhunt_run("hf_trainer.py", "--bad-step", "3", "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    # THEN nanhunt's callback was attached to the unchanged Trainer: it stops at step 3
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "transformer.h.0.mlp.c_fc.weight holds 1 Inf" in done.stderr
+    command = _printed_command(done.stderr)
+    assert "--model" not in command  # a transformers model: rebuilt from its config
+    # AND the command, pasted elsewhere, names the layer whose weights were already non-finite
+    rc, report = _paste(command, elsewhere, tmp_path / "r.json")
+    assert rc == 1
+    phase, module, _ = _first(report)
+    assert (phase, module) == ("weights", "transformer.h.0.mlp.c_fc")
+
+
+def test_lightning_script_stops_and_its_command_names_the_exp(tmp_path: Path, elsewhere: Path) -> None:
+    done = _nanhunt_run("lightning_fit.py", "--bad-step", "3", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "nanhunt run: stopped lightning_fit.py: nanhunt.Guard: non-finite loss at step 3" in done.stderr
+    command = _printed_command(done.stderr)
+    assert f"--model {SCRIPTS / 'lightning_fit.py'}:ExpNet" in command
+    rc, report = _paste(command, elsewhere, tmp_path / "r.json")
+    assert rc == 1
+    assert _first(report) == ("forward", "", "aten::exp")  # "": the root module
+
+
+def test_accelerate_loop_with_a_functional_loss(tmp_path: Path, elsewhere: Path) -> None:
+    # GIVEN an accelerate loop: accelerator.backward divides the loss; the loss is F.cross_entropy(model(x), y)
+    done = _nanhunt_run("accelerate_loop.py", "--bad-step", "3", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "cannot name" not in done.stderr  # the loss was read from its autograd node
+    rc, report = _paste(_printed_command(done.stderr), elsewhere, tmp_path / "r.json")
+    assert rc == 1
+    assert _first(report) == ("forward", "", "aten::exp")  # "": the root module
+    config = report["config"]
+    assert isinstance(config, dict) and config["loss_fn"] == "cross_entropy"
+
+
+@pytest.mark.distributed
+def test_torchrun_ddp_loop_stops_every_rank_and_replays_under_torchrun(tmp_path: Path, elsewhere: Path) -> None:
+    # GIVEN a DDP loop under torchrun (2 gloo ranks) whose rank 1 overflows exp at step 2
+    from tests.helpers_dist import torchrun
+
+    done = torchrun(["-m", "nanhunt", "run", str(SCRIPTS / "ddp_loop.py"), "--bad-step", "2"], cwd=tmp_path)
+    # THEN both ranks stop at step 2 (rank 1 saw it) and print the torchrun replay line
+    assert done.returncode != 0
+    assert done.stderr.count("non-finite loss at step 2") == 2, done.stderr[-3000:]
+    line = next(x for x in done.stderr.splitlines() if "replay every rank's part with: " in x)
+    command = line.split("replay every rank's part with: ", 1)[1]
+    assert command.startswith("torchrun --nproc-per-node 2 -m nanhunt replay ")
+    rc, report = _paste(command, elsewhere, tmp_path / "r.json")
+    assert _first(report) == ("forward", "", "aten::exp")  # "": the root module
+
+
+def test_continue_records_and_finishes(tmp_path: Path) -> None:
+    done = _nanhunt_run("plain_loop.py", "--bad-step", "2", cwd=tmp_path, options=("--on-fail", "continue"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 6
+    assert (tmp_path / "nan-captures" / "step000002-checkpoint.pt").exists()
+    assert "non-finite loss at step 2" in done.stderr
+
+
+def test_rollback_is_refused_for_a_trainer_in_one_line(tmp_path: Path) -> None:
+    done = _nanhunt_run("hf_trainer.py", "--output_dir", str(tmp_path / "out"), cwd=tmp_path,
+                        options=("--on-fail", "rollback"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "nanhunt: error: --on-fail rollback is for plain training loops: a transformers.Trainer owns its loop, so "
+        "nanhunt cannot skip a batch and go on; use --on-fail stop or continue")
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------- in this process
+
+
+def _patched_state() -> tuple[object, ...]:
+    return (torch.optim.Optimizer.__dict__["__init__"], torch.amp.GradScaler.__dict__["scale"],
+            torch.amp.GradScaler.__dict__["step"], torch.amp.GradScaler.__dict__["update"],
+            torch.Tensor.__dict__["backward"], tuple(sys.meta_path), tuple(sys.argv), tuple(sys.path))
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(body)
+    return path
+
+
+LOOP = """
+import torch
+from torch import nn
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    x = torch.randn(5, 4)
+    opt.zero_grad()
+    loss = {loss}
+    loss.backward()
+    opt.step()
+{tail}
+"""
+
+
+@pytest.mark.parametrize("tail,code", [("", 0), ("raise SystemExit(3)", 3), ("raise ValueError('boom')", 1)])
+def test_the_process_is_left_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str], tail: str, code: int) -> None:
+    # GIVEN a script that trains and then ends normally, exits 3, or raises
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, LOOP.format(loss="model(x).pow(2).mean()", tail=tail))
+    before = _patched_state()
+    # WHEN it runs under nanhunt run in this process
+    rc = cli_main(["run", str(script), "--an-argument"])
+    # THEN its exit code is the script's; every patch is out; argv and path are back
+    assert rc == code
+    assert _patched_state() == before
+    err = capsys.readouterr().err
+    if code == 1:
+        assert "ValueError: boom" in err and "Traceback" in err  # the script's own error, as Python prints it
+        assert "nanhunt: error" not in err
+
+
+def test_a_loss_nanhunt_cannot_name_is_said_at_the_detection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop whose loss is computed by the script's own expression, NaN at the first step
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, LOOP.format(loss="model(x).pow(2).mean() * float('nan')", tail=""))
+    rc = cli_main(["run", str(script)])
+    err = capsys.readouterr().err
+    # THEN it stops at step 0 and says the capture holds the model's inputs only, and why
+    assert rc == 1
+    assert "non-finite loss at step 0" in err
+    assert "the loss is computed from the model's output by code nanhunt cannot name (MeanBackward0)" in err
+
+
+def test_a_script_with_no_training_is_said_to_be_unwatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, "import sys\nprint(sys.argv[1:])\n")
+    assert cli_main(["run", str(script), "a", "--b"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "['a', '--b']\n"
+    assert "nanhunt run: watched nothing in train.py" in err
+
+
+def test_a_missing_script_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run", str(tmp_path / "nope.py")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"nanhunt: error: script {str(tmp_path / 'nope.py')!r} does not exist; give the path of the training script")
