@@ -48,7 +48,7 @@ def main():
         loss = F.cross_entropy(model(xb), yb)
         accelerator.backward(loss)
         optimizer.step()
-        print(f"step {step} loss {loss.item():.6f}")
+        print(f"step {step} loss {loss.item()!r}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
-        print(f"step {step} loss {loss.item():.6f}")
+        print(f"step {step} loss {loss.item()!r}")
 
 
 if __name__ == "__main__":
