@@ -21,6 +21,7 @@ from rich.tree import Tree
 
 from .._util._errors import visible
 from . import _common as _c
+from . import _compare_text as _ct
 from ..records import Comparison, Inspection, Occurrence, Report, TensorDiff
 
 __all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
@@ -247,16 +248,16 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
 
 
 def compare_summary(report: Report) -> str:
-    return visible(_c.compare_summary(report))
+    return visible(_ct.compare_summary(report))
 
 
 def _ranking_table(c: Comparison, limit: int) -> Table:
-    t = Table(title=f"where the error is introduced: {_c.ERROR_DEFINITION}", title_justify="left")
-    for col in _c.RANKING_COLUMNS:
+    t = Table(title=f"where the error is introduced: {_ct.ERROR_DEFINITION}", title_justify="left")
+    for col in _ct.RANKING_COLUMNS:
         t.add_column(col, justify="left" if col == "module call" else "right")
     for rank, i in enumerate(c.ranking[:limit], 1):
         d = c.modules[i]
-        t.add_row(str(rank), _m(d.label() + _c.module_class_text(d)), *_c.ranking_cells(d))
+        t.add_row(str(rank), _m(d.label() + _ct.module_class_text(d)), *_ct.ranking_cells(d))
     return t
 
 
@@ -265,14 +266,14 @@ _KIND_STYLE = {"nonfinite": "bold magenta", "flip": "bold red", "near": "yellow"
 
 def _decisions(c: Comparison) -> list[RenderableType]:
     """The categories, then the worst decisions only: the other formats list every one."""
-    parts: list[RenderableType] = [_t(_c.decisions_head(c), style="bold red" if c.flipped or c.nonfinite else "bold"),
-                                   _t(_c.decision_categories(c))]
-    shown, more = _c.worst_decisions(c)
+    parts: list[RenderableType] = [_t(_ct.decisions_head(c), style="bold red" if c.flipped or c.nonfinite else "bold"),
+                                   _t(_ct.decision_categories(c))]
+    shown, more = _ct.worst_decisions(c)
     if shown:
         t = Table(title="worst first" if more else None, title_justify="left")
-        for col in _c.decision_columns(c):
+        for col in _ct.decision_columns(c):
             t.add_column(col, justify="left" if col in ("sample", "") else "right")
-        for kind, cells in _c.decision_rows(c, shown):
+        for kind, cells in _ct.decision_rows(c, shown):
             t.add_row(*(_m(x) for x in cells), style=_KIND_STYLE[kind])
         parts.append(t)
     if more:
@@ -281,7 +282,7 @@ def _decisions(c: Comparison) -> list[RenderableType]:
 
 
 def _diff_line(what: str, d: TensorDiff) -> Text:
-    return _t(f"{what}: {_c.diff_text(d)}")
+    return _t(f"{what}: {_ct.diff_text(d)}")
 
 
 def _cells_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], *, left: int = 1, title: str = "") -> Table:
@@ -297,19 +298,19 @@ def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
     """One autocast dtype: the runs, the batches of a set, the quality, the ranking, the decisions, the values."""
     parts: list[RenderableType] = []
     if not c.reference_finite and not c.modules:
-        parts.append(Text(_c.NOTHING_COMPARED, style="red"))
+        parts.append(Text(_ct.NOTHING_COMPARED, style="red"))
     elif not c.reference_finite:
         parts.append(_t(f"runs: float32 reference NON-FINITE (first at {c.reference_first_nonfinite}); the other "
                         "batches compared", style="red"))
     else:
         runs = _t(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
-        runs.append(visible(_c.amp_state(c)), style="green" if c.amp_finite else "bold red")
+        runs.append(visible(_ct.amp_state(c)), style="green" if c.amp_finite else "bold red")
         runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
     if c.batches:
-        parts.append(_cells_table(_c.batch_columns(c), [_c.batch_cells(b) for b in c.batches], left=1,
+        parts.append(_cells_table(_ct.batch_columns(c), [_ct.batch_cells(b) for b in c.batches], left=1,
                                   title="the set, batch by batch"))
-    q = _c.quality_text(c)
+    q = _ct.quality_text(c)
     if q is not None:
         parts.append(_t(q, style="bold red" if c.quality is not None and c.quality.drop() > 0 else "bold"))
     if c.modules:
@@ -318,24 +319,24 @@ def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
             if len(c.ranking) > limit:
                 parts.append(Text(f"... and {len(c.ranking) - limit} more module calls introduce some error"))
         else:
-            parts.append(Text(_c.NO_RANKING))
-        d = _c.carrier(c)
+            parts.append(Text(_ct.NO_RANKING))
+        d = _ct.carrier(c)
         if d is not None:
-            parts.append(_text(_c.carrier_text(d)))
+            parts.append(_text(_ct.carrier_text(d)))
     if c.task == "classify" and (c.reference_finite or c.modules):  # a non-finite reference: nothing was compared
         parts += _decisions(c)
     if c.output is not None:
         parts.append(_diff_line("model output", c.output))
     g = c.regression
     if g is not None:
-        parts.append(_t(_c.extremes_text(c, g)))
+        parts.append(_t(_ct.extremes_text(c, g)))
         if g.worst:
-            parts.append(_t(_c.worst_text(c, g)))
+            parts.append(_t(_ct.worst_text(c, g)))
     if c.loss is not None:
         parts.append(_diff_line("loss", c.loss))
     if c.grads:
-        worst = _c.ordered_grads(c)[:5]
-        line = _t(_c.gradients_head(c) + "; largest errors: ")
+        worst = _ct.ordered_grads(c)[:5]
+        line = _t(_ct.gradients_head(c) + "; largest errors: ")
         line.append_text(_t("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst)))
         parts.append(line)
     if c.unmatched:
@@ -351,30 +352,30 @@ def render_comparison(report: Report, limit: int = 10) -> RenderableType:
     assert c is not None, "not a comparison report"
     ok = all(x.accepted for x in c.candidates())
     parts: list[RenderableType] = [Text(compare_summary(report), style="bold " + ("green" if ok else "red"))]
-    parts.append(_t(f"{_c.RULE_LABEL}: {c.rule_text()}", style="bold"))
-    digest = _c.rule_hash_text(c)
+    parts.append(_t(f"{_ct.RULE_LABEL}: {c.rule_text()}", style="bold"))
+    digest = _ct.rule_hash_text(c)
     if digest is not None:
-        parts.append(_t(f"{_c.RULE_HASH_LABEL}: {digest}", style="dim"))
-    for w in _c.rule_warning_lines(c):
+        parts.append(_t(f"{_ct.RULE_HASH_LABEL}: {digest}", style="dim"))
+    for w in _ct.rule_warning_lines(c):
         parts.append(_t("warning: " + w, style="bold yellow"))
-    for v in _c.violation_lines(c):
+    for v in _ct.violation_lines(c):
         parts.append(_t("violation: " + v, style="red"))
-    for a in _c.allowed_lines(c):
+    for a in _ct.allowed_lines(c):
         parts.append(_t("allowed by the rule: " + a, style="yellow"))
-    for a in _c.absorbed_lines(c):
+    for a in _ct.absorbed_lines(c):
         parts.append(_t("absorbed: " + a, style="yellow"))
     if c.alternatives:
-        parts.append(_cells_table(_c.CANDIDATE_COLUMNS, [_c.candidate_cells(x) for x in c.candidates()], left=4,
+        parts.append(_cells_table(_ct.CANDIDATE_COLUMNS, [_ct.candidate_cells(x) for x in c.candidates()], left=4,
                                   title="candidates against one float32 reference"))
     for x in c.candidates():
         if c.alternatives:
-            parts.append(_t(_c.candidate_head(x), style="bold " + ("green" if x.accepted else "red")))
+            parts.append(_t(_ct.candidate_head(x), style="bold " + ("green" if x.accepted else "red")))
         parts += _candidate(x, limit)
-    rows, untimed = _c.speed_rows(c)
+    rows, untimed = _ct.speed_rows(c)
     if rows:
-        parts.append(_cells_table(_c.SPEED_COLUMNS, rows, left=2,
+        parts.append(_cells_table(_ct.SPEED_COLUMNS, rows, left=2,
                                   title="speed, after validation (no nanhunt hook; ratio = autocast / float32)"))
-        for m in _c.speed_memory_lines(c):
+        for m in _ct.speed_memory_lines(c):
             parts.append(_t(m, style="dim"))
     for u in untimed:
         parts.append(_t(u, style="yellow"))

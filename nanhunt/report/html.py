@@ -15,6 +15,7 @@ import html as _html
 from .._util._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
+from . import _compare_text as ct
 from ._common import Span
 
 __all__ = ["render"]
@@ -311,8 +312,8 @@ def _call_cell(d: TensorDiff, extra: str = "", indent: int = 0) -> str:
 
 
 def _error_cells(cmp: Comparison, d: TensorDiff) -> str:
-    """The cells of ``c.ranking_cells``, coloured: an introduced error above rtol, an overflowed headroom."""
-    cells = c.ranking_cells(d)
+    """The cells of ``ct.ranking_cells``, coloured: an introduced error above rtol, an overflowed headroom."""
+    cells = ct.ranking_cells(d)
     intro = d.introduced if d.introduced is not None else 0.0
     over = not intro <= cmp.rtol  # also NaN and Inf
     classes = ["bad" if over else "", "", "", "", "", "warn" if d.out_of_tol > 0 else "", _headroom_class(d), ""]
@@ -329,7 +330,7 @@ def _ranking_table(cmp: Comparison) -> str:
         d = cmp.modules[i]
         rows.append(f'<tr class="{"first" if rank == 1 else ""}">{_num_cell(str(rank))}{_call_cell(d)}'
                     f"{_error_cells(cmp, d)}</tr>")
-    head = _head_row(c.RANKING_COLUMNS, (1,))
+    head = _head_row(ct.RANKING_COLUMNS, (1,))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
@@ -343,32 +344,32 @@ def _calls_table(cmp: Comparison) -> str:
                     f"{_error_cells(cmp, d)}</tr>")
     more = (f'<p class="dim">... and {len(cmp.modules) - _CALLS_SHOWN} more</p>'
             if len(cmp.modules) > _CALLS_SHOWN else "")
-    head = _head_row(("call", "depth", *c.RANKING_COLUMNS[2:]), (0,))
+    head = _head_row(("call", "depth", *ct.RANKING_COLUMNS[2:]), (0,))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
 
 
 def _diff_table(named: list[tuple[str, TensorDiff]], *, names_are_code: bool = False) -> str:
     rows = []
     for name, d in named:
-        cells = c.diff_cells(d)
+        cells = ct.diff_cells(d)
         first = f"<td><code>{_e(name)}</code></td>" if names_are_code else f"<td>{_e(name)}</td>"
         classes = ["", "", "", "", "", "warn" if d.out_of_tol > 0 else "", _headroom_class(d), ""]
         body = "".join(f"<td>{_e(x)}</td>" if i < 2 else _num_cell(x, classes[i]) for i, x in enumerate(cells))
         rows.append(f"<tr>{first}{body}</tr>")
-    return f"<table><thead><tr>{_head_row(c.DIFF_COLUMNS, (0, 1, 2))}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    return f"<table><thead><tr>{_head_row(ct.DIFF_COLUMNS, (0, 1, 2))}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _decisions_table(cmp: Comparison) -> str:
     rows = []
-    for kind, cells in c.decision_rows(cmp):
+    for kind, cells in ct.decision_rows(cmp):
         body = "".join(f"<td>{_e(x)}</td>" if i in (0, 5) else _num_cell(x) for i, x in enumerate(cells))
         rows.append(f'<tr class="{kind}">{body}</tr>')
-    head = _head_row(c.decision_columns(cmp), (0, 5))
+    head = _head_row(ct.decision_columns(cmp), (0, 5))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _compare_badges(cmp: Comparison) -> str:
-    verdict = c.compare_verdict(cmp)
+    verdict = ct.compare_verdict(cmp)
     out = f'<span class="badge {"b-ok" if cmp.accepted else "b-bad"}">{_e(verdict.lower())}</span>'
     if cmp.amp_finite is False:
         out += f'<span class="badge b-bad">{_e(cmp.dtype)} non-finite</span>'
@@ -396,19 +397,19 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
     where the error is introduced, the decisions, the output and the loss, the gradients."""
     parts: list[str] = []
     runs = []
-    for k, v in c.run_rows(cmp):
+    for k, v in ct.run_rows(cmp):
         state = "ok" if v.startswith("finite") else ("dim" if v == "not run" else "bad")
         runs.append((k, f'<span class="{state}">{_e(v)}</span>'))
     parts += ["<section><h2>Runs</h2>", _kv(runs)]
     if not cmp.reference_finite and not cmp.modules:
-        parts.append(f'<p class="bad">{_e(c.NOTHING_COMPARED.capitalize())}.</p>')
+        parts.append(f'<p class="bad">{_e(ct.NOTHING_COMPARED.capitalize())}.</p>')
     parts.append("</section>")
     if cmp.batches:
-        rows = [c.batch_cells(b) for b in cmp.batches]
+        rows = [ct.batch_cells(b) for b in cmp.batches]
         parts += ["<section><h2>Batches</h2>",
-                  _plain_table(c.batch_columns(cmp), rows, text_columns=(0, 2, 3, 4, 7, 8),
+                  _plain_table(ct.batch_columns(cmp), rows, text_columns=(0, 2, 3, 4, 7, 8),
                                row_class=["" if b.accepted else "flip" for b in cmp.batches]), "</section>"]
-    q = c.quality_text(cmp)
+    q = ct.quality_text(cmp)
     if q is not None:
         worse = cmp.quality is not None and cmp.quality.drop() > 0
         parts.append(f'<section><h2>Quality</h2><p class="{"bad" if worse else ""}"><b>{_e(q[0].upper() + q[1:])}.'
@@ -423,24 +424,24 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
                   "in a column of their own at the right.</figcaption></figure></section>"]
     if cmp.modules:
         parts += ["<section><h2>Where the error is introduced</h2>",
-                  f'<p class="dim">{_e(c.ERROR_DEFINITION)}.</p>']
+                  f'<p class="dim">{_e(ct.ERROR_DEFINITION)}.</p>']
         if cmp.ranking:
             parts.append(_ranking_table(cmp))
             if len(cmp.ranking) > _RANK_SHOWN:
                 parts.append(f"<p>... and {len(cmp.ranking) - _RANK_SHOWN} more module calls introduce some error</p>")
         else:
-            parts.append(f"<p>{_e(c.NO_RANKING.capitalize())}.</p>")
-        d = c.carrier(cmp)
+            parts.append(f"<p>{_e(ct.NO_RANKING.capitalize())}.</p>")
+        d = ct.carrier(cmp)
         if d is not None:
-            spans = c.carrier_text(d)
+            spans = ct.carrier_text(d)
             parts.append(f"<p>{_spans([Span(spans[0].text.capitalize()), *spans[1:]])}.</p>")
         parts.append(f"<details><summary>All {len(cmp.modules)} module calls, in the order they started</summary>"
                      f"{_calls_table(cmp)}</details></section>")
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
         parts += ["<section><h2>Decisions</h2>",
-                  f'<p class="{"bad" if cmp.flipped or cmp.nonfinite else ""}"><b>{_e(c.decisions_counts(cmp))}.</b></p>']
+                  f'<p class="{"bad" if cmp.flipped or cmp.nonfinite else ""}"><b>{_e(ct.decisions_counts(cmp))}.</b></p>']
         if cmp.nonfinite:
-            cats = c.decision_categories(cmp)
+            cats = ct.decision_categories(cmp)
             parts.append(f"<p>{_e(cats[0].upper() + cats[1:])}.</p>")
         if cmp.decisions:
             parts.append(_decisions_table(cmp))
@@ -452,13 +453,13 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
         if named:
             parts.append(_diff_table(named))
         if g is not None:
-            parts.append(f"<p>{_e(c.extremes_text(cmp, g).capitalize())}.</p>")
+            parts.append(f"<p>{_e(ct.extremes_text(cmp, g).capitalize())}.</p>")
             if g.worst:
-                parts.append(f"<p>{_e(c.worst_text(cmp, g).capitalize())}.</p>")
+                parts.append(f"<p>{_e(ct.worst_text(cmp, g).capitalize())}.</p>")
         parts.append("</section>")
     if cmp.grads:
-        grads = c.ordered_grads(cmp)
-        head = c.gradients_head(cmp)
+        grads = ct.ordered_grads(cmp)
+        head = ct.gradients_head(cmp)
         more = f'<p class="dim">... and {len(grads) - _LIST_SHOWN} more</p>' if len(grads) > _LIST_SHOWN else ""
         parts.append(f"<details><summary>{_e(head[0].upper() + head[1:])}, largest error first</summary>"
                      f"{_diff_table([(x.name, x) for x in grads[:_LIST_SHOWN]], names_are_code=True)}{more}</details>")
@@ -474,7 +475,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         from .picture import png as draw_png
 
         png = draw_png(report)
-    summary = c.compare_summary(report)
+    summary = ct.compare_summary(report)
     ok = all(x.accepted for x in cmp.candidates())
     parts: list[str] = [
         "<!DOCTYPE html>",
@@ -485,43 +486,43 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         f"<style>{_CSS}{_CMP_CSS}</style></head><body>",
         f"<header><h1>nanhunt compare</h1>{_compare_badges(cmp)}",
         f'<p class="sentence {"ok" if ok else "bad"}">{_e(summary)}</p>',
-        f'<p class="rule"><b>{_e(c.RULE_LABEL.capitalize())}:</b> {_e(cmp.rule_text())}.</p>',
+        f'<p class="rule"><b>{_e(ct.RULE_LABEL.capitalize())}:</b> {_e(cmp.rule_text())}.</p>',
     ]
     if cmp.rule_sha256:
         canonical = f" of <code>{_e(cmp.acceptance.canonical())}</code>" if cmp.acceptance is not None else ""
-        parts.append(f'<p class="dim"><b>{_e(c.RULE_HASH_LABEL.capitalize())}:</b> <code>{_e(cmp.rule_sha256)}'
+        parts.append(f'<p class="dim"><b>{_e(ct.RULE_HASH_LABEL.capitalize())}:</b> <code>{_e(cmp.rule_sha256)}'
                      f"</code>{canonical}</p>")
-    parts += [f'<p class="warn"><b>Warning:</b> {_e(w)}.</p>' for w in c.rule_warning_lines(cmp)]
-    violations = c.violation_lines(cmp)
+    parts += [f'<p class="warn"><b>Warning:</b> {_e(w)}.</p>' for w in ct.rule_warning_lines(cmp)]
+    violations = ct.violation_lines(cmp)
     if violations:
         items = "".join(f"<li>{_e(v)}</li>" for v in violations)
         parts.append(f'<ul class="violations">{items}</ul>')
-    allowed = c.allowed_lines(cmp)
+    allowed = ct.allowed_lines(cmp)
     if allowed:
         items = "".join(f"<li>{_e(a)}</li>" for a in allowed)
         parts.append(f'<p>Allowed by the rule:</p><ul class="allowed">{items}</ul>')
-    absorbed = c.absorbed_lines(cmp)
+    absorbed = ct.absorbed_lines(cmp)
     if absorbed:
         items = "".join(f"<li>{_e(a)}</li>" for a in absorbed)
-        parts.append(f'<p>{_e(c.ABSORBED_HEAD.capitalize())}:</p><ul class="allowed">{items}</ul>')
+        parts.append(f'<p>{_e(ct.ABSORBED_HEAD.capitalize())}:</p><ul class="allowed">{items}</ul>')
     parts.append("</header>")
     if cmp.alternatives:
-        rows = [c.candidate_cells(x) for x in cmp.candidates()]
+        rows = [ct.candidate_cells(x) for x in cmp.candidates()]
         parts += ["<section><h2>Candidates against one float32 reference</h2>",
-                  _plain_table(c.CANDIDATE_COLUMNS, rows, text_columns=(0, 1, 2, 3),
+                  _plain_table(ct.CANDIDATE_COLUMNS, rows, text_columns=(0, 1, 2, 3),
                                row_class=["" if x.accepted else "flip" for x in cmp.candidates()]), "</section>"]
     for i, x in enumerate(cmp.candidates()):
         if cmp.alternatives:
-            parts.append(f'<h2 class="{"ok" if x.accepted else "bad"}">{_e(c.candidate_head(x))}</h2>')
+            parts.append(f'<h2 class="{"ok" if x.accepted else "bad"}">{_e(ct.candidate_head(x))}</h2>')
         parts += _candidate(x, png=png if i == 0 else None)
-    rows, untimed = c.speed_rows(cmp)
+    rows, untimed = ct.speed_rows(cmp)
     if rows or untimed:
         parts += ["<section><h2>Speed, after validation</h2>",
                   "<p>The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
                   "float32 time per repetition (below 1: autocast is faster).</p>"]
         if rows:
-            parts.append(_plain_table(c.SPEED_COLUMNS, rows, text_columns=(0, 1)))
-            parts += [f"<p>{_e(m[0].upper() + m[1:])}.</p>" for m in c.speed_memory_lines(cmp)]
+            parts.append(_plain_table(ct.SPEED_COLUMNS, rows, text_columns=(0, 1)))
+            parts += [f"<p>{_e(m[0].upper() + m[1:])}.</p>" for m in ct.speed_memory_lines(cmp)]
         parts += [f'<p class="warn">{_e(u[0].upper() + u[1:])}.</p>' for u in untimed]
         parts.append("</section>")
     cfg = [(k, _e(v)) for k, v in report.config.items() if v is not None]

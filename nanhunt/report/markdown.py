@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from .._util._errors import visible
 from ..records import Comparison, Occurrence, Report, TensorDiff
 from . import _common as c
+from . import _compare_text as ct
 from ._common import Span
 
 __all__ = ["render", "escape", "code", "fence"]
@@ -205,23 +206,23 @@ def _cells_table(header: tuple[str, ...], rows: Sequence[Sequence[str]], *, righ
 
 def _call(d: TensorDiff) -> str:
     """A module call in a table cell: its label as code, its class as text."""
-    return code(d.label(), table=True) + escape(c.module_class_text(d))
+    return code(d.label(), table=True) + escape(ct.module_class_text(d))
 
 
 def _ranking_table(cmp: Comparison) -> str:
-    rows = [(str(rank), _call(cmp.modules[i]), *(escape(x) for x in c.ranking_cells(cmp.modules[i])))
+    rows = [(str(rank), _call(cmp.modules[i]), *(escape(x) for x in ct.ranking_cells(cmp.modules[i])))
             for rank, i in enumerate(cmp.ranking[:_RANK_SHOWN], 1)]
-    return _cells_table(c.RANKING_COLUMNS, rows, right_from=2)
+    return _cells_table(ct.RANKING_COLUMNS, rows, right_from=2)
 
 
 def _calls_table(cmp: Comparison) -> str:
-    header = ("call", "depth", *c.RANKING_COLUMNS[2:])
+    header = ("call", "depth", *ct.RANKING_COLUMNS[2:])
     rank_of = {i: r for r, i in enumerate(cmp.ranking, 1)}
     rows = []
     for i, d in enumerate(cmp.modules[:_CALLS_SHOWN]):
         r = rank_of.get(i)
         rows.append((_call(d) + (f" (rank {r})" if r is not None else ""), str(d.depth),
-                     *(escape(x) for x in c.ranking_cells(d))))
+                     *(escape(x) for x in ct.ranking_cells(d))))
     table = _cells_table(header, rows, right_from=1)
     if len(cmp.modules) > _CALLS_SHOWN:
         table += f"\n\n... and {len(cmp.modules) - _CALLS_SHOWN} more"
@@ -229,45 +230,45 @@ def _calls_table(cmp: Comparison) -> str:
 
 
 def _diff_table(named: Sequence[tuple[str, TensorDiff]], *, names_are_code: bool = False) -> str:
-    rows = [((code(name, table=True) if names_are_code else escape(name)), *(escape(x) for x in c.diff_cells(d)))
+    rows = [((code(name, table=True) if names_are_code else escape(name)), *(escape(x) for x in ct.diff_cells(d)))
             for name, d in named]
-    return _cells_table(c.DIFF_COLUMNS, rows, right_from=3)
+    return _cells_table(ct.DIFF_COLUMNS, rows, right_from=3)
 
 
 def _candidate(cmp: Comparison) -> list[str]:
     """One autocast dtype: the runs, the batches of a set, the quality, where the error is introduced, the
     decisions, the output and the loss; the rest folded."""
     out = ["", "#### Runs", ""]
-    out += [f"- **{escape(k)}:** {escape(v)}" for k, v in c.run_rows(cmp)]
+    out += [f"- **{escape(k)}:** {escape(v)}" for k, v in ct.run_rows(cmp)]
     if not cmp.reference_finite and not cmp.modules:
-        out += ["", escape(c.NOTHING_COMPARED.capitalize()) + "."]
+        out += ["", escape(ct.NOTHING_COMPARED.capitalize()) + "."]
     if cmp.batches:
-        rows = [tuple(escape(x) for x in c.batch_cells(b)) for b in cmp.batches]
-        out += ["", "#### Batches", "", _cells_table(c.batch_columns(cmp), rows)]
-    q = c.quality_text(cmp)
+        rows = [tuple(escape(x) for x in ct.batch_cells(b)) for b in cmp.batches]
+        out += ["", "#### Batches", "", _cells_table(ct.batch_columns(cmp), rows)]
+    q = ct.quality_text(cmp)
     if q is not None:
         out += ["", "#### Quality", "", f"**{escape(q[0].upper() + q[1:])}.**"]
     if cmp.modules:
-        out += ["", "#### Where the error is introduced", "", f"Columns: {escape(c.ERROR_DEFINITION)}.", ""]
+        out += ["", "#### Where the error is introduced", "", f"Columns: {escape(ct.ERROR_DEFINITION)}.", ""]
         if cmp.ranking:
             out.append(_ranking_table(cmp))
             if len(cmp.ranking) > _RANK_SHOWN:
                 out += ["", f"... and {len(cmp.ranking) - _RANK_SHOWN} more module calls introduce some error"]
         else:
-            out.append(escape(c.NO_RANKING.capitalize()) + ".")
-        d = c.carrier(cmp)
+            out.append(escape(ct.NO_RANKING.capitalize()) + ".")
+        d = ct.carrier(cmp)
         if d is not None:
-            spans = c.carrier_text(d)
+            spans = ct.carrier_text(d)
             out += ["", _spans([Span(spans[0].text.capitalize()), *spans[1:]]) + "."]
         out += ["", _details(f"All {len(cmp.modules)} module calls, in the order they started", _calls_table(cmp))]
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
-        out += ["", "#### Decisions", "", f"**{escape(c.decisions_counts(cmp))}.**"]
+        out += ["", "#### Decisions", "", f"**{escape(ct.decisions_counts(cmp))}.**"]
         if cmp.nonfinite:
-            cats = c.decision_categories(cmp)
+            cats = ct.decision_categories(cmp)
             out += ["", escape(cats[0].upper() + cats[1:]) + "."]
         if cmp.decisions:
-            rows = [tuple(escape(x) for x in cells) for _, cells in c.decision_rows(cmp)]
-            out += ["", _cells_table(c.decision_columns(cmp), rows)]
+            rows = [tuple(escape(x) for x in cells) for _, cells in ct.decision_rows(cmp)]
+            out += ["", _cells_table(ct.decision_columns(cmp), rows)]
     named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
     if named or cmp.regression is not None:
         out += ["", "#### Output and loss", ""]
@@ -275,15 +276,15 @@ def _candidate(cmp: Comparison) -> list[str]:
             out.append(_diff_table(named))
         g = cmp.regression
         if g is not None:
-            out += ["", escape(c.extremes_text(cmp, g).capitalize()) + "."]
+            out += ["", escape(ct.extremes_text(cmp, g).capitalize()) + "."]
             if g.worst:
-                out += ["", escape(c.worst_text(cmp, g).capitalize()) + "."]
+                out += ["", escape(ct.worst_text(cmp, g).capitalize()) + "."]
     if cmp.grads:
-        grads = c.ordered_grads(cmp)
+        grads = ct.ordered_grads(cmp)
         body = _diff_table([(d.name, d) for d in grads[:_LIST_SHOWN]], names_are_code=True)
         if len(grads) > _LIST_SHOWN:
             body += f"\n\n... and {len(grads) - _LIST_SHOWN} more"
-        head = c.gradients_head(cmp)
+        head = ct.gradients_head(cmp)
         out += ["", _details(f"{head[0].upper()}{head[1:]}, largest error first", body)]
     if cmp.unmatched:
         body = "\n".join(f"- {escape(u)}" for u in cmp.unmatched[:_LIST_SHOWN])
@@ -294,39 +295,39 @@ def _candidate(cmp: Comparison) -> list[str]:
 def _render_comparison(report: Report, cmp: Comparison) -> str:
     """``nanhunt compare``: the status and the rule (its hash, the failed clauses), the candidates, each one's
     details, the speed; configuration and reproduction last."""
-    out: list[str] = [f"## {c.compare_title(cmp)}", "", f"**{escape(c.compare_summary(report))}**", "",
-                      f"**{escape(c.RULE_LABEL.capitalize())}:** {escape(cmp.rule_text())}."]
+    out: list[str] = [f"## {ct.compare_title(cmp)}", "", f"**{escape(ct.compare_summary(report))}**", "",
+                      f"**{escape(ct.RULE_LABEL.capitalize())}:** {escape(cmp.rule_text())}."]
     if cmp.rule_sha256:
         canonical = f" of {code(cmp.acceptance.canonical())}" if cmp.acceptance is not None else ""
-        out += ["", f"**{escape(c.RULE_HASH_LABEL.capitalize())}:** {code(cmp.rule_sha256)}{canonical}"]
-    warnings = c.rule_warning_lines(cmp)
+        out += ["", f"**{escape(ct.RULE_HASH_LABEL.capitalize())}:** {code(cmp.rule_sha256)}{canonical}"]
+    warnings = ct.rule_warning_lines(cmp)
     if warnings:
         out += [""] + [f"**Warning:** {escape(w)}." for w in warnings]
-    violations = c.violation_lines(cmp)
+    violations = ct.violation_lines(cmp)
     if violations:
         out += ["", "Violations:", ""] + [f"- {escape(v)}" for v in violations]
-    allowed = c.allowed_lines(cmp)
+    allowed = ct.allowed_lines(cmp)
     if allowed:
         out += ["", "Allowed by the rule:", ""] + [f"- {escape(a)}" for a in allowed]
-    absorbed = c.absorbed_lines(cmp)
+    absorbed = ct.absorbed_lines(cmp)
     if absorbed:
-        out += ["", f"{escape(c.ABSORBED_HEAD.capitalize())}:", ""] + [f"- {escape(a)}" for a in absorbed]
+        out += ["", f"{escape(ct.ABSORBED_HEAD.capitalize())}:", ""] + [f"- {escape(a)}" for a in absorbed]
     if cmp.alternatives:
-        rows = [tuple(escape(x) for x in c.candidate_cells(x)) for x in cmp.candidates()]
+        rows = [tuple(escape(x) for x in ct.candidate_cells(x)) for x in cmp.candidates()]
         out += ["", "#### Candidates against one float32 reference", "",
-                _cells_table(c.CANDIDATE_COLUMNS, rows, right_from=4)]
+                _cells_table(ct.CANDIDATE_COLUMNS, rows, right_from=4)]
     for x in cmp.candidates():
         if cmp.alternatives:
-            out += ["", f"### {escape(c.candidate_head(x))}"]
+            out += ["", f"### {escape(ct.candidate_head(x))}"]
         out += _candidate(x)
-    rows, untimed = c.speed_rows(cmp)
+    rows, untimed = ct.speed_rows(cmp)
     if rows or untimed:
         out += ["", "#### Speed, after validation", "",
                 "The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
                 "float32 time per repetition (below 1: autocast is faster)."]
         if rows:
-            out += ["", _cells_table(c.SPEED_COLUMNS, [tuple(escape(v) for v in r) for r in rows], right_from=2)]
-            out += [f"\n{escape(m[0].upper() + m[1:])}." for m in c.speed_memory_lines(cmp)]
+            out += ["", _cells_table(ct.SPEED_COLUMNS, [tuple(escape(v) for v in r) for r in rows], right_from=2)]
+            out += [f"\n{escape(m[0].upper() + m[1:])}." for m in ct.speed_memory_lines(cmp)]
         out += ["", *(f"- {escape(u[0].upper() + u[1:])}." for u in untimed)] if untimed else []
     cfg = [(k, str(v)) for k, v in report.config.items() if v is not None]
     env = c.environment_rows(dataclasses.replace(report, config={}))

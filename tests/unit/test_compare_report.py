@@ -249,7 +249,7 @@ def test_json_golden_reads_back() -> None:
 
 @pytest.mark.parametrize("make", [sample_comparison, reference_nonfinite, amp_overflow, regress_clean])
 def test_status_and_rule_are_the_same_in_every_format(make: Any) -> None:
-    from nanhunt.report._common import compare_summary
+    from nanhunt.report._compare_text import compare_summary
 
     r = make()
     summary, rule = compare_summary(r), _cmp(r).rule_text()
