@@ -147,6 +147,8 @@ def _print_script_error(e: BaseException, target: str) -> None:
 def _summary(attached: Any, target: str, code: int, stopped: GuardError | None, failure: BaseException | None) -> int:
     name = os.path.basename(target)
     note = attached.loop.loss_note
+    if attached.loop.gave_up:
+        _say(f"{attached.loop.gave_up}: steps after it were not checked")
     if failure is not None:
         _print_script_error(failure, target)
         code = 1
@@ -164,10 +166,10 @@ def _summary(attached: Any, target: str, code: int, stopped: GuardError | None, 
             _say(note)
         return EXIT_STOPPED
     watched = attached.framework or ("a training loop" if attached.loop.guards else None)
-    if watched is None:
+    if watched is None and not attached.loop.gave_up:
         _say(f"watched nothing in {name}: no transformers or Lightning Trainer was made, and no torch.optim optimizer "
              "whose model the script called in training mode; nothing was checked")
-    else:
+    elif watched is not None:
         found = [e for e in attached.events if e.checkpoint]
         if not found and failure is None:
             _say(f"{name} finished; {watched} was watched and no non-finite value was seen")

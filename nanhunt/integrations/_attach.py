@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._util._errors import CommandError
+from .._util._errors import CommandError, GuardError, first_line, visible
 from ..guard.guard import Guard
 from ._run import GuardedRun
 
@@ -262,6 +262,7 @@ def _below(node: Any, target: Any) -> bool:
     return False
 
 
+_LOOK_FOR_LOSS = 3  # steps in which the loss's computation is looked for (a global module hook)
 _SCALINGS = ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1")
 
 
@@ -318,18 +319,40 @@ class _PlainLoop:
         self._probe: RemovableHandle | None = None
         self._global: RemovableHandle | None = None
         self.skipped_calls = 0
+        self.gave_up = ""  # why nanhunt stopped watching (its own failure), or ""
         self.guards: list[Guard] = []  # the plain loop's guard (once made), for its events
 
     # ----------------------------------------------------------------- install
     def install(self) -> None:
         a = self.attached
         loop = self
-        a.patch(torch.optim.Optimizer, "__init__", lambda init: _after(init, loop._made))
+        shield = self._shielded
+        a.patch(torch.optim.Optimizer, "__init__", lambda init: _after(init, shield(loop._made)))
         scaler_cls = torch.amp.GradScaler
-        a.patch(scaler_cls, "scale", lambda f: _before(f, loop._scaled))
-        a.patch(scaler_cls, "step", lambda f: _before(f, loop._scaler_step))
-        a.patch(scaler_cls, "update", lambda f: _after(f, loop._scaler_update))
-        a.patch(torch.Tensor, "backward", lambda f: _before(f, loop._backward_called))
+        a.patch(scaler_cls, "scale", lambda f: _before(f, shield(loop._scaled)))
+        a.patch(scaler_cls, "step", lambda f: _before(f, shield(loop._scaler_step)))
+        a.patch(scaler_cls, "update", lambda f: _after(f, shield(loop._scaler_update)))
+        a.patch(torch.Tensor, "backward", lambda f: _before(f, shield(loop._backward_called)))
+
+    def _shielded(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """``hook`` run so that nanhunt's own failure never breaks the script: the watch stops, says why, and the
+        script goes on as without nanhunt. A detection (:class:`GuardError`) and Ctrl-C go through."""
+
+        @functools.wraps(hook)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                return None
+            try:
+                return hook(*args, **kwargs)
+            except GuardError:
+                raise
+            except Exception as e:
+                self.gave_up = f"nanhunt stopped watching the loop ({first_line(e)})"
+                print(f"nanhunt run: {visible(self.gave_up)}; the script goes on unwatched", file=sys.stderr)
+                self.stand_down()
+                return None
+
+        return call
 
     def stand_down(self) -> None:
         """A framework Trainer runs the loop: the plain-loop watch stops."""
@@ -360,8 +383,9 @@ class _PlainLoop:
         self.optimizers.add(inner)
         for module in _candidates(inner):
             self.watched.append((module, inner))
-            self.hooks.append(module.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True))
-            self.hooks.append(module.register_forward_hook(self._forward_ends))
+            self.hooks.append(module.register_forward_pre_hook(self._shielded(self._forward_begins), prepend=True,
+                                                               with_kwargs=True))
+            self.hooks.append(module.register_forward_hook(self._shielded(self._forward_ends)))
 
     def _optimizer_of(self, module: nn.Module) -> torch.optim.Optimizer | None:
         return next((o for m, o in self.watched if m is module), None)
@@ -387,8 +411,8 @@ class _PlainLoop:
         self._batch = {"inputs": inputs}
         self._out, self._calls, self._backward = None, [], False
         run.begin(self._batch, self.index)
-        if self.loss_known is None and self._global is None:
-            self._global = torch.nn.modules.module.register_module_forward_hook(self._any_forward)
+        if self.loss_known is None and self._global is None and self.index < _LOOK_FOR_LOSS:
+            self._global = torch.nn.modules.module.register_module_forward_hook(self._shielded(self._any_forward))
 
     def _forward_ends(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         run = self.run
@@ -441,6 +465,7 @@ class _PlainLoop:
         run = self.run
         self.index += 1
         self._out, self._calls = None, []
+        self._drop_global()  # the loss is decided at its first hand-over, within the first step
         if run is not None and run.open:
             run.end()
 
@@ -450,13 +475,13 @@ class _PlainLoop:
         scaler = scalers[-1] if len(scalers) == 1 else None
         options = self.attached.guard_options()
         guard = Guard(model, optimizer, scaler, dump_dir=self.attached.options.dump_dir, **options)
-        hooks = [optimizer.register_step_post_hook(self._optimizer_stepped)]
+        hooks = [optimizer.register_step_post_hook(self._shielded(self._optimizer_stepped))]
         if "dtype" not in options:
             # accelerate enters autocast inside the forward it wraps, after the model's pre-hooks: the first
             # child sees the dtype the forward really runs in
             child = next(model.children(), None)
             if child is not None:
-                self._probe = child.register_forward_pre_hook(self._autocast_seen)
+                self._probe = child.register_forward_pre_hook(self._shielded(self._autocast_seen))
         self.guards.append(guard)
         self.run = GuardedRun(guard, "training", hooks)
         return self.run

@@ -248,3 +248,53 @@ def test_a_missing_script_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert cli_main(["run", str(tmp_path / "nope.py")]) == 2
     assert capsys.readouterr().err.strip() == (
         f"nanhunt: error: script {str(tmp_path / 'nope.py')!r} does not exist; give the path of the training script")
+
+
+LOCAL = """
+import torch
+from torch import nn
+
+def main():
+    class Local(nn.Module):  # a class nanhunt cannot name: no capture could rebuild it
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model = Local()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(5, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        print("step", step)
+
+main()
+"""
+
+
+def test_nanhunt_failing_to_watch_never_breaks_the_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop whose model class is local to a function (the Guard cannot name it for a capture)
+    monkeypatch.chdir(tmp_path)
+    before = _patched_state()
+    rc = cli_main(["run", str(_script(tmp_path, LOCAL))])
+    out, err = capsys.readouterr()
+    # THEN the script runs to its end as without nanhunt, which says once why it stopped watching
+    assert rc == 0 and out == "step 0\nstep 1\nstep 2\n"
+    assert err.count("nanhunt run: nanhunt stopped watching the loop (ValueError: cannot name the model's class") == 2
+    assert _patched_state() == before
+
+
+def test_rollback_skips_the_bad_batch_and_the_loop_goes_on(tmp_path: Path) -> None:
+    # GIVEN the float16 loop whose batch 2 overflows, under --on-fail rollback
+    done = _nanhunt_run("plain_loop.py", "--bad-step", "2", cwd=tmp_path, options=("--on-fail", "rollback"))
+    # THEN it runs to its end (the bad step rolled back), the later losses finite, with the capture written
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines()]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses[3:])))
+    assert "rolled back (#1) to the state step 2 began with" in done.stderr
+    assert (tmp_path / "nan-captures" / "step000002-checkpoint.pt").exists()
