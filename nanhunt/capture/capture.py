@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..distributed import _dcp
-from . import _names
+from . import _hf_checkpoint, _names
 from .._util._errors import CommandError
 from .._util._safeload import load_file
 from ..step.step import Step, rng_state, set_rng_state, split_batch
@@ -86,11 +86,19 @@ def load_step(
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
     names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
     dev = _parse_device(device) if device else None
-    ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
+    notes: list[str] = []
+    rng = None
+    if _hf_checkpoint.is_checkpoint_dir(checkpoint):  # a Trainer's checkpoint-N/: read whole, its model loaded
+        ck, rng = _hf_checkpoint.read(checkpoint, model_factory=model_factory, optimizer=optimizer, dtype=dtype,
+                                      no_scaler=no_scaler, trust_pickle=trust_pickle, notes=notes)
+    else:
+        ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, checkpoint, batch)
     step = _step_of(ck, bt, checkpoint, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
-                    notes=[])
+                    notes=notes)
+    if step.rng is None:  # a nanhunt batch file's own RNG state first
+        step.rng = rng
     if checkpoint.endswith("checkpoint.pt"):  # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
         step.event_file = checkpoint[: -len("checkpoint.pt")] + "event.json"
     return step
@@ -122,6 +130,10 @@ def load_capture_dir(
     parameters with the capture's groups and hyperparameters but no state: the caller loads the shards into
     both (``_dcp.load_sharded``)."""
     path = os.fspath(path)
+    if _hf_checkpoint.is_checkpoint_dir(path):
+        raise CommandError(f"{path!r} is a Trainer checkpoint directory, which replays with the batch of the step to "
+                           "replay: nanhunt replay DIR batch.pt (a .pt of the model's keyword arguments, labels "
+                           "included)")
     if not os.path.isdir(path):
         raise CommandError(f"{path!r} is not a capture directory" + (
             "; a checkpoint file needs its batch file too: nanhunt replay CHECKPOINT BATCH" if os.path.isfile(path)
@@ -161,7 +173,10 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
     """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory); ``shard``:
     see :func:`load_capture_dir`."""
     model_factory, loss = names.model, names.loss
-    if isinstance(ck, nn.Module):
+    if isinstance(ck, _Loaded):  # a Trainer checkpoint directory: its model built and loaded (--model too)
+        got, model_factory = ck, None
+        got.loss_path = loss
+    elif isinstance(ck, nn.Module):
         got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
         _confirm_all(ck, names)

@@ -1,0 +1,310 @@
+"""A Hugging Face Trainer checkpoint directory (``checkpoint-N/``), replayed as the Trainer left it.
+
+The model is rebuilt from ``config.json`` (a class of transformers, built by ``_hf._hf_model``'s rules: nothing
+fetched, no remote code), first on the meta device to check it against the weights' header, then for real with
+the weights of ``model.safetensors`` (or the shards its ``model.safetensors.index.json`` names) in their dtype.
+``optimizer.pt`` (a torch optimizer's state_dict, numbered over the Trainer's decay and no-decay groups) comes
+back by parameter name; ``scaler.pt`` is a GradScaler's state, ``rng_state.pth`` the generators'. The .pt files
+are read weights-only. ``training_args.bin`` is a pickle of arbitrary objects and is never read: what it would
+say (the optimizer's class, fp16 or bf16) is assumed and said in the step's notes, or given on the command line.
+``scheduler.pt`` is not needed: the learning rate of the next step is already in the optimizer's groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .._util._errors import CommandError, first_line as _first_line
+from .._util._safeload import load_file, load_safetensors, read_json, safetensors_header
+from ._build import _build, _check_dtypes, _Loaded, _take_dtypes
+from ._hf import _hf_model
+from ._resolve import callable_path
+from .._util._text import few as _few
+from ._statedict import map_state_dict
+
+__all__ = ["is_checkpoint_dir", "read"]
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+OPTIMIZER = "optimizer.pt"
+SCALER = "scaler.pt"
+RNG = "rng_state.pth"
+_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_ADAMW = "torch.optim:AdamW"  # transformers' default optimizer (adamw_torch, adamw_torch_fused)
+_CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*")
+# Tensors a model built from the config may hold beyond the weights file (non-persistent buffers: rotary
+# frequencies, masks); beyond this many values it is not the model the weights were saved from.
+_UNSAVED = 1 << 24
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A directory holding a transformers ``config.json``: a Trainer checkpoint, or a ``save_pretrained`` one."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG))
+
+
+def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: str | None, no_scaler: bool,
+         trust_pickle: bool, notes: list[str]) -> tuple[_Loaded, dict[str, Any] | None]:
+    """What the checkpoint holds (its model built and loaded, ``model_factory`` building it instead of the config
+    when given), and the RNG state the step starts from (None: none saved)."""
+    where = f"Trainer checkpoint {path!r}"
+    files = _weight_files(path, where)
+    header: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for file, keys in files.items():
+        held = safetensors_header(file, what=f"{where}: its weights")
+        missing = [k for k in keys if k not in held]
+        if missing:
+            raise CommandError(f"{where}: its {INDEX} puts {_few([_quoted(k) for k in missing])} in "
+                               f"{_quoted(os.path.basename(file))}, which does not hold it; the checkpoint is "
+                               "incomplete or damaged")
+        header.update((k, held[k]) for k in (keys or held))
+    # a factory you named is your own code, built as with any checkpoint; the config's class is checked first
+    model = _build(model_factory, {}, trusted=True) if model_factory is not None else _from_config(path, where,
+                                                                                                  header, notes)
+    sd: dict[str, torch.Tensor] = {}
+    for file, keys in files.items():
+        tensors = load_safetensors(file, what=f"{where}: its weights")
+        sd.update((k, tensors[k]) for k in (keys or tensors))
+        del tensors
+    _shared(sd, model)
+    mapped = map_state_dict(sd, model, notes=notes)
+    _check_dtypes(model, mapped)
+    _take_dtypes(model, mapped)  # the weights as the run held them: a bfloat16 model stays bfloat16
+    model.load_state_dict(mapped, strict=True)
+    del sd, mapped
+
+    got = _Loaded(model=model)
+    opt_file = _file(path, OPTIMIZER, where)
+    if opt_file is None:
+        notes.append(f"{where} holds no {OPTIMIZER}: phase update not replayed")
+    else:
+        opt_sd = _mapping(load_file(opt_file, what=f"{where}: its {OPTIMIZER}", trust_pickle=trust_pickle),
+                          OPTIMIZER, "an optimizer's state_dict", where)
+        got.opt_names = _group_names(model, opt_sd, where, notes)
+        if got.opt_names is not None:  # (else numbered over groups nanhunt cannot name: not replayed, said)
+            got.opt_sd, got.opt_class = opt_sd, optimizer or _ADAMW
+        if optimizer is None and got.opt_names is not None:
+            _check_adamw(opt_sd, where)
+            notes.append(f"{OPTIMIZER} replayed as torch.optim.AdamW, the Trainer's default, with the "
+                         "hyper-parameters it saved (training_args.bin, which names the optimizer, is a pickle "
+                         "nanhunt does not read); pass --optimizer package.module:Class if the run used another")
+    scaler_file = _file(path, SCALER, where)
+    if scaler_file is not None and not no_scaler:
+        got.scaler_sd = _mapping(load_file(scaler_file, what=f"{where}: its {SCALER}", trust_pickle=trust_pickle),
+                                 SCALER, "a GradScaler's state_dict", where)
+    got.autocast = {"dtype": _autocast([d for d, _ in header.values()], scaler=scaler_file is not None,
+                                       given=dtype, where=where, notes=notes)}
+    return got, _rng(path, where, trust_pickle)
+
+
+# ------------------------------------------------------------------ weights
+def _weight_files(path: str, where: str) -> dict[str, list[str]]:
+    """The weight files to read, each with the tensors to take from it ([]: all): ``model.safetensors``, or the
+    shards ``model.safetensors.index.json`` names, each a plain file name inside the directory."""
+    single = _file(path, WEIGHTS, where)
+    if single is not None:
+        return {single: []}
+    index = _file(path, INDEX, where)
+    if index is None:
+        if any(os.path.lexists(os.path.join(path, p)) for p in _PICKLED_WEIGHTS):
+            raise CommandError(f"{where} holds its weights as pytorch_model.bin (a pickle), not {WEIGHTS}; save the "
+                               "model again with save_pretrained (safetensors, its default), or give that file as "
+                               "the checkpoint with --model package.module:factory")
+        raise CommandError(f"{where} holds no {WEIGHTS} nor {INDEX}; is the checkpoint complete?")
+    fix = f"the checkpoint is damaged; save it again (save_pretrained writes {INDEX} with its shards)"
+    doc = read_json(index, what=f"a safetensors index ({INDEX})", fix=fix, label=f"{where}: its {INDEX}")
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+        raise CommandError(f"{where}: its {INDEX} has no weight_map (each tensor's name -> its shard's file name); "
+                           f"{fix}")
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        if (os.path.basename(shard) != shard or shard in (".", "..") or "\\" in shard or "\x00" in shard
+                or not shard.endswith(".safetensors")):
+            raise CommandError(f"{where}: its {INDEX} names {_quoted(shard)} as a shard, which is not the name of a "
+                               ".safetensors file inside the checkpoint; nanhunt reads no other file")
+        shards.setdefault(shard, []).append(key)
+    out: dict[str, list[str]] = {}
+    for shard, keys in shards.items():
+        found = _file(path, shard, where)
+        if found is None:
+            raise CommandError(f"{where}: its {INDEX} names the shard {_quoted(shard)}, which is not there; copy the "
+                               "whole checkpoint directory")
+        out[found] = keys
+    return out
+
+
+def _from_config(path: str, where: str, header: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                 notes: list[str]) -> nn.Module:
+    """The model ``config.json`` describes, checked on the meta device against the weights' shapes first: a
+    1 kB config naming a hidden size of a million over small weights allocates nothing."""
+    spec = _spec(path, where)
+    with torch.device("meta"):
+        probe = _hf_model(spec, where, [])
+    meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape) in header.items()}
+    _shared(meta, probe)
+    want = probe.state_dict()
+    wrong = [(what, found) for what, found in (
+        ("missing", [k for k in want if k not in meta]),
+        ("unexpected", [k for k in meta if k not in want]),
+        ("shape mismatch", [f"{k} {tuple(meta[k].shape)} in the weights vs {tuple(t.shape)}" for k, t in want.items()
+                            if k in meta and meta[k].shape != t.shape])) if found]
+    if wrong:
+        raise CommandError(f"{where}: the model its {CONFIG} describes does not fit its weights "
+                           f"({'; '.join(f'{what} {_few(found)}' for what, found in wrong)}); the config does not "
+                           "belong to them: pass --model package.module:factory")
+    held = sum(t.numel() for t in {id(t): t for t in [*probe.parameters(), *probe.buffers()]}.values())
+    given = sum(t.numel() for t in {id(t): t for t in meta.values()}.values())
+    if held > given + _UNSAVED:
+        raise CommandError(f"{where}: the model its {CONFIG} describes holds {held:,} values, far more than its "
+                           f"weights' {given:,}; the config does not belong to these weights")
+    del probe, meta
+    return _hf_model(spec, where, notes)
+
+
+def _spec(path: str, where: str) -> dict[str, Any]:
+    """``config.json`` as ``_hf_model`` takes a capture's model: the transformers class its ``architectures``
+    names, the config's JSON text, and transformers' own choice of attention kernel."""
+    fix = "pass --model package.module:factory"
+    config = read_json(os.path.join(path, CONFIG), what="a model config", fix=fix, label=f"{where}: its {CONFIG}")
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)
+            and _CLASS_NAME.fullmatch(archs[0])):
+        raise CommandError(f"{where}: its {CONFIG} names no model class (architectures: one transformers class "
+                           f"name); {fix}")
+    try:
+        import transformers
+    except ImportError as e:
+        raise CommandError(f"{where} is a transformers model: install transformers to rebuild it, or {fix}") from e
+    try:
+        cls = getattr(transformers, archs[0])  # the package's own export of that name, or none
+    except Exception as e:
+        raise CommandError(f"{where}: its {CONFIG} names {archs[0]!r}, which transformers "
+                           f"{transformers.__version__} does not have ({_first_line(e)}); {fix}") from e
+    return {"class": callable_path(cls), "config": json.dumps(config), "attn_implementation": None}
+
+
+def _shared(sd: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """A weight two names share (GPT-2's ``lm_head`` and its embedding) is saved once, under one of them: the
+    others get it too."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for group in names.values():
+        saved = next((n for n in group if n in sd), None)
+        if saved is not None:
+            for n in group:
+                sd.setdefault(n, sd[saved])
+
+
+# ------------------------------------------------------------ the rest of the state
+def _group_names(model: nn.Module, opt_sd: Mapping[str, Any], where: str, notes: list[str]) -> list[Any] | None:
+    """Each saved parameter group's parameters by name, as the Trainer made them: the parameters weight decay
+    applies to, then the others (transformers' own rule, ``Trainer.get_decay_parameter_names``), each in the
+    model's order; one group of all of them for an optimizer built on ``model.parameters()``. None (with a note)
+    when the saved groups are neither."""
+    groups = opt_sd.get("param_groups")
+    if not (isinstance(groups, Sequence) and all(isinstance(g, Mapping) and isinstance(g.get("params"), Sequence)
+                                                 for g in groups)):
+        raise CommandError(f"{where}: its {OPTIMIZER} is not an optimizer's state_dict (no param_groups with their "
+                           "params); pass the checkpoint without it")
+    sizes = [len(g["params"]) for g in groups]
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(cast(Trainer, None), model))  # it reads the model alone
+    split = [[n for n in trained if n in decay], [n for n in trained if n not in decay]]
+    if sizes == [len(s) for s in split]:
+        return split
+    if sizes == [len(trained)]:
+        return [trained]
+    notes.append(f"{where}: the groups of its {OPTIMIZER} ({'/'.join(map(str, sizes))} parameters) are not the "
+                 f"Trainer's ({len(split[0])} with weight decay, {len(split[1])} without): phase update not replayed")
+    return None
+
+
+def _check_adamw(opt_sd: Mapping[str, Any], where: str) -> None:
+    """Assumed AdamW (no ``--optimizer``): refuse a state that is not Adam's moments."""
+    state = opt_sd.get("state")
+    keys = sorted({str(k) for s in state.values() if isinstance(s, Mapping) for k in s}) if isinstance(
+        state, Mapping) else []
+    if not isinstance(state, Mapping) or not all(isinstance(s, Mapping) and "exp_avg" in s and "exp_avg_sq" in s
+                                                 for s in state.values()):
+        raise CommandError(f"{where}: its {OPTIMIZER} holds state ({', '.join(keys[:5]) or 'none'}) that is not "
+                           "AdamW's, the Trainer's default; pass --optimizer package.module:Class naming the "
+                           "optimizer the run used")
+
+
+def _autocast(weights: list[torch.dtype], *, scaler: bool, given: str | None, where: str,
+              notes: list[str]) -> str:
+    """The autocast dtype: ``--dtype``; float16 beside a GradScaler (only float16 needs one); the weights' own
+    half dtype; else float16, said in a note (which one the run used is in training_args.bin, unread)."""
+    if given is not None:
+        return given
+    if scaler:
+        return "float16"
+    floats = {d for d in weights if d.is_floating_point}
+    if floats in ({torch.bfloat16}, {torch.float16}):
+        return str(floats.pop()).replace("torch.", "")
+    notes.append(f"{where} does not say whether the run used fp16, bf16 or float32 (training_args.bin, which does, "
+                 "is a pickle nanhunt does not read): replayed in float16 autocast; pass --dtype bfloat16 or "
+                 "--dtype float32 for what it used")
+    return "float16"
+
+
+def _rng(path: str, where: str, trust_pickle: bool) -> dict[str, Any] | None:
+    """torch's and CUDA's generator states from ``rng_state.pth`` (Python's and NumPy's are not the step's);
+    None when there is none."""
+    file = _file(path, RNG, where)
+    if file is None:
+        return None
+    state = _mapping(load_file(file, what=f"{where}: its {RNG}", trust_pickle=trust_pickle,
+                               safe_globals=_numpy_state()), RNG, "generator states", where)
+    cpu, cuda = state.get("cpu"), state.get("cuda")
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.shape == torch.get_rng_state().shape):
+        raise CommandError(f"{where}: its {RNG} holds no torch generator state ('cpu'); delete the file to replay "
+                           "from nanhunt's own")
+    out: dict[str, Any] = {"torch": cpu}
+    cuda = [cuda] if isinstance(cuda, torch.Tensor) else cuda  # one device's, or every device's
+    if isinstance(cuda, list) and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
+        out["cuda"] = cuda
+    return out
+
+
+def _numpy_state() -> list[Any]:
+    """What NumPy's generator state pickles as (an array of uint32 and its dtype), for the weights-only
+    unpickler: the Trainer saves it beside torch's, as transformers' own loader allows."""
+    import numpy as np
+
+    core: Any = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+# ------------------------------------------------------------------ files
+def _file(path: str, name: str, where: str) -> str | None:
+    """``name`` inside the checkpoint when it is there (None when not): a regular file, after any link (a link
+    to a device or a pipe could make nanhunt read forever)."""
+    full = os.path.join(path, name)
+    if not os.path.lexists(full):
+        return None
+    if not os.path.isfile(full):
+        raise CommandError(f"{where}: its {_quoted(name)} is not a regular file; copy the checkpoint's real files")
+    return full
+
+
+def _mapping(obj: Any, name: str, expected: str, where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise CommandError(f"{where}: its {name} holds a {type(obj).__name__}, not {expected}; delete it to "
+                           "replay without it")
+    return obj
+
+
+def _quoted(name: str) -> str:
+    return repr(name if len(name) <= 200 else name[:197] + "...")
