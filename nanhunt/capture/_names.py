@@ -1,14 +1,35 @@
 """Names of the user's own code in a capture: what the file records, and what its replay needs confirmed.
 
 A model class or loss function defined in the script that trains (``__main__``) has no importable name. The
-capture records it by the script's absolute path (``/home/me/train.py:my_loss``); the replay imports it only
-when you confirm that name (``--loss /home/me/train.py:my_loss``) and then runs only the script's imports
-(the modules they import run), function and class definitions (their decorators, default values and class
-bodies run) and the assignments and ``if`` / ``try`` blocks that call nothing (``EPS = 1e-6``), never its loops,
-``with`` blocks, calls (``model = Net()``, ``fit(model)``) or ``if __name__ == "__main__":`` block, so
-confirming the name does not train again (what runs may still register an ``atexit`` function). A name
-defined in a notebook or an interactive session cannot be imported at all: it is recorded as ``__main__:name``
-and the replay asks for your own module's.
+capture records it by the script's absolute path (``/home/me/train.py:my_loss``), with how the script was started
+(field ``script``: its argv, working directory, path and the sha256 of its text, :func:`script_run`). The replay
+imports it only when you confirm that name (``--loss /home/me/train.py:my_loss``), and then runs, in the script's
+order, in a module of its own (:func:`load_script`):
+
+- the script's definitions: its imports (the modules they import run), function and class definitions (their
+  decorators, default values and class bodies run), the assignments that call nothing (``EPS = 1e-6``), and
+  the ``if`` / ``try`` blocks made of these;
+- and the module-level statements these need, found by the names they read (a def-use slice): an assignment,
+  whatever it calls, of a name that a definition reads as it runs (``HIDDEN = args.hidden`` for
+  ``def __init__(self, hidden=HIDDEN)``) or that the confirmed name, or anything it needs, reads when called
+  (``args`` in ``my_loss``'s body), transitively (``args = parser.parse_args()``, then ``parser = ...``); a
+  method called as a statement on such a name, or an attribute or item assigned on it
+  (``parser.add_argument(...)``, ``args.lr *= 2``), never on an imported module (``torch.manual_seed(0)`` does
+  not run); an ``if`` / ``try`` block (not the main block) made only of such statements and definitions, whole,
+  test included, when it assigns or changes a needed name. A comprehension counts as an expression.
+
+It never runs a loop, a ``with`` block, a plain call as a statement (``fit(model)``, ``main()``), the
+``if __name__ == "__main__":`` block, or a statement nothing needs (``model = Net()``, unless a definition
+reads ``model``), so confirming the name does not train again (what runs may still register an ``atexit``
+function). While it runs, ``sys.argv`` is the argv the capture recorded for that script's path (without one: the
+script's path alone, so its defaults), the working directory is the recorded one where it still exists, the
+script's directory is first on the import path, and what it prints goes to stderr; all of them are put back
+after. A script whose sha256 differs from the recorded one is run as it is now, and the replay says so in a
+note. argparse's exit on an argv the script no longer parses, and any failure, is one error line; a name that
+the slice cannot assign is named with where the script assigns it. The Guard, when it is made, runs the same
+slice with its run's argv in a throwaway module and warns when the replay would fail (:func:`replay_problem`).
+A name defined in a notebook or an interactive session cannot be imported at all: it is recorded as
+``__main__:name`` and the replay asks for your own module's.
 
 :func:`torch_own` is the rule for a name read from a file, judged by the name before anything is imported:
 torch.nn's own module classes (a model or a loss), torch.nn.functional's losses and torch.optim's optimizers
@@ -22,21 +43,30 @@ the Guard prints its replay command with those flags, so that the command works 
 from __future__ import annotations
 
 import ast
+import builtins
 import hashlib
 import importlib.util
 import inspect
+import io
+import json
 import keyword
 import os
+import re
+import shlex
+import symtable
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._util._errors import CommandError
+from .._util._errors import CommandError, first_line
 
 __all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
            "loaded_from", "torch_own", "is_main_module", "trusted_prefixes", "trusted_by", "FLAGS", "TRUST_ENV"]
@@ -172,53 +202,416 @@ def _defines(node: ast.stmt) -> bool:
     if isinstance(node, ast.If):
         return not _is_main_block(node) and not _calls(node.test) and all(map(_defines, node.body + node.orelse))
     if isinstance(node, ast.Try):
-        blocks = node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
-        return all(map(_defines, blocks))
+        return all(map(_defines, _blocks(node)))
     return False
 
 
-def _definitions(tree: ast.Module) -> ast.Module:
-    """The statements of a script that only define things (:func:`_defines`); its loops, ``with`` blocks,
-    calls (``train(model)``, ``model = Net()``, ``history = fit(...)``) and main block are left out."""
-    return ast.Module(body=[node for node in tree.body if _defines(node)], type_ignores=[])
+def _blocks(node: ast.Try) -> list[ast.stmt]:
+    return node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
 
 
-def load_script(file: str) -> types.ModuleType:
-    """The definitions of the script ``file`` as a module (see the module docstring); loaded once per path.
+def _root(node: ast.expr) -> str | None:
+    """The name an attribute or item chain starts from: ``parser`` of ``parser.add_argument``, ``cfg`` of
+    ``cfg["lr"]``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _mutated(node: ast.stmt) -> set[str]:
+    """The names whose object a statement changes without assigning them: a method called as a statement
+    (``parser.add_argument(...)``), an attribute or item assigned (``args.hidden = 16``)."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
+        root = _root(node.value.func)
+        return {root} if root else set()
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    out: set[str] = set()
+    for t in targets:
+        for part in t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]:
+            root = _root(part) if isinstance(part, (ast.Attribute, ast.Subscript)) else None
+            if root:
+                out.add(root)
+    if isinstance(node, ast.If):
+        return set().union(*map(_mutated, node.body + node.orelse))
+    if isinstance(node, ast.Try):
+        return set().union(*map(_mutated, _blocks(node)))
+    return out
+
+
+def _runnable(node: ast.stmt) -> bool:
+    """A statement the replay may run when a definition needs it: an assignment (any value), a method called
+    as a statement, ``pass``, or an ``if`` / ``try`` block (not the main block) made of these and definitions.
+    Never a loop, a ``with`` block, a plain call (``train(model)``), ``del``, ``raise`` or ``assert``."""
+    if _defines(node) or isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Pass)):
+        return True
+    if isinstance(node, ast.Expr):
+        return bool(_mutated(node))
+    if isinstance(node, ast.If):
+        return not _is_main_block(node) and all(map(_runnable, node.body + node.orelse))
+    if isinstance(node, ast.Try):
+        return all(map(_runnable, _blocks(node)))
+    return False
+
+
+_COMPREHENSIONS = ("listcomp", "setcomp", "dictcomp", "genexpr")
+
+
+@dataclass(frozen=True)
+class _Statement:
+    """A top-level statement of a script, as the slice sees it."""
+
+    node: ast.stmt
+    definition: bool  # always runs (:func:`_defines`)
+    runnable: bool  # runs when a definition needs what it assigns or changes (:func:`_runnable`)
+    binds: frozenset[str]  # the module-level names it assigns
+    mutates: frozenset[str]  # the names whose object it changes
+    now: frozenset[str]  # the module-level names it reads as it runs (decorators, defaults, class bodies)
+    later: frozenset[str]  # the module-level names its functions and lambdas read when called
+    set_later: frozenset[str]  # module-level names its functions assign (``global _cache``)
+
+
+def _statement(node: ast.stmt, future: str) -> _Statement:
+    definition, runnable = _defines(node), _runnable(node)
+    if not runnable:
+        return _Statement(node, False, False, frozenset(), frozenset(), frozenset(), frozenset(), frozenset())
+    # the scopes as the compiler sees them (a function's locals and parameters are not module-level names);
+    # under ``from __future__ import annotations`` an annotation reads nothing
+    table = symtable.symtable(future + ast.unparse(node), "<script statement>", "exec")
+    top = [s for s in table.get_symbols() if s.get_name() != "annotations" or not future]
+    now = {s.get_name() for s in top if s.is_referenced()}
+    later: set[str] = set()
+    set_later: set[str] = set()
+
+    def scopes(t: symtable.SymbolTable, deferred: bool) -> None:
+        for child in t.get_children():
+            called = deferred or (child.get_type() == "function" and child.get_name() not in _COMPREHENSIONS)
+            read = {s.get_name() for s in child.get_symbols() if s.is_global() and s.is_referenced()}
+            (later if called else now).update(read)
+            if called:
+                set_later.update(s.get_name() for s in child.get_symbols() if s.is_global() and s.is_assigned())
+            scopes(child, called)
+
+    scopes(table, False)
+    binds = frozenset(s.get_name() for s in top if s.is_assigned() or s.is_imported())
+    return _Statement(node, definition, True, binds, frozenset(_mutated(node)), frozenset(now), frozenset(later),
+                      frozenset(set_later))
+
+
+def _imported(nodes: list[ast.stmt]) -> set[str]:
+    """The module-level names an import binds (a module changed by a call is not a value a definition reads:
+    ``torch.manual_seed(0)`` does not run for ``torch``)."""
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.If):
+            out |= _imported(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            out |= _imported(_blocks(node))
+    return out
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """What the replay runs of a script for one name, and the module-level names that name needs."""
+
+    body: list[ast.stmt]
+    needed: frozenset[str]
+    set_later: frozenset[str]
+
+
+def _slice(tree: ast.Module, name: str | None) -> _Slice:
+    """Every definition (:func:`_defines`), and the runnable statements (:func:`_runnable`) that assign or change
+    a name that ``name`` or a definition needs (read when a definition runs, or when something ``name`` needs is
+    called), transitively; in the script's order."""
+    future = "from __future__ import annotations\n" if any(
+        isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations" for a in n.names)
+        for n in tree.body) else ""
+    statements = [_statement(node, future) for node in tree.body]
+    modules = _imported(tree.body)
+    kept = [s.definition for s in statements]
+    needed: set[str] = {name} if name else set()
+    for s in statements:
+        if s.definition:
+            needed |= s.now
+    grew = True
+    while grew:
+        grew = False
+        for i, s in enumerate(statements):
+            uses: frozenset[str] = s.later if s.binds & needed else frozenset()
+            if not kept[i]:
+                if not s.runnable or not (s.binds & needed or (s.mutates - modules) & needed):
+                    continue
+                kept[i], grew, uses = True, True, s.now | s.later
+            if not uses <= needed:
+                needed |= uses
+                grew = True
+    ran = [s for s, keep in zip(statements, kept) if keep]
+    set_later: set[str] = set()
+    for s in ran:
+        set_later |= s.set_later
+    return _Slice([s.node for s in ran], frozenset(needed), frozenset(set_later))
+
+
+def _where_set(tree: ast.Module, name: str) -> str:
+    """Where the script assigns ``name`` at the module level, in statements the replay does not run: "only in
+    a loop (line 12)"."""
+    found = _first_binding(tree.body, name, None)
+    if found is None:
+        return "nowhere at the module level"
+    where, line = found
+    return f"only in {where} (line {line})"
+
+
+def _first_binding(nodes: list[ast.stmt], name: str, around: str | None) -> tuple[str, int] | None:
+    """The first statement among ``nodes`` (and the blocks inside them, not functions' or classes' bodies) that
+    binds ``name``, with what kept the replay from running it: ``around`` (what the enclosing statement is),
+    else its own kind."""
+    for node in nodes:
+        kind = around or _kept_out(node)
+        if name in _bound(node):
+            return kind, node.lineno
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        inner = [s for field in ("body", "orelse", "finalbody") for s in getattr(node, field, [])]
+        found = _first_binding(inner + [s for h in getattr(node, "handlers", []) for s in h.body], name, kind)
+        if found is not None:
+            return found
+    return None
+
+
+def _kept_out(node: ast.stmt) -> str:
+    """Why a top-level statement that binds a name the replay needs did not bind it there."""
+    if _is_main_block(node):
+        return 'its `if __name__ == "__main__":` block'
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+        return "a loop"
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return "a `with` block"
+    return "a branch that did not run" if _runnable(node) else "a statement the replay never runs"
+
+
+def _bound(node: ast.stmt) -> set[str]:
+    """The names a statement itself binds (its targets, its imports, the function or class it defines)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).partition(".")[0] for a in node.names}
+    targets: list[ast.expr] = (
+        list(node.targets) if isinstance(node, ast.Assign) else
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)) else
+        [i.optional_vars for i in node.items if i.optional_vars is not None]
+        if isinstance(node, (ast.With, ast.AsyncWith)) else [])
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+_RUNS_ONLY = ("a replay runs only a script's definitions and the module-level statements they use (never its main "
+              "block, loops, with blocks or plain calls)")
+_ELSEWHERE = "put what the replay needs in a module and pass it as package.module:name"
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """How the training script was started, as a capture recorded it (field ``script``): what its module-level
+    statements read when the replay runs them again."""
+
+    path: str
+    argv: tuple[str, ...]
+    cwd: str | None
+    sha256: str | None
+
+
+_MAX_ARGV = 10_000  # arguments, and characters in all of them: more than any command line holds
+_MAX_ARGV_CHARS = 1 << 20
+_RECORDED: ContextVar[tuple[ScriptRun | None, list[str]] | None] = ContextVar("nanhunt_script_run", default=None)
+_CHECKING: ContextVar[bool] = ContextVar("nanhunt_script_check", default=False)
+
+
+def script_run(names: Iterable[str | None]) -> dict[str, Any] | None:
+    """A capture's field ``script``: for a capture naming something the running script (``__main__``) defines,
+    its path, argv, working directory and the sha256 of its text; None for any other capture."""
+    file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(file, str) or not file.endswith(".py"):
+        return None
+    path = os.path.abspath(file)
+    if not any(isinstance(n, str) and is_script(n) and n.rpartition(":")[0] == path for n in names):
+        return None
+    return {"path": path, "argv": [str(a) for a in sys.argv], "cwd": os.getcwd(), "sha256": _sha256(path)}
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _read_run(ck: Any, where: str) -> ScriptRun | None:
+    """The capture's field ``script``, checked (it comes from the file): an absolute ``.py`` path, an argv of at
+    most :data:`_MAX_ARGV` strings, an absolute directory or null, a sha256 or null."""
+    value = ck.get("script") if isinstance(ck, Mapping) else None
+    if value is None:
+        return None
+    path, argv, cwd, digest = (value.get(k) for k in ("path", "argv", "cwd", "sha256")) if isinstance(
+        value, Mapping) else (None, None, None, None)
+    ok = (isinstance(path, str) and os.path.isabs(path) and path.endswith(".py") and "\0" not in path
+          and isinstance(argv, list) and len(argv) <= _MAX_ARGV and all(isinstance(a, str) for a in argv)
+          and sum(map(len, argv)) <= _MAX_ARGV_CHARS
+          and (cwd is None or isinstance(cwd, str) and os.path.isabs(cwd) and "\0" not in cwd)
+          and (digest is None or isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest) is not None))
+    if not ok:
+        raise CommandError(f"{where} is not a valid nanhunt capture: field 'script' is not a script's absolute path, "
+                           "argv, working directory and sha256; save the capture again")
+    assert isinstance(path, str) and isinstance(argv, list)
+    return ScriptRun(path, tuple(argv), cwd, digest)
+
+
+@contextmanager
+def recorded(ck: Any, where: str, notes: list[str]) -> Iterator[None]:
+    """While the step of the capture ``ck`` is built: the run of its script it recorded (field ``script``,
+    checked) is the one :func:`load_script` runs that script's definitions with; ``notes`` hears if the script
+    changed since."""
+    token = _RECORDED.set((_read_run(ck, where), notes))
+    try:
+        yield
+    finally:
+        _RECORDED.reset(token)
+
+
+def load_script(file: str, name: str | None = None) -> types.ModuleType:
+    """The definitions of the script ``file`` that ``name`` needs, as a module (see the module docstring): run
+    with the argv and working directory its capture recorded (:func:`recorded`), else with no arguments;
+    loaded once per path, name and run.
 
     Only for a name you confirmed: its imports and definitions run."""
     path = os.path.abspath(file)
-    name = "_nanhunt_script_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    loaded = sys.modules.get(name)
-    if loaded is not None:
-        return loaded
+    recorded_run = _RECORDED.get()
+    run, notes = recorded_run if recorded_run is not None else (None, None)
+    if run is not None and run.path != path:
+        run = None
+    argv = list(run.argv) if run is not None else [path]
+    cwd = run.cwd if run is not None else None
+    key = "_nanhunt_script_" + hashlib.sha1(json.dumps([path, name, argv, cwd]).encode()).hexdigest()[:12]
     if not os.path.isfile(path):
         raise CommandError(f"script {file!r} does not exist; run from where it was captured or pass the "
                            "name as package.module:name")
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError) as e:
+            text = f.read()
+    except OSError as e:
         raise CommandError(f"cannot read script {file!r} ({type(e).__name__}: {e})") from e
-    spec = importlib.util.spec_from_loader(name, loader=None, origin=path)
+    changed = run is not None and run.sha256 is not None and hashlib.sha256(text).hexdigest() != run.sha256
+    if changed and notes is not None:
+        note = (f"script {path} changed since the capture (its sha256 differs): its definitions ran as they are "
+                "now, with the argv the capture recorded")
+        if note not in notes:
+            notes.append(note)
+    loaded = sys.modules.get(key)
+    if loaded is not None:
+        return loaded
+    said = (f"with the argv its capture recorded ({_argv_text(argv)})" if run is not None else
+            "with no arguments (its capture recorded none)")
+    module, _ = _run(path, text, name, argv, cwd, key, said=said, changed=changed, keep=True)
+    return module
+
+
+def replay_problem(name: str, what: str) -> str | None:
+    """Why the confirmed replay of the script name ``name`` would fail, found by running what it runs
+    (:func:`load_script`) in a throwaway module with this run's argv: the definitions raise, or something it
+    needs when called is never assigned where the replay runs; None when nothing is wrong. For the Guard when it
+    is made: the module is never kept, and the argv, path and output are put back."""
+    if _CHECKING.get():  # what runs made a Guard of its own (a loss that reads `guard`): checked once
+        return None
+    file, _, qual = name.rpartition(":")
+    path, root = os.path.abspath(file), qual.partition(".")[0]
+    head = f"the printed replay command will fail on {what} {name}: "
+    run = script_run([name])  # the argv a capture records: this run's for the running script, else none
+    argv = [str(a) for a in run["argv"]] if run is not None else [path]
+    said = f"with this run's argv ({_argv_text(argv)})" if run is not None else "with no arguments"
+    token = _CHECKING.set(True)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+        module, plan = _run(path, text, root, argv, None, "_nanhunt_check_" + root, said=said, changed=False,
+                            keep=False)
+    except CommandError as e:
+        return head + str(e)
+    except OSError as e:
+        return head + f"cannot read script {file!r} ({type(e).__name__}: {e})"
+    finally:
+        _CHECKING.reset(token)
+    if root not in module.__dict__:
+        return head + f"script {file!r} defines no {root!r} at its top level; {_ELSEWHERE}"
+    missing = sorted(n for n in plan.needed - plan.set_later - {root}
+                     if n not in module.__dict__ and not hasattr(builtins, n))
+    if not missing:
+        return None
+    tree = ast.parse(text, filename=path)
+    return head + (f"it uses {missing[0]!r}, which the script assigns {_where_set(tree, missing[0])}; {_RUNS_ONLY}: "
+                   f"assign {missing[0]} at the module level, or put {root} in a module")
+
+
+def _argv_text(argv: Iterable[str]) -> str:
+    text = shlex.join(argv)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | None, key: str, *, said: str,
+         changed: bool, keep: bool) -> tuple[types.ModuleType, _Slice]:
+    """Run the slice of the script ``path`` (its bytes ``text``) for ``name`` in a new module registered as
+    ``key`` while it runs (kept there with ``keep``): ``sys.argv`` is ``argv``, the directory ``cwd`` (where it
+    still exists), the script's own directory first on the import path; what it prints goes to stderr (with
+    ``keep``) or nowhere. All of these are put back. A failure, argparse's exit included, is one
+    :class:`CommandError` line."""
+    try:
+        tree = ast.parse(text, filename=path)
+        plan = _slice(tree, name)
+        code = compile(ast.Module(body=plan.body, type_ignores=[]), path, "exec")
+    except (SyntaxError, ValueError) as e:
+        raise CommandError(f"cannot read script {path!r} ({type(e).__name__}: {e})") from e
+    spec = importlib.util.spec_from_loader(key, loader=None, origin=path)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     module.__file__ = path
-    where = os.path.dirname(path)
-    saved = list(sys.path)
-    sys.path.insert(0, where)  # the script's own imports (a model.py beside it), as when it ran
-    sys.modules[name] = module  # dataclasses and pickling look their module up by name
+    since = "; the script changed since the capture" if changed else ""
+    saved_path, saved_argv, here = list(sys.path), sys.argv, os.getcwd()
+    # the script's own imports (a model.py beside it) first, as when it ran; a relative entry keeps meaning here
+    sys.path[:] = [os.path.dirname(path), *(os.path.abspath(p) for p in saved_path)]
+    sys.argv = argv
+    sys.modules[key] = module  # dataclasses and pickling look their module up by name
+    printed = io.StringIO()
+    moved = False
     try:
-        exec(compile(_definitions(tree), path, "exec"), module.__dict__)
+        if cwd is not None and os.path.isdir(cwd):
+            os.chdir(cwd)
+            moved = True
+        with redirect_stdout(printed), redirect_stderr(printed):
+            exec(code, module.__dict__)
     except BaseException as e:  # a Ctrl-C too: a half-run module is never handed out later
-        sys.modules.pop(name, None)
+        sys.modules.pop(key, None)
+        if isinstance(e, SystemExit):  # argparse's error (its usage printed above it) or --help
+            last = next((line for line in reversed(printed.getvalue().splitlines()) if line.strip()), None)
+            raise CommandError(f"running the definitions of script {path!r} {said} exited: "
+                               f"{last or f'exit code {e.code}'}{since}; make the script parse that argv, or "
+                               f"{_ELSEWHERE}") from None
         if not isinstance(e, Exception):
             raise
-        raise CommandError(f"running the definitions of script {file!r} raised {type(e).__name__}: {e}; put what "
-                           "the replay needs in a module and pass it as package.module:name") from e
+        fix = (f"the script assigns {e.name!r} {_where_set(tree, e.name)}; {_RUNS_ONLY}: assign {e.name} at the "
+               f"module level, or {_ELSEWHERE}"
+               if isinstance(e, NameError) and e.name else _ELSEWHERE)
+        raise CommandError(f"running the definitions of script {path!r} raised {first_line(e)}{since}; {fix}") from e
     finally:
-        sys.path[:] = saved
-    return module
+        if moved:
+            os.chdir(here)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        if not keep:
+            sys.modules.pop(key, None)
+    if keep and printed.getvalue():
+        sys.stderr.write(printed.getvalue())
+    return module, plan
 
 
 def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], list[str]]:

@@ -116,7 +116,7 @@ def _from_script(path: str, *, what: str, trusted: bool) -> Any:
             what=what, path=path)
     if not _dotted(qual):
         raise CommandError(f"{what} {path!r} is not of the form /path/script.py:name")
-    obj: Any = _names.load_script(file)
+    obj: Any = _names.load_script(file, qual.partition(".")[0])  # what this name needs of the script
     for part in qual.split("."):
         try:
             obj = getattr(obj, part)

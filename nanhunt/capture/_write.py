@@ -58,6 +58,7 @@ def save_capture(
     optimizer_state: Mapping[str, Any] | None = None,
     scaler_state: Mapping[str, Any] | None = None,
     step_call: str | None = None,
+    script_run: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
 
@@ -74,11 +75,15 @@ def save_capture(
     A ``transformers`` model saved under its own class name also saves its config (JSON): the replay
     rebuilds it from that config, no ``--model`` needed. ``step_call="training_step"`` (Lightning): the
     step's loss is ``model.training_step(*inputs)``, not ``model(*inputs)``.
+
+    A name defined in the running script is saved with how the script was started (its argv, working directory,
+    path and the sha256 of its text: ``_names.script_run``), as now unless ``script_run`` gives it (the Guard
+    takes it when it is made): its confirmed replay runs the script's definitions with that argv.
     """
     ckpt, bfile = capture_record(
         model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, model_factory=model_factory,
         model_kwargs=model_kwargs, device_type=device_type, dtype=dtype, rng=rng, model_state=model_state,
-        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call)
+        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call, script_run=script_run)
     torch.save(ckpt, os.fspath(checkpoint_path))
     torch.save(bfile, os.fspath(batch_path))
 
@@ -99,11 +104,13 @@ def capture_record(
     optimizer_state: Mapping[str, Any] | None = None,
     scaler_state: Mapping[str, Any] | None = None,
     step_call: str | None = None,
+    script_run: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What :func:`save_capture` writes: the checkpoint's and the batch file's contents (the Guard's capture
     directory writes the same fields, the tensors as DCP shards)."""
     model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    opt_class = None if optimizer is None else _optimizer_name(optimizer)
     ckpt: dict[str, Any] = {
         "nanhunt_capture": CAPTURE_FORMAT,
         "model": {k: v.detach().cpu()
@@ -123,7 +130,9 @@ def capture_record(
         "optimizer": dict(optimizer_state) if optimizer_state is not None else (
             None if optimizer is None else optimizer.state_dict()),
         # a class defined in the training script by the script's path (replayed with --optimizer)
-        "optimizer_class": None if optimizer is None else _optimizer_name(optimizer),
+        "optimizer_class": opt_class,
+        # the training script's argv and text, for names it defines: what their definitions read when replayed
+        "script": dict(script_run) if script_run is not None else _names.script_run([factory, loss_path, opt_class]),
         # each group's parameters by name: the state_dict numbers them in group order, not model order
         "optimizer_params": None if optimizer is None else _group_names(model, optimizer),
         "scaler": dict(scaler_state) if scaler_state is not None else (None if scaler is None else scaler.state_dict()),

@@ -95,8 +95,9 @@ def load_step(
         ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
     bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
     _check_not_batch(ck, bt, checkpoint, batch)
-    step = _step_of(ck, bt, checkpoint, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
-                    notes=notes)
+    with _names.recorded(ck, f"checkpoint {checkpoint!r}", notes):  # a script name runs with its recorded argv
+        step = _step_of(ck, bt, checkpoint, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler,
+                        train=train, notes=notes)
     if step.rng is None:  # a nanhunt batch file's own RNG state first
         step.rng = rng
     if checkpoint.endswith("checkpoint.pt"):  # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
@@ -161,8 +162,10 @@ def load_capture_dir(
     why = ("the first rank that saw the failure" if seen and r == min(seen) else
            f"the failure was seen by rank(s) {', '.join(map(str, seen))}" if seen else "no rank saw it")
     note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
-    step = _step_of(ck, bt, path, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
-                    notes=[note], shard=shard)
+    notes = [note]
+    with _names.recorded(ck, where, notes):  # a script's names: run with the argv it recorded
+        step = _step_of(ck, bt, path, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
+                        notes=notes, shard=shard)
     step.event_file = os.path.join(path, f"event-rank{r}.json")
     return step
 

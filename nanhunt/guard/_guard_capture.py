@@ -18,7 +18,7 @@ from ..distributed import _dcp, _fsdp1
 from .._util import _dispatch
 from .._util._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
-from ..capture._names import capture_name, confirmations
+from ..capture._names import capture_name, confirmations, is_script, replay_problem, script_run
 from .._util._wrappers import user_class, user_modules
 from ..capture._hf import _hf_model_spec
 from ..capture.capture import capture_record, nn_spec, resolve, save_capture, unwrap_model
@@ -136,6 +136,8 @@ class CaptureWriter:
         if loss_fn is not None and capture_name(loss_fn) is None:
             raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
         self.optimizer, self.scaler = optimizer, scaler
+        # how the training script was started, taken now: its module-level statements read that argv
+        self.script_run = script_run([self.model_factory, capture_name(loss_fn), capture_name(optimizer)])
         self.dump_dir = os.fspath(dump_dir)
         self.loss_fn = loss_fn
         self.model_kwargs = dict(model_kwargs or {})
@@ -183,8 +185,12 @@ class CaptureWriter:
             named.append(("loss function", capture_name(self.loss_fn), self.loss_fn))
         if self.optimizer is not None:
             named.append(("optimizer class", capture_name(self.optimizer), self.optimizer))
+        # a script's name: what its confirmed replay runs of the script, run now in a throwaway module, so that
+        # a command that would fail is said when the Guard is made (GuardWarning) and in the event
+        self.replay_problems = tuple(p for what, name, _ in named if name is not None and is_script(name)
+                                     for p in [replay_problem(name, what)] if p is not None)
         args, notes = confirmations(named)
-        return tuple(args), tuple(notes)
+        return tuple(args), (*notes, *self.replay_problems)
 
     # ------------------------------------------------------------ a step begins
     def begin(self, entry: StepEntry, *, first: bool) -> None:
@@ -374,6 +380,7 @@ class CaptureWriter:
         return {
             "loss_fn": self.loss_fn, "model_factory": self.model_factory, "model_kwargs": self.model_kwargs,
             "device_type": self.device_type, "dtype": self._capture_dtype(entry), "step_call": self.step_call,
+            "script_run": self.script_run,
         }
 
     def _save_live(self, entry: StepEntry, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:

@@ -275,6 +275,8 @@ class Guard:
             snapshot_every=snapshot_every, max_captures=max_captures, dump_all_ranks=dump_all_ranks,
             rank=self._detect.rank)
         self._capture.group = self._detect._pg
+        for problem in self._capture.replay_problems:  # the replay command it would print fails: said now
+            warnings.warn(f"nanhunt.Guard: {problem}", GuardWarning, stacklevel=2)
 
         self.iterations = 0
         self.updates = 0

@@ -1,0 +1,181 @@
+"""The replay command a Guard prints works for scripts that read their command line when their definitions run
+(arguments parsed at the module level, ``sys.argv`` in default values): the capture records the script's argv,
+working directory and text, the confirmed replay runs the definitions with that argv and the module-level
+statements they use, and the Guard says when it is made what a replay of the script would lack."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanhunt.capture import _names
+from nanhunt.cli import main as cli_main
+from tests.integration.test_guard_command import _run_as_printed
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "user_scripts"
+CULPRIT = "Inf born in phase forward, in fc1 (Linear, call 0) at aten::_to_copy."
+
+
+def _train(script: Path, *args: str, where: Path) -> subprocess.CompletedProcess[str]:
+    """``python script args`` run in ``where`` as a user runs it."""
+    where.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), *args], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _printed_command(text: str) -> str:
+    """The replay command on the last line that holds one (a GuardError's message, or the script's own print)."""
+    lines = [line for line in text.splitlines() if "nanhunt replay " in line]
+    assert lines, text[-2000:]
+    return "nanhunt replay " + lines[-1].split("nanhunt replay ", 1)[1]
+
+
+@pytest.mark.subprocess
+def test_a_script_that_parses_its_arguments_at_module_level_replays_as_printed_elsewhere(tmp_path: Path) -> None:
+    # GIVEN a script that parses --hidden 16 at its top level (Net's default width) and --scale (read by the loss
+    # when called), stopped by its Guard at the bad step (on_fail="raise")
+    script = SCRIPTS / "argparse_train.py"
+    dump = tmp_path / "nan"
+    ran = _train(script, "--hidden", "16", "--scale", "2", "--dump-dir", str(dump), where=tmp_path / "run")
+    assert ran.returncode == 1 and "GuardError" in ran.stderr, ran.stderr[-2000:]
+    command = _printed_command(ran.stderr)
+    assert command == (f"nanhunt replay {dump}/step000002-checkpoint.pt {dump}/step000002-batch.pt "
+                       f"--model {script}:Net --loss {script}:my_loss")
+    # WHEN the printed command is run as printed from another directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _run_as_printed(command, elsewhere)
+    # THEN it names the culprit: Net was rebuilt 16 wide, from the argv the script ran with
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == CULPRIT
+
+
+@pytest.mark.subprocess
+def test_a_script_that_reads_sys_argv_in_its_defaults_replays_as_printed_elsewhere(tmp_path: Path) -> None:
+    # GIVEN a script whose Net and loss take sys.argv[1] and [2] as default values, its Guard recording (on_fail="dump")
+    script = SCRIPTS / "argv_train.py"
+    dump = tmp_path / "nan"
+    ran = _train(script, "16", "0.5", str(dump), where=tmp_path / "run")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    command = _printed_command(ran.stdout)
+    assert command.endswith(f" --model {script}:Net --loss {script}:my_loss"), command
+    # WHEN the printed command is run as printed from another directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _run_as_printed(command, elsewhere)
+    # THEN the defaults read the script's argv, not the replay's, and it names the culprit
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == CULPRIT
+
+
+@pytest.mark.subprocess
+def test_a_changed_script_is_said_and_an_argv_it_no_longer_parses_is_one_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a capture of a copy of the script run with --hidden 16, then the copy's --hidden renamed --width
+    script = tmp_path / "train.py"
+    script.write_text((SCRIPTS / "argparse_train.py").read_text())
+    dump = tmp_path / "nan"
+    ran = _train(script, "--hidden", "16", "--dump-dir", str(dump), where=tmp_path)
+    assert ran.returncode == 1, ran.stderr[-2000:]
+    argv = shlex.split(_printed_command(ran.stderr))[2:]
+    script.write_text(script.read_text().replace('"--hidden"', '"--width"').replace("args.hidden", "args.width"))
+    # WHEN the printed command is replayed
+    code = cli_main(["replay", *argv, "--no-bisect"])
+    err = capsys.readouterr().err.strip().splitlines()
+    # THEN argparse's exit is one error line naming the argument, and it says the script changed since
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith(f"nanhunt: error: running the definitions of script {str(script)!r} with the argv its "
+                             f"capture recorded ({script} --hidden 16 "), err[0]
+    assert "train.py: error: unrecognized arguments: --hidden 16" in err[0]
+    assert "the script changed since the capture" in err[0]
+
+
+@pytest.mark.subprocess
+def test_the_guard_says_when_made_what_a_replay_of_the_script_lacks(tmp_path: Path) -> None:
+    # GIVEN a script that parses its arguments in its main block, which Net's constructor reads
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, torch
+        from torch import nn
+        import nanhunt
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, args.hidden)
+
+        if __name__ == "__main__":
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--hidden", type=int, default=8)
+            args = parser.parse_args()
+            model = Net()
+            guard = nanhunt.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), dump_dir="nan")
+    """))
+    # WHEN the Guard is made
+    ran = _train(script, "--hidden", "4", where=tmp_path)
+    # THEN one warning line says what to add for the printed replay command to work
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    lines = [line for line in ran.stderr.splitlines() if "GuardWarning" in line]
+    assert len(lines) == 1, ran.stderr
+    assert lines[0].endswith(
+        f"GuardWarning: nanhunt.Guard: the printed replay command will fail on model factory {script}:Net: it uses "
+        "'args', which the script assigns only in its `if __name__ == \"__main__\":` block (line 14); a replay "
+        "runs only a script's definitions and the module-level statements they use (never its main block, loops, "
+        "with blocks or plain calls): assign args at the module level, or put Net in a module"), lines[0]
+
+
+def test_a_replay_runs_the_statements_the_definitions_use_with_the_recorded_argv(tmp_path: Path) -> None:
+    # GIVEN a script that parses its arguments at its top level around a model it builds and trains there
+    marks = tmp_path / "marks.txt"
+    (tmp_path / "train.py").write_text(textwrap.dedent(f"""
+        import argparse, os
+        def mark(what):
+            with open({str(marks)!r}, "a") as f:
+                f.write(what + "\\n")
+            return what
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--hidden", type=int, default=8)
+        parser.add_argument("--unused", default=mark("unused default"))
+        args = parser.parse_args()
+        args.hidden *= 2
+        WHERE = os.getcwd()
+        HIDDEN = args.hidden
+        class Net:
+            def __init__(self, hidden=HIDDEN):
+                self.hidden, self.where = hidden, WHERE
+        model = Net()
+        log = mark("not used by a definition")
+        mark("a call")
+        for _ in range(1):
+            late = mark("loop")
+        with open(os.devnull) as _f:
+            late = mark("with")
+        if __name__ == "__main__":
+            late = mark("main")
+    """))
+    # (recorded when the script read differently)
+    record = {"path": str(tmp_path / "train.py"), "argv": ["train.py", "--hidden", "3"], "cwd": str(tmp_path),
+              "sha256": "0" * 64}
+    argv, cwd = list(sys.argv), os.getcwd()
+    notes: list[str] = []
+    # WHEN the replay loads Net with the argv and working directory its capture recorded
+    with _names.recorded({"script": record}, "checkpoint 'ck.pt'", notes):
+        module = _names.load_script(str(tmp_path / "train.py"), "Net")
+    # THEN it says the script changed, Net's default came from that argv, read in that directory, and only what
+    # Net uses ran
+    assert notes == [f"script {tmp_path / 'train.py'} changed since the capture (its sha256 differs): its "
+                     "definitions ran as they are now, with the argv the capture recorded"]
+    assert module.Net().hidden == 6 and module.Net().where == str(tmp_path)
+    assert marks.read_text() == "unused default\n"  # parser.add_argument(...) configures the parser args reads
+    assert not hasattr(module, "model") and not hasattr(module, "log") and not hasattr(module, "late")
+    assert (sys.argv, os.getcwd()) == (argv, cwd)
