@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
-"""What the framework callbacks cost on a clean run: a ``transformers.Trainer`` and a Lightning ``Trainer``, each
-with and without ``NanhuntCallback``.
+"""What the framework callbacks and ``nanhunt run`` cost on a clean run: a ``transformers.Trainer``, a Lightning
+``Trainer`` and a hand-written loop, each with and without nanhunt.
 
     ./.venv/bin/python scripts/bench_callbacks.py --threads 1              # both frameworks, float32 steps
     ./.venv/bin/python scripts/bench_callbacks.py --only transformers --bf16
+    ./.venv/bin/python scripts/bench_callbacks.py --via run --threads 1    # as `nanhunt run` attaches (also the loop)
+
+``--via callback`` (default) passes ``NanhuntCallback`` to the Trainer; ``--via run`` attaches nanhunt as
+``nanhunt run train.py`` does (nothing in the script: the import watch adds the callback to every Trainer made, and a
+hand-written loop is found from its optimizer), installed for the run's rounds only. The loop workload (``plain``:
+the MLP below, Adam, ``zero_grad``/forward/``mse_loss``/backward/``step``) runs with ``--via run`` only.
 
 Workloads: a tiny GPT-2 (config built in code: 2 layers, width 64) under ``transformers.Trainer`` (AdamW), and a
 small MLP LightningModule under ``lightning.Trainer`` (Adam). A step is timed from the framework's first per-step
@@ -19,6 +25,7 @@ many times slower and would hide the callback's cost (``--bf16`` runs it anyway;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -72,17 +79,18 @@ def _transformers_run(with_callback: bool, args: argparse.Namespace, dump: str) 
     ids = torch.randint(0, 128, (args.chunk * 8, 32), generator=g)
     data = [{"input_ids": r, "labels": r} for r in ids]
     callbacks: list[Any] = [Start()]
-    if with_callback:
+    if with_callback and args.via == "callback":
         callbacks.append(NanhuntCallback(dump_dir=dump))
-    callbacks.append(End())
     targs = TrainingArguments(output_dir=os.path.join(dump, "out"), max_steps=args.chunk, per_device_train_batch_size=8,
                               report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
                               bf16=args.bf16, logging_strategy="no", dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
 
     def round_() -> list[float]:
         clock.times = []
-        trainer.train()
+        with _attached(with_callback and args.via == "run", dump):
+            trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
+            trainer.add_callback(End())  # after nanhunt's: its work at the step's end is inside the time
+            trainer.train()
         return clock.times[args.skip:]
 
     return round_
@@ -110,17 +118,18 @@ def _lightning_run(with_callback: bool, args: argparse.Namespace, dump: str) -> 
                                         torch.randn(args.chunk * 32, 8, generator=g))
     loader = torch.utils.data.DataLoader(ds, batch_size=32)
     callbacks: list[Any] = [Start()]
-    if with_callback:
+    if with_callback and args.via == "callback":
         callbacks.append(NanhuntCallback(dump_dir=dump))
-    callbacks.append(End())
 
     def round_() -> list[float]:
         clock.times = []
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.chunk, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             precision="bf16-mixed" if args.bf16 else "32-true", callbacks=callbacks,
-                             default_root_dir=dump)
-        trainer.fit(module, loader)
+        with _attached(with_callback and args.via == "run", dump):
+            trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.chunk, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 precision="bf16-mixed" if args.bf16 else "32-true", callbacks=list(callbacks),
+                                 default_root_dir=dump)
+            trainer.callbacks.append(End())  # after nanhunt's
+            trainer.fit(module, loader)
         return clock.times[args.skip:]
 
     return round_
@@ -152,6 +161,62 @@ def _lightning_module() -> Any:
 LitMLP: Any = None
 
 
+class PlainMLP(torch.nn.Module):
+    """The hand-written loop's model (module level: a capture names it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+def _plain_run(with_callback: bool, args: argparse.Namespace, dump: str) -> Callable[[], list[float]]:
+    """A hand-written loop (bf16 autocast and a GradScaler with --bf16), timed from zero_grad to the update."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = PlainMLP()
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(args.chunk, 32, 64, generator=g), torch.randn(args.chunk, 32, 8, generator=g)
+
+    def round_() -> list[float]:
+        times: list[float] = []
+        with _attached(with_callback, dump):
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # made under the watch, as in a script
+            scaler = torch.amp.GradScaler("cpu", enabled=args.bf16)
+            for x, y in zip(xs, ys):
+                t0 = time.perf_counter()
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    loss = F.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                times.append(time.perf_counter() - t0)
+        return times[args.skip:]
+
+    return round_
+
+
+@contextlib.contextmanager
+def _attached(on: bool, dump: str) -> Any:
+    """nanhunt attached as ``nanhunt run`` attaches it (``on``), for the block only."""
+    if not on:
+        yield
+        return
+    from nanhunt.integrations._attach import Attached, AttachOptions
+
+    attached = Attached(AttachOptions(dump)).install()
+    try:
+        yield
+    finally:
+        attached.close()
+
+
 def _bench(name: str, make: Callable[[bool, argparse.Namespace, str], Callable[[], list[float]]],
            args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as dump_plain, tempfile.TemporaryDirectory() as dump_cb:
@@ -176,7 +241,9 @@ def _bench(name: str, make: Callable[[bool, argparse.Namespace, str], Callable[[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=("transformers", "lightning"))
+    p.add_argument("--only", choices=("transformers", "lightning", "plain"))
+    p.add_argument("--via", choices=("callback", "run"), default="callback",
+                   help="attach nanhunt as the callback given to the Trainer, or as `nanhunt run` does")
     p.add_argument("--rounds", type=int, default=8, help="counted rounds per run (each alternates the two runs)")
     p.add_argument("--chunk", type=int, default=25, help="steps per round")
     p.add_argument("--skip", type=int, default=3, help="first steps of each round not counted")
@@ -191,9 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("lightning", "lightning.pytorch", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
     todo = {"transformers": _transformers_run, "lightning": _lightning_run}
+    if args.via == "run":
+        todo["plain"] = _plain_run
     print(f"{'bf16' if args.bf16 else 'float32'} steps, threads {torch.get_num_threads()}, {args.rounds} rounds of "
-          f"{args.chunk} steps (first {args.skip} of each not counted), runs alternated")
-    print(f"{'framework':<14} {'plain ms':>9} {'callback ms':>12} {'ratio':>7} {'p25-p75 of rounds':>18}")
+          f"{args.chunk} steps (first {args.skip} of each not counted), runs alternated, nanhunt via {args.via}")
+    print(f"{'framework':<14} {'plain ms':>9} {'nanhunt ms':>12} {'ratio':>7} {'p25-p75 of rounds':>18}")
     for name, make in todo.items():
         if args.only and name != args.only:
             continue
