@@ -4,10 +4,7 @@ acceptance rule fixed before the run."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Sequence
-from typing import Any
 
 from .._util._errors import CommandError, NanhuntError, visible
 from .._util._text import dtype_name
@@ -70,6 +67,7 @@ class CompareCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from ..capture.capture import load_step
+        from ..comparison._inputs import batch_files, load_set, rule_given
         from ..comparison.engine import History, compare, settle_rule
         from ..report import renderer_for, write
         from ..report.console import render_comparison
@@ -79,8 +77,11 @@ class CompareCommand:
             check_writable(args.report)
         if args.speed is not None and args.speed < 1:
             raise CommandError("--speed needs at least 1 repetition")
-        files, is_set = _batch_files(args.batch)
-        rule = _rule_of(args)
+        files, is_set = batch_files(args.batch)
+        flags = {k: getattr(args, k) for k in _RULE_FLAGS if getattr(args, k) is not None}
+        if args.fail_on_tolerance:
+            flags["fail_on_tolerance"] = True
+        rule = rule_given(args.rule, flags, task=args.task, metric=args.metric)
         if args.trust_pickle:
             warn_trust_pickle("the files")
         rule, _ = settle_rule(rule, args.metric)
@@ -93,7 +94,7 @@ class CompareCommand:
             print(visible(f"warning: {n}"), file=sys.stderr)
         # A capture taken in float32 has no autocast dtype to compare: float16 then.
         dtype = args.dtype or ["float16" if dtype_name(step.dtype) == "float32" else dtype_name(step.dtype)]
-        batches = _load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
+        batches = load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
         # Fixed before the run: printed (stderr: stdout starts with the verdict) and hashed into the report.
         print(visible(f"rule (fixed before the run): {rule.canonical()}"), file=sys.stderr)
         print(f"rule sha256: {rule.sha256()}", file=sys.stderr)
@@ -119,92 +120,12 @@ class CompareCommand:
         return EXIT_CLEAN if all(c.accepted for c in report.comparison.candidates()) else EXIT_NONFINITE
 
 
-
 def _dtypes(text: str) -> list[str]:
     """``--dtype float16,bfloat16``: one or more autocast dtypes, each once."""
-    names = [t.strip().replace("torch.", "") for t in text.split(",")]
+    names = [dtype_name(t.strip()) for t in text.split(",")]
     if not names or any(n not in ("float16", "bfloat16") for n in names) or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r}: give float16, bfloat16 or both (float16,bfloat16)")
     return names
 
 
-_BATCH_SUFFIXES = (".pt", ".pth")
-
-
-def _batch_files(paths: Sequence[str]) -> tuple[list[tuple[str, str]], bool]:
-    """(name, path) of every batch file SET names, and whether it is a set (several files or a directory).
-    A directory gives its *.pt and *.pth files in name order; a batch is named by its file name, or by the
-    path as given when two files share a name."""
-    found: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            inside = sorted(f for f in os.listdir(p) if f.endswith(_BATCH_SUFFIXES) and not f.startswith("."))
-            inside = [f for f in inside if os.path.isfile(os.path.join(p, f))]
-            if not inside:
-                raise CommandError(f"the directory {p!r} holds no batch file (*.pt, *.pth)")
-            found += [os.path.join(p, f) for f in inside]
-        else:
-            found.append(p)
-    if len(set(found)) != len(found):
-        raise CommandError("a batch file is named twice in the set")
-    base = [os.path.basename(f) for f in found]
-    names = base if len(set(base)) == len(base) else found
-    return list(zip(names, found)), len(found) > 1 or any(os.path.isdir(p) for p in paths)
-
-
 _RULE_FLAGS = ("rtol", "atol", "max_flips", "max_quality_drop", "min_quality", "allow_nonfinite")
-
-
-def _rule_of(args: argparse.Namespace) -> Any:
-    """The acceptance rule from --rule or the flags (not both); --task and --metric fill in what the file leaves
-    out. A metric function a file names is imported only when --metric confirms it, like a file's loss."""
-    from .._util._safeload import read_json
-    from ..comparison.engine import rule_from
-
-    flags = {k: getattr(args, k) for k in _RULE_FLAGS if getattr(args, k) is not None}
-    if args.fail_on_tolerance:
-        flags["fail_on_tolerance"] = True
-    if args.rule is None:
-        d: dict[str, Any] = {**flags, "task": args.task or "none"}
-        if args.metric is not None:
-            d["metric"] = args.metric
-        return rule_from(d, where="the rule flags")
-    if flags:
-        given = ", ".join("--" + k.replace("_", "-") for k in flags)
-        raise CommandError(f"--rule fixes the acceptance rule; {given} would change it: put the clause in "
-                           f"{args.rule!r} or drop --rule")
-    where = f"the rule {args.rule!r}"
-    d = read_json(args.rule, what="an acceptance rule (JSON)", label=where,
-                  fix="give a JSON object of the rule's clauses (task, metric, rtol, ...)")
-    if not isinstance(d, dict):
-        raise CommandError(f"{where} is a JSON {type(d).__name__}, not an object of the rule's clauses")
-    for key, flag in (("task", args.task), ("metric", args.metric)):
-        if flag is not None and d.get(key, flag) != flag:
-            raise CommandError(f"{where} says {key} {d[key]!r} but --{key} says {flag!r}; give one")
-    metric = d.get("metric")
-    if isinstance(metric, str) and ":" in metric and args.metric != metric:
-        raise CommandError(f"{where} names the metric function {metric!r}, which nanhunt does not import "
-                           f"unconfirmed; if you trust it, pass --metric {metric} to confirm")
-    if args.task is not None:
-        d.setdefault("task", args.task)
-    if args.metric is not None:
-        d.setdefault("metric", args.metric)
-    return rule_from(d, where=where)
-
-
-def _load_set(files: Sequence[tuple[str, str]], step: Any, *, trust_pickle: bool) -> dict[str, Any]:
-    """Every batch of the set, by name, on the model's device (the first is the step's, loaded already)."""
-    from torch import nn
-
-    from ..capture.capture import load_file, to_device
-    from ..step.step import split_batch
-
-    device = next((p.device for p in step.model.parameters()), None)
-    out: dict[str, Any] = {files[0][0]: (step.inputs, step.targets)}
-    for name, path in files[1:]:
-        bt = load_file(path, what="batch", trust_pickle=trust_pickle)
-        if isinstance(bt, nn.Module):
-            raise CommandError(f"the batch file {path!r} holds a model, not a batch")
-        inputs, targets = split_batch(bt)
-        out[name] = (inputs, targets) if device is None else (to_device(inputs, device), to_device(targets, device))
-    return out

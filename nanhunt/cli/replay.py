@@ -6,15 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._util._errors import CommandError, NanhuntError, visible
-from ._common import (EXIT_CLEAN, EXIT_NONFINITE, EXIT_NOT_REPRODUCIBLE, check_writable, command_line, name_options,
-                      print_rich, put, step_failed, warn_trust_pickle)
-
-if TYPE_CHECKING:
-    from .._util._bundle import Staging
+from ._common import command_line, name_options, step_failed, warn_trust_pickle
+from ._output import Progress, ReplayOutput
 
 
 class ReplayCommand:
@@ -53,63 +49,29 @@ class ReplayCommand:
                        "only now and then (non-deterministic kernels, state outside the capture) shows in one of them")
 
     def run(self, args: argparse.Namespace) -> int:
-        from .._util._bundle import Staging
         from ..hunt._dist_replay import under_torchrun
-        from ..report import renderer_for
 
         torchrun = under_torchrun()  # every rank replays its own batch (_dist_replay); rank 0 alone shows it
-        speaks = not torchrun or os.environ.get("RANK", "0") == "0"
-        render_file = renderer_for(args.report) if args.report and speaks else None  # fail before the long part
-        if args.report and speaks:
-            check_writable(args.report)
-        if args.bundle and speaks:
-            _check_bundle(args.bundle, args.report)
-        if args.trust_pickle and speaks:
+        output = ReplayOutput(args.report, args.bundle, speaks=not torchrun or os.environ.get("RANK", "0") == "0")
+        if args.trust_pickle and output.speaks:
             warn_trust_pickle("the files")
         options = dict(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
                        trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
                        no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
-        # The bundle is written beside its directory and swapped in at the end; removed on an error or interrupt
-        staged = Staging(args.bundle) if args.bundle and speaks else None
-        try:
-            if staged is not None:
-                staged.create()
-            return self._replay(args, options, torchrun=torchrun, render_file=render_file, staged=staged)
-        finally:
-            if staged is not None:
-                staged.discard()
+        with output.staging():
+            return self._replay(args, options, torchrun=torchrun, output=output)
 
     def _replay(self, args: argparse.Namespace, options: dict[str, Any], *, torchrun: bool,
-                render_file: Callable[[Any], str] | None, staged: Staging | None) -> int:
+                output: ReplayOutput) -> int:
+        from ..capture.capture import load_capture_dir, load_step
         from ..hunt._dist_replay import replay_ranks
         from ..hunt._ranks import other_ranks, received_note
-        from ..capture.capture import load_capture_dir, load_step
         from ..hunt.pipeline import hunt
-        from ..report import write, write_bundle
-        from ..report.console import render
-
-        bundle = staged.path if staged is not None else args.bundle  # under torchrun, rank 0 alone writes it
-
-        def show(report: Any) -> int:
-            print_rich(render(report))
-            if args.report and render_file is not None:
-                put(args.report, lambda: write(report, args.report))
-            if staged is not None:
-                names = [os.path.basename(p) for p in write_bundle(report, staged.path)]
-                rp = report.repro
-                names += list(rp.files) if rp is not None else []
-                put(args.bundle, staged.commit)
-                state = "no op to reproduce" if rp is None else ("repro verified" if rp.verified else f"repro NOT verified: {rp.result}")
-                print(visible(f"bundle: {', '.join(os.path.join(args.bundle, n) for n in names)} ({state})"),
-                      file=sys.stderr)
-                if staged.earlier or staged.kept:
-                    _replaced_line(args.bundle, staged.earlier, names, staged.kept)
-            return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
 
         def show_ranks(report: Any) -> int:
             for n in report.notes[:2]:  # how it was replayed, and which rank went first
                 print(visible(n), file=sys.stderr)
-            return show(report)
+            return output.show(report)
 
         directory = args.batch is None
         if torchrun and args.snapshot != "auto":
@@ -120,11 +82,11 @@ class ReplayCommand:
             raise CommandError("--repeat applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
-                with _Progress() as progress:
+                with Progress() as progress:
                     return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
                                         allow=args.allow, prove=not args.no_bisect, progress=progress.update,
                                         command=command_line(_dist_launcher()), show=show_ranks,
-                                        bundle=bundle, **options)
+                                        bundle=output.bundle_dir, **options)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -142,9 +104,10 @@ class ReplayCommand:
         def hunted(step: Any) -> Any:
             step.snapshot = "disk" if args.snapshot == "disk" else "memory" if args.snapshot == "memory" else None
             try:
-                with _Progress() as progress:
+                with Progress() as progress:
                     return hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
-                                progress=progress.update, bundle=bundle, command=command_line(), repeat=args.repeat)
+                                progress=progress.update, bundle=output.bundle_dir, command=command_line(),
+                                repeat=args.repeat)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
@@ -156,71 +119,13 @@ class ReplayCommand:
             report = other_ranks(args.checkpoint, report, hunted, options, _say)
         elif report.status == "clean":
             report = received_note(report, _say)
-        return show(report)
+        return output.show(report)
 
 
 def _say(line: str) -> None:
     print(visible(line), file=sys.stderr)
 
 
-class _Progress:
-    """A rich status line during bisection (stderr, so reports on stdout stay clean)."""
-
-    def __init__(self) -> None:
-        from rich.console import Console
-
-        self._console = Console(stderr=True)
-        self._status: Any = None
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def update(self, n: int, label: str) -> None:
-        from rich.markup import escape
-
-        text = f"bisecting: replay {n} ({escape(visible(label))})"
-        if not self._console.is_terminal:
-            return
-        if self._status is None:
-            self._status = self._console.status(text)
-            self._status.start()
-        else:
-            self._status.update(text)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.stop()
-            self._status = None
-
-
 def _dist_launcher() -> str:
     """How the replay under torchrun is started again: every rank replays its own batch."""
     return f"torchrun --nproc-per-node {os.environ.get('WORLD_SIZE', '1')} -m"
-
-
-def _check_bundle(directory: str, report: str | None) -> None:
-    """Fail before the replay on a bundle directory nanhunt cannot write, or one holding files it did not write
-    (it is new, empty, or an earlier bundle), or ``--report`` inside it (the bundle replaces its directory)."""
-    from .._util._bundle import earlier_bundle
-    from .._util._files import check_directory
-
-    if report is not None and os.path.realpath(os.path.dirname(os.path.abspath(report))) == os.path.realpath(directory):
-        raise CommandError(f"--report {report!r} is inside the bundle directory {directory!r}, which holds the reports "
-                           "already; leave --report out or give it a path outside")
-    if os.path.isdir(directory):  # before the write probe: a directory of the user's own files is left untouched
-        earlier_bundle(directory)
-    check_directory(directory, what="the bundle directory")
-
-
-def _replaced_line(directory: str, earlier: list[str], now: list[str], kept: str) -> None:
-    """One stderr line: the files of the earlier bundle replaced, and those removed as not part of this one
-    (a repro.py left beside a report that has none would reproduce the old bug); where the earlier bundle was
-    left when files nanhunt did not write appeared in it during the swap."""
-    replaced = [n for n in earlier if n in now]
-    removed = [n for n in earlier if n not in now]
-    line = f"bundle: replaced an earlier bundle in {directory!r}: {', '.join(replaced) or 'no file'} rewritten"
-    if removed:
-        line += f"; {', '.join(removed)} removed (not part of this bundle)"
-    if kept:
-        line += f"; the earlier bundle got other files meanwhile: left, with them, in {kept!r}"
-    print(visible(line), file=sys.stderr)
