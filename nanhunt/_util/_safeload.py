@@ -102,6 +102,10 @@ def _check_path(path: str, name: str) -> int:
                                "with python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR model.pt "
                                "and give that file with --model (it unpickles the directory's metadata: only "
                                "for one you trust)")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise CommandError(f"{name} is a transformers checkpoint directory, not a file; replay it with the batch "
+                               f"of its next step (nanhunt replay {path} batch.pt), or give one of its files (its "
+                               "model.safetensors)")
         raise CommandError(f"{name} is a directory; give the .pt file")
     if not os.access(path, os.R_OK):
         raise CommandError(f"{name} is not readable; check its permissions")

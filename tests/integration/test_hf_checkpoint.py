@@ -283,6 +283,15 @@ def test_a_checkpoint_directory_without_its_batch_asks_for_it(
                     "included)")
 
 
+def test_a_checkpoint_directory_where_a_file_is_expected_says_what_it_is(
+        trained: tuple[Trainer, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    ck = str(trained[1] / "checkpoint-1")
+    line = _one_error_line(["inspect", ck], capsys)
+    assert line == (f"nanhunt: error: checkpoint {ck!r} is a transformers checkpoint directory, not a file; replay it "
+                    f"with the batch of its next step (nanhunt replay {ck} batch.pt), or give one of its files (its "
+                    "model.safetensors)")
+
+
 # ------------------------------------------------------------------ a .safetensors file
 def test_a_safetensors_file_is_read_as_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN HotNet's weights (fc2 overflows float16: tests/integration/test_cli_checkpoints.py) as a
