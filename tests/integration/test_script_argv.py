@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nanhunt.capture import _names
+from nanhunt.capture.capture import save_capture
 from nanhunt.cli import main as cli_main
 from tests.integration.test_guard_command import _run_as_printed
 
@@ -179,3 +180,28 @@ def test_a_replay_runs_the_statements_the_definitions_use_with_the_recorded_argv
     assert marks.read_text() == "unused default\n"  # parser.add_argument(...) configures the parser args reads
     assert not hasattr(module, "model") and not hasattr(module, "log") and not hasattr(module, "late")
     assert (sys.argv, os.getcwd()) == (argv, cwd)
+
+
+@pytest.mark.parametrize("script", [
+    {"path": "train.py", "argv": [], "cwd": None, "sha256": None},  # a relative path
+    {"path": "/x/train.py", "argv": "train.py --hidden 16", "cwd": None, "sha256": None},  # argv not a list
+    {"path": "/x/train.py", "argv": ["x"] * 10_001, "cwd": None, "sha256": None},  # more than any command line
+    {"path": "/x/train.py", "argv": [], "cwd": "rel", "sha256": None},
+    {"path": "/x/train.py", "argv": [], "cwd": None, "sha256": "not a digest"},
+])
+def test_a_script_field_that_is_not_a_recorded_run_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], script: object) -> None:
+    # GIVEN a capture whose field script is not what a Guard writes
+    files = [str(tmp_path / "ck.pt"), str(tmp_path / "bt.pt")]
+    save_capture(files[0], files[1], model=torch.nn.Linear(2, 2), batch=(torch.ones(1, 2), torch.ones(1, 2)),
+                 loss_fn=torch.nn.MSELoss())
+    ck = torch.load(files[0], weights_only=True)
+    ck["script"] = script
+    torch.save(ck, files[0])
+    # WHEN it is replayed
+    code = cli_main(["replay", *files, "--no-bisect"])
+    # THEN one error line says the capture is damaged
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"nanhunt: error: checkpoint {files[0]!r} is not a valid nanhunt capture: field 'script' is not a "
+                   "script's absolute path, argv, working directory and sha256; save the capture again"]
