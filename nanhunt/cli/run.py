@@ -149,6 +149,11 @@ def _summary(attached: Any, target: str, code: int, stopped: GuardError | None, 
     note = attached.loop.loss_note
     if attached.loop.gave_up:
         _say(f"{attached.loop.gave_up}: steps after it were not checked")
+    if attached.gave_up:
+        _say(attached.gave_up)
+    if attached.loop.skipped_calls:
+        _say(f"{attached.loop.skipped_calls} training forward(s) called the model with positional and keyword "
+             "arguments together, which no batch file holds: those steps were not checked")
     if failure is not None:
         _print_script_error(failure, target)
         code = 1
@@ -165,16 +170,16 @@ def _summary(attached: Any, target: str, code: int, stopped: GuardError | None, 
         if note:
             _say(note)
         return EXIT_STOPPED
+    if attached.loop.gave_up or attached.gave_up:
+        return code  # said above
     watched = attached.framework or ("a training loop" if attached.loop.guards else None)
-    if watched is None and not attached.loop.gave_up:
+    if watched is None:
         _say(f"watched nothing in {name}: no transformers or Lightning Trainer was made, and no torch.optim optimizer "
              "whose model the script called in training mode; nothing was checked")
-    elif watched is not None:
-        found = [e for e in attached.events if e.checkpoint]
-        if not found and failure is None:
-            _say(f"{name} finished; {watched} was watched and no non-finite value was seen")
-        elif note:
-            _say(note)
+    elif not any(e.checkpoint for e in attached.events) and failure is None:
+        _say(f"{name} finished; {watched} was watched and no non-finite value was seen")
+    elif note:
+        _say(note)
     return code
 
 

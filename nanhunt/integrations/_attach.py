@@ -110,6 +110,7 @@ class Attached:
             raise CommandError(f"--on-fail must be one of {', '.join(ON_FAIL)}, not {options.on_fail!r}")
         self.options = options
         self.framework: str | None = None  # the Trainer found, if any
+        self.gave_up = ""  # why a framework run was not watched, or ""
         self.callbacks: list[Any] = []  # the framework callbacks made (their events)
         self.loop = _PlainLoop(self)
         self._patches: list[_Patch] = []
@@ -200,8 +201,24 @@ class Attached:
             from .transformers import NanhuntCallback as TrainerCallback
 
             callback = TrainerCallback(dump_dir=self.options.dump_dir, **options)
+        begin = "on_train_start" if kind == "Lightning" else "on_train_begin"
+        setattr(callback, begin, self._refusal_said(getattr(callback, begin)))
         self.callbacks.append(callback)
         return callback
+
+    def _refusal_said(self, begin: Callable[..., None]) -> Callable[..., None]:
+        """The callback's start, where it refuses a run it cannot watch (Lightning's manual optimization, two
+        optimizers): under ``nanhunt run`` the refusal is said and the run goes on unwatched."""
+
+        @functools.wraps(begin)
+        def call(*args: Any, **kwargs: Any) -> None:
+            try:
+                begin(*args, **kwargs)
+            except ValueError as e:
+                self.gave_up = f"nanhunt did not watch the {self.framework} run ({first_line(e)})"
+                print(f"nanhunt run: {visible(self.gave_up)}; the script goes on unwatched", file=sys.stderr)
+
+        return call
 
 
 def _candidates(optimizer: torch.optim.Optimizer) -> list[nn.Module]:

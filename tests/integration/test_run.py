@@ -298,3 +298,42 @@ def test_rollback_skips_the_bad_batch_and_the_loop_goes_on(tmp_path: Path) -> No
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses[3:])))
     assert "rolled back (#1) to the state step 2 began with" in done.stderr
     assert (tmp_path / "nan-captures" / "step000002-checkpoint.pt").exists()
+
+
+MANUAL = """
+import lightning as L, torch
+from torch import nn
+
+class Manual(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.fc = nn.Linear(4, 2)
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        loss = self.fc(batch[0]).pow(2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(Manual(), data)
+print("fit done")
+"""
+
+
+def test_a_framework_run_nanhunt_cannot_watch_goes_on_unwatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a Lightning module with manual optimization, which nanhunt's callback does not watch
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main(["run", str(_script(tmp_path, MANUAL))])
+    out, err = capsys.readouterr()
+    # THEN the fit runs to its end and nanhunt says why it did not watch it
+    assert rc == 0 and out.endswith("fit done\n")
+    assert ("nanhunt run: nanhunt did not watch the Lightning run (ValueError: NanhuntCallback supports automatic "
+            "optimization") in err
