@@ -540,6 +540,8 @@ def replay_problem(name: str, what: str) -> str | None:
         return head + str(e)
     except OSError as e:
         return head + f"cannot read script {file!r} ({type(e).__name__}: {e})"
+    except Exception as e:  # a failure of nanhunt's own reading: said, and the training it guards goes on
+        return f"nanhunt could not check that the printed replay command works for {what} {name}: {first_line(e)}"
     finally:
         _CHECKING.reset(token)
     if root not in module.__dict__:

@@ -149,6 +149,7 @@ def test_a_replay_runs_the_statements_the_definitions_use_with_the_recorded_argv
         parser.add_argument("--unused", default=mark("unused default"))
         args = parser.parse_args()
         args.hidden *= 2
+        os.environ.setdefault("NANHUNT_TEST_SCRIPT_RAN", "1")  # a call on a module the definitions use
         WHERE = os.getcwd()
         HIDDEN = args.hidden
         class Net:
@@ -179,6 +180,7 @@ def test_a_replay_runs_the_statements_the_definitions_use_with_the_recorded_argv
     assert module.Net().hidden == 6 and module.Net().where == str(tmp_path)
     assert marks.read_text() == "unused default\n"  # parser.add_argument(...) configures the parser args reads
     assert not hasattr(module, "model") and not hasattr(module, "log") and not hasattr(module, "late")
+    assert "NANHUNT_TEST_SCRIPT_RAN" not in os.environ
     assert (sys.argv, os.getcwd()) == (argv, cwd)
 
 
