@@ -14,7 +14,9 @@ from ..records import DTYPE_MAX, Occurrence, Record, Report, Verdict, role_text
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans",
-           "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "guard_rows", "guard_text", "origin_alone"]
+           "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "GUARD_TITLE", "BORN_TITLE", "TENSORS_TITLE", "PATH_TITLE",
+           "BISECTION_TITLE", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
+           "origin_alone"]
 
 LIMITS = DTYPE_MAX
 
@@ -322,6 +324,15 @@ def repro_text(report: Report) -> list[Span]:
     return out
 
 
+# The sections of a replay's report, titled alike in Markdown and HTML (the console titles only its tables)
+GUARD_TITLE = "Guard event"
+BORN_TITLE = "Where it was born"
+TENSORS_TITLE = "The op's tensors against their dtype's limits"
+PATH_TITLE = "Propagation path"
+BISECTION_TITLE = "Bisection by local float32"
+SCALER_TITLE = "GradScaler"
+ENVIRONMENT_TITLE = "Environment"
+REPRODUCE_TITLE = "Reproduce"
 ADVICE_TITLE = "Suggested fixes"
 ADVICE_INTRO = "beyond float32, each with the measurement of this replay that calls for it"
 

@@ -17,7 +17,21 @@ __all__ = ["compare_verdict", "compare_summary", "compare_title", "RULE_LABEL", 
            "rule_hash_text", "violation_lines", "allowed_lines", "absorbed_lines", "ABSORBED_HEAD",
            "CANDIDATE_COLUMNS", "candidate_cells", "batch_columns", "batch_cells", "quality_text", "SPEED_COLUMNS",
            "speed_cells", "speed_rows", "sample_list", "candidate_head", "decision_categories", "decision_kind",
-           "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines"]
+           "decision_rows", "worst_decisions", "DECISIONS_SHOWN", "speed_memory_lines", "rule_warning_lines",
+           "RUNS_TITLE", "BATCHES_TITLE", "QUALITY_TITLE", "INTRODUCED_TITLE", "DECISIONS_TITLE", "OUTPUT_TITLE",
+           "CANDIDATES_TITLE", "SPEED_TITLE", "CONFIG_TITLE"]
+
+# The sections of a comparison's report, titled alike in Markdown and HTML (the console titles only its tables;
+# the last section, Reproduce, is titled as a replay's)
+RUNS_TITLE = "Runs"
+BATCHES_TITLE = "Batches"
+QUALITY_TITLE = "Quality"
+INTRODUCED_TITLE = "Where the error is introduced"
+DECISIONS_TITLE = "Decisions"
+OUTPUT_TITLE = "Output and loss"
+CANDIDATES_TITLE = "Candidates against one float32 reference"
+SPEED_TITLE = "Speed, after validation"
+CONFIG_TITLE = "Configuration and environment"
 
 RULE_LABEL = "rule (fixed before the run)"
 NOTHING_COMPARED = "nothing was compared: a non-finite float32 run is no reference for precision"

@@ -165,7 +165,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
     parts = _page_head(report)
     guard = c.guard_rows(report)
     if guard:
-        parts += ["<section><h2>Guard event</h2>", _kv([(k, _e(v)) for k, v in guard]), "</section>"]
+        parts += [f"<section><h2>{c.GUARD_TITLE}</h2>", _kv([(k, _e(v)) for k, v in guard]), "</section>"]
     occ = report.first
     if occ is not None:
         parts += _birth_sections(occ)
@@ -175,14 +175,14 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         items = "".join(f"<li>{_spans(c.path_label(r))}</li>" for r in report.path[:_PATH_SHOWN])
         if len(report.path) > _PATH_SHOWN:
             items += f"<li>... and {len(report.path) - _PATH_SHOWN} more</li>"
-        parts += ["<section><h2>Propagation path</h2>", f'<ol class="path">{items}</ol></section>']
+        parts += [f"<section><h2>{c.PATH_TITLE}</h2>", f'<ol class="path">{items}</ol></section>']
     if report.status != "clean" or report.verdict is not None:
         parts += _bisection(report)
     parts += _advice(report)
-    parts += ["<section><h2>GradScaler</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
+    parts += [f"<section><h2>{c.SCALER_TITLE}</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
     env = c.environment_rows(report)
     if env:
-        parts += ["<section><h2>Environment</h2>", _kv([(k, _e(val)) for k, val in env]), "</section>"]
+        parts += [f"<section><h2>{c.ENVIRONMENT_TITLE}</h2>", _kv([(k, _e(val)) for k, val in env]), "</section>"]
     parts += _reproduce(report)
     if report.modules:
         parts += ["<section><h2>Modules</h2>", _tree(report), "</section>"]
@@ -208,8 +208,8 @@ def _page_head(report: Report) -> list[str]:
 def _birth_sections(occ: Occurrence) -> list[str]:
     """Where the first non-finite value was born, and the op's tensors against their dtype's limits."""
     rows = [(k, _spans(v)) for k, v in c.birth_rows(occ)]
-    return ["<section><h2>Where it was born</h2>", _kv(rows), "</section>",
-            "<section><h2>The op's tensors against their dtype's limits</h2>", _tensor_table(occ),
+    return [f"<section><h2>{c.BORN_TITLE}</h2>", _kv(rows), "</section>",
+            f"<section><h2>{c.TENSORS_TITLE}</h2>", _tensor_table(occ),
             '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
             "overflows (65504 for float16).</p></section>"]
 
@@ -228,7 +228,7 @@ def _step_picture(png: bytes) -> list[str]:
 def _bisection(report: Report) -> list[str]:
     """The bisection by local float32: the verdict, the alternatives tried and the suggested fix."""
     v = report.verdict
-    parts = ["<section><h2>Bisection by local float32</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
+    parts = [f"<section><h2>{c.BISECTION_TITLE}</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
     alone = None if v is None else c.origin_alone(v)
     if alone is not None:
         parts.append(f"<p>{_e(alone[0])}: <b>{alone[1]}</b>.</p>")
@@ -254,7 +254,7 @@ def _advice(report: Report) -> list[str]:
 
 def _reproduce(report: Report) -> list[str]:
     """How to replay the step, and the op alone when a repro was written."""
-    parts = ["<section><h2>Reproduce</h2>"]
+    parts = [f"<section><h2>{c.REPRODUCE_TITLE}</h2>"]
     if report.command:
         parts.append(f"<p>Replay the step:</p><pre><code>{_pre(report.command)}</code></pre>")
     rp = report.repro
@@ -400,20 +400,20 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
     for k, v in ct.run_rows(cmp):
         state = "ok" if v.startswith("finite") else ("dim" if v == "not run" else "bad")
         runs.append((k, f'<span class="{state}">{_e(v)}</span>'))
-    parts += ["<section><h2>Runs</h2>", _kv(runs)]
+    parts += [f"<section><h2>{ct.RUNS_TITLE}</h2>", _kv(runs)]
     if not cmp.reference_finite and not cmp.modules:
         parts.append(f'<p class="bad">{_e(ct.NOTHING_COMPARED.capitalize())}.</p>')
     parts.append("</section>")
     if cmp.batches:
         rows = [ct.batch_cells(b) for b in cmp.batches]
-        parts += ["<section><h2>Batches</h2>",
+        parts += [f"<section><h2>{ct.BATCHES_TITLE}</h2>",
                   _plain_table(ct.batch_columns(cmp), rows, text_columns=(0, 2, 3, 4, 7, 8),
                                row_class=["" if b.accepted else "flip" for b in cmp.batches]), "</section>"]
     q = ct.quality_text(cmp)
     if q is not None:
         worse = cmp.quality is not None and cmp.quality.drop() > 0
-        parts.append(f'<section><h2>Quality</h2><p class="{"bad" if worse else ""}"><b>{_e(q[0].upper() + q[1:])}.'
-                     "</b></p></section>")
+        parts.append(f'<section><h2>{ct.QUALITY_TITLE}</h2><p class="{"bad" if worse else ""}">'
+                     f"<b>{_e(q[0].upper() + q[1:])}.</b></p></section>")
     if png:
         alt = "error by module call: the error each call introduces (bars) and the error of its output (dots)"
         parts += ["<section><h2>Error by module</h2><figure>",
@@ -423,7 +423,7 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
                   "of the value's largest float32 magnitude, on a log scale. Dashed line: rtol. Infinite errors sit "
                   "in a column of their own at the right.</figcaption></figure></section>"]
     if cmp.modules:
-        parts += ["<section><h2>Where the error is introduced</h2>",
+        parts += [f"<section><h2>{ct.INTRODUCED_TITLE}</h2>",
                   f'<p class="dim">{_e(ct.ERROR_DEFINITION)}.</p>']
         if cmp.ranking:
             parts.append(_ranking_table(cmp))
@@ -438,7 +438,7 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
         parts.append(f"<details><summary>All {len(cmp.modules)} module calls, in the order they started</summary>"
                      f"{_calls_table(cmp)}</details></section>")
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
-        parts += ["<section><h2>Decisions</h2>",
+        parts += [f"<section><h2>{ct.DECISIONS_TITLE}</h2>",
                   f'<p class="{"bad" if cmp.flipped or cmp.nonfinite else ""}"><b>{_e(ct.decisions_counts(cmp))}.</b></p>']
         if cmp.nonfinite:
             cats = ct.decision_categories(cmp)
@@ -449,7 +449,7 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
     named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
     g = cmp.regression
     if named or g is not None:
-        parts.append("<section><h2>Output and loss</h2>")
+        parts.append(f"<section><h2>{ct.OUTPUT_TITLE}</h2>")
         if named:
             parts.append(_diff_table(named))
         if g is not None:
@@ -508,7 +508,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
     parts.append("</header>")
     if cmp.alternatives:
         rows = [ct.candidate_cells(x) for x in cmp.candidates()]
-        parts += ["<section><h2>Candidates against one float32 reference</h2>",
+        parts += [f"<section><h2>{ct.CANDIDATES_TITLE}</h2>",
                   _plain_table(ct.CANDIDATE_COLUMNS, rows, text_columns=(0, 1, 2, 3),
                                row_class=["" if x.accepted else "flip" for x in cmp.candidates()]), "</section>"]
     for i, x in enumerate(cmp.candidates()):
@@ -517,7 +517,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         parts += _candidate(x, png=png if i == 0 else None)
     rows, untimed = ct.speed_rows(cmp)
     if rows or untimed:
-        parts += ["<section><h2>Speed, after validation</h2>",
+        parts += [f"<section><h2>{ct.SPEED_TITLE}</h2>",
                   "<p>The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
                   "float32 time per repetition (below 1: autocast is faster).</p>"]
         if rows:
@@ -528,8 +528,8 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
     cfg = [(k, _e(v)) for k, v in report.config.items() if v is not None]
     env = [(k, _e(v)) for k, v in c.environment_rows(dataclasses.replace(report, config={}))]
     if cfg or env:
-        parts += ["<section><h2>Configuration and environment</h2>", _kv(cfg + env), "</section>"]
-    parts.append("<section><h2>Reproduce</h2>")
+        parts += [f"<section><h2>{ct.CONFIG_TITLE}</h2>", _kv(cfg + env), "</section>"]
+    parts.append(f"<section><h2>{c.REPRODUCE_TITLE}</h2>")
     if report.command:
         parts.append(f"<p>Compare again:</p><pre><code>{_pre(report.command)}</code></pre>")
     else:

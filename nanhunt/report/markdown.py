@@ -129,21 +129,21 @@ def render(report: Report) -> str:
         out += ["", f"{mark}: {escape(detail)} with {code(rp.command)} (see *Reproduce*)."]
     guard = c.guard_rows(report)
     if guard:
-        out += ["", "#### Guard event", ""] + [f"- **{escape(k)}:** {escape(v)}" for k, v in guard]
+        out += ["", f"#### {c.GUARD_TITLE}", ""] + [f"- **{escape(k)}:** {escape(v)}" for k, v in guard]
     occ = report.first
     if occ is not None:
-        out += ["", "#### Where it was born", ""]
+        out += ["", f"#### {c.BORN_TITLE}", ""]
         out += [f"- **{escape(k)}:** {_spans(v)}" for k, v in c.birth_rows(occ)]
-        out += ["", "#### The op's tensors against their dtype's limits", ""]
+        out += ["", f"#### {c.TENSORS_TITLE}", ""]
         out.append(_table(c.TENSOR_COLUMNS, c.tensor_rows(occ), right_from=3))
     if report.path:
         items = [f"{i + 1}. {_spans(c.path_label(r))}" for i, r in enumerate(report.path[:_PATH_SHOWN])]
         if len(report.path) > _PATH_SHOWN:
             items.append(f"{_PATH_SHOWN + 1}. ... and {len(report.path) - _PATH_SHOWN} more")
-        out += ["", "#### Propagation path", "", _details(f"{len(report.path)} records, from the origin to the "
+        out += ["", f"#### {c.PATH_TITLE}", "", _details(f"{len(report.path)} records, from the origin to the "
                                                            "loss and the gradients", "\n".join(items))]
     if report.status != "clean" or report.verdict is not None:
-        out += ["", "#### Bisection by local float32", "", _spans(c.verdict_text(report))]
+        out += ["", f"#### {c.BISECTION_TITLE}", "", _spans(c.verdict_text(report))]
         v = report.verdict
         alone = None if v is None else c.origin_alone(v)
         if alone is not None:
@@ -158,12 +158,12 @@ def render(report: Report) -> str:
         for a in report.advice:
             out += ["", f"- **{escape(a.advice)}**", "", f"  because: {escape(a.because)}", "",
                     "\n".join("  " + line for line in fence(a.fix, "python").splitlines())]
-    out += ["", "#### GradScaler", "", escape(c.scaler_text(report.config))]
+    out += ["", f"#### {c.SCALER_TITLE}", "", escape(c.scaler_text(report.config))]
     env = c.environment_rows(report)
     if env:
-        out += ["", "#### Environment", "", _details("nanhunt, torch, Python, OS, device, autocast",
+        out += ["", f"#### {c.ENVIRONMENT_TITLE}", "", _details("nanhunt, torch, Python, OS, device, autocast",
                                                       _table(("", ""), env))]
-    out += ["", "#### Reproduce", ""]
+    out += ["", f"#### {c.REPRODUCE_TITLE}", ""]
     if report.command:
         out += ["Replay the step:", "", fence(report.command, "sh")]
     if rp is not None:
@@ -238,18 +238,18 @@ def _diff_table(named: Sequence[tuple[str, TensorDiff]], *, names_are_code: bool
 def _candidate(cmp: Comparison) -> list[str]:
     """One autocast dtype: the runs, the batches of a set, the quality, where the error is introduced, the
     decisions, the output and the loss; the rest folded."""
-    out = ["", "#### Runs", ""]
+    out = ["", f"#### {ct.RUNS_TITLE}", ""]
     out += [f"- **{escape(k)}:** {escape(v)}" for k, v in ct.run_rows(cmp)]
     if not cmp.reference_finite and not cmp.modules:
         out += ["", escape(ct.NOTHING_COMPARED.capitalize()) + "."]
     if cmp.batches:
         rows = [tuple(escape(x) for x in ct.batch_cells(b)) for b in cmp.batches]
-        out += ["", "#### Batches", "", _cells_table(ct.batch_columns(cmp), rows)]
+        out += ["", f"#### {ct.BATCHES_TITLE}", "", _cells_table(ct.batch_columns(cmp), rows)]
     q = ct.quality_text(cmp)
     if q is not None:
-        out += ["", "#### Quality", "", f"**{escape(q[0].upper() + q[1:])}.**"]
+        out += ["", f"#### {ct.QUALITY_TITLE}", "", f"**{escape(q[0].upper() + q[1:])}.**"]
     if cmp.modules:
-        out += ["", "#### Where the error is introduced", "", f"Columns: {escape(ct.ERROR_DEFINITION)}.", ""]
+        out += ["", f"#### {ct.INTRODUCED_TITLE}", "", f"Columns: {escape(ct.ERROR_DEFINITION)}.", ""]
         if cmp.ranking:
             out.append(_ranking_table(cmp))
             if len(cmp.ranking) > _RANK_SHOWN:
@@ -262,7 +262,7 @@ def _candidate(cmp: Comparison) -> list[str]:
             out += ["", _spans([Span(spans[0].text.capitalize()), *spans[1:]]) + "."]
         out += ["", _details(f"All {len(cmp.modules)} module calls, in the order they started", _calls_table(cmp))]
     if cmp.task == "classify" and (cmp.reference_finite or cmp.modules):
-        out += ["", "#### Decisions", "", f"**{escape(ct.decisions_counts(cmp))}.**"]
+        out += ["", f"#### {ct.DECISIONS_TITLE}", "", f"**{escape(ct.decisions_counts(cmp))}.**"]
         if cmp.nonfinite:
             cats = ct.decision_categories(cmp)
             out += ["", escape(cats[0].upper() + cats[1:]) + "."]
@@ -271,7 +271,7 @@ def _candidate(cmp: Comparison) -> list[str]:
             out += ["", _cells_table(ct.decision_columns(cmp), rows)]
     named = [(n, d) for n, d in (("model output", cmp.output), ("loss", cmp.loss)) if d is not None]
     if named or cmp.regression is not None:
-        out += ["", "#### Output and loss", ""]
+        out += ["", f"#### {ct.OUTPUT_TITLE}", ""]
         if named:
             out.append(_diff_table(named))
         g = cmp.regression
@@ -314,7 +314,7 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
         out += ["", f"{escape(ct.ABSORBED_HEAD.capitalize())}:", ""] + [f"- {escape(a)}" for a in absorbed]
     if cmp.alternatives:
         rows = [tuple(escape(x) for x in ct.candidate_cells(x)) for x in cmp.candidates()]
-        out += ["", "#### Candidates against one float32 reference", "",
+        out += ["", f"#### {ct.CANDIDATES_TITLE}", "",
                 _cells_table(ct.CANDIDATE_COLUMNS, rows, right_from=4)]
     for x in cmp.candidates():
         if cmp.alternatives:
@@ -322,7 +322,7 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
         out += _candidate(x)
     rows, untimed = ct.speed_rows(cmp)
     if rows or untimed:
-        out += ["", "#### Speed, after validation", "",
+        out += ["", f"#### {ct.SPEED_TITLE}", "",
                 "The plain step with no nanhunt hook, float32 and autocast interleaved; ratio = autocast time / "
                 "float32 time per repetition (below 1: autocast is faster)."]
         if rows:
@@ -332,9 +332,9 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
     cfg = [(k, str(v)) for k, v in report.config.items() if v is not None]
     env = c.environment_rows(dataclasses.replace(report, config={}))
     if cfg or env:
-        out += ["", "#### Configuration and environment", "",
+        out += ["", f"#### {ct.CONFIG_TITLE}", "",
                 _details("Configuration, nanhunt, torch, Python, OS, device", _table(("", ""), cfg + env))]
-    out += ["", "#### Reproduce", ""]
+    out += ["", f"#### {c.REPRODUCE_TITLE}", ""]
     if report.command:
         out += ["Compare again:", "", fence(report.command, "sh")]
     else:
