@@ -337,3 +337,20 @@ def test_a_framework_run_nanhunt_cannot_watch_goes_on_unwatched(tmp_path: Path, 
     assert rc == 0 and out.endswith("fit done\n")
     assert ("nanhunt run: nanhunt did not watch the Lightning run (ValueError: NanhuntCallback supports automatic "
             "optimization") in err
+
+
+def test_resuming_from_a_trainer_checkpoint_reaches_the_bad_step(tmp_path: Path) -> None:
+    # GIVEN a Trainer run (no nanhunt) that saved checkpoint-2 and checkpoint-4
+    out = tmp_path / "out"
+    first = _python([str(SCRIPTS / "hf_trainer.py"), "--output_dir", str(out), "--save_steps", "2", "--max_steps",
+                     "4"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    plain_losses = json.loads(first.stdout.strip().splitlines()[-1].removeprefix("losses ").replace("'", '"'))
+    # WHEN the script is run again under nanhunt, resumed with its own flag from checkpoint-2, step 3 going bad
+    done = _nanhunt_run("hf_trainer.py", "--output_dir", str(out), "--resume_from_checkpoint",
+                        str(out / "checkpoint-2"), "--bad-step", "3", cwd=tmp_path)
+    # THEN the resumed step 2 logs the loss the first run had, and the run stops at step 3 with its capture
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"'loss': '{plain_losses[2]:.4g}'" in done.stdout
+    assert "nanhunt did not see what wrote them at step 3" in done.stderr
+    assert (tmp_path / "nan-captures" / "step000003-checkpoint.pt").exists()
