@@ -213,7 +213,9 @@ class Guard:
             step. The model must be rebuildable by name: its class (called with
             ``model_kwargs``) or ``model_factory="package.module:callable"``;
             ``loss_fn`` an ``nn.Module`` loss or a module-level function (``None``:
-            the model returns its loss). Checked here, not at the first failure.
+            the model returns its loss). Checked here, not at the first failure; a name
+            defined in the training script by running what its replay runs of the script
+            (a :class:`GuardWarning` says what that replay would lack).
         on_fail: ``"raise"`` (default), ``"dump"``, ``"warn"`` or ``"rollback"``.
         max_rollbacks: rollbacks allowed in the run; the next one raises instead.
         max_consecutive_skips: trip at this many GradScaler skips in a row (None: never).
