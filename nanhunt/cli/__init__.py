@@ -1,5 +1,6 @@
 """Command line: parses, calls the library, renders. No logic of its own: one module per command
-(:mod:`.replay`, :mod:`.inspect`, :mod:`.report`, :mod:`.compare`), what they share in :mod:`._common`.
+(:mod:`.replay`, :mod:`.inspect`, :mod:`.report`, :mod:`.compare`), what a replay shows and writes in
+:mod:`._output`, what they share in :mod:`._common`.
 
 Exit codes: 0 the step is finite, 1 a non-finite value was found, 2 usage or
 input error, 3 not reproducible (two replays disagree, or a Guard's capture of a failed step replays finite);

@@ -35,10 +35,11 @@ def print_rich(renderable: Any) -> None:
     console.print(renderable)
 
 
-def warn_trust_pickle(files: str) -> None:
-    """The warning ``--trust-pickle`` prints (``files``: "the file" or "the files")."""
-    they = "it contains" if files == "the file" else "they contain"
-    print(f"warning: --trust-pickle loads {files} with weights_only=False, which runs any code {they}",
+def warn_trust_pickle(*, one_file: bool = False) -> None:
+    """The warning ``--trust-pickle`` prints, for the files a command loads (``one_file``: ``inspect``'s)."""
+    what = "the file" if one_file else "the files"
+    they = "it contains" if one_file else "they contain"
+    print(f"warning: --trust-pickle loads {what} with weights_only=False, which runs any code {they}",
           file=sys.stderr)
 
 

@@ -8,10 +8,13 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._util._errors import CommandError, visible
 from ._common import EXIT_CLEAN, EXIT_NONFINITE, EXIT_NOT_REPRODUCIBLE, check_writable, print_rich, put
+
+if TYPE_CHECKING:
+    from ..records import Report
 
 
 class ReplayOutput:
@@ -50,7 +53,7 @@ class ReplayOutput:
             if self._staged is not None:
                 self._staged.discard()
 
-    def show(self, report: Any) -> int:
+    def show(self, report: Report) -> int:
         """The report on the console, then written to ``--report`` and the bundle; the exit code of its status."""
         from ..report import write, write_bundle
         from ..report.console import render

@@ -83,7 +83,7 @@ class CompareCommand:
             flags["fail_on_tolerance"] = True
         rule = rule_given(args.rule, flags, task=args.task, metric=args.metric)
         if args.trust_pickle:
-            warn_trust_pickle("the files")
+            warn_trust_pickle()
         rule, _ = settle_rule(rule, args.metric)
         step = load_step(
             args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, optimizer=args.optimizer,

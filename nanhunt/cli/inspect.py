@@ -21,7 +21,7 @@ class InspectCommand:
         from ..report.console import render_inspection
 
         if args.trust_pickle:
-            warn_trust_pickle("the file")
+            warn_trust_pickle(one_file=True)
         found = inspect_checkpoint(args.checkpoint, trust_pickle=args.trust_pickle)
         print_rich(render_inspection(found))
         return EXIT_NONFINITE if found.nonfinite else EXIT_CLEAN

@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._util._errors import CommandError, NanhuntError, visible
 from ._common import command_line, name_options, step_failed, warn_trust_pickle
 from ._output import Progress, ReplayOutput
+
+if TYPE_CHECKING:
+    from ..records import Report
+    from ..step.step import Step
 
 
 class ReplayCommand:
@@ -54,7 +58,7 @@ class ReplayCommand:
         torchrun = under_torchrun()  # every rank replays its own batch (_dist_replay); rank 0 alone shows it
         output = ReplayOutput(args.report, args.bundle, speaks=not torchrun or os.environ.get("RANK", "0") == "0")
         if args.trust_pickle and output.speaks:
-            warn_trust_pickle("the files")
+            warn_trust_pickle()
         options = dict(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
                        trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
                        no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
@@ -68,7 +72,7 @@ class ReplayCommand:
         from ..hunt._ranks import other_ranks, received_note
         from ..hunt.pipeline import hunt
 
-        def show_ranks(report: Any) -> int:
+        def show_ranks(report: Report) -> int:
             for n in report.notes[:2]:  # how it was replayed, and which rank went first
                 print(visible(n), file=sys.stderr)
             return output.show(report)
@@ -101,7 +105,7 @@ class ReplayCommand:
         for i, n in enumerate(step.notes):
             print(visible(n if directory and i == 0 else f"warning: {n}"), file=sys.stderr)
 
-        def hunted(step: Any) -> Any:
+        def hunted(step: Step) -> Report:
             step.snapshot = "disk" if args.snapshot == "disk" else "memory" if args.snapshot == "memory" else None
             try:
                 with Progress() as progress:
