@@ -101,7 +101,7 @@ def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: 
                                  SCALER, "a GradScaler's state_dict", where)
     got.autocast = {"dtype": _autocast([d for d, _ in header.values()], scaler=scaler_file is not None,
                                        given=dtype, where=where, notes=notes)}
-    return got, _rng(path, where, trust_pickle)
+    return got, _rng(path, where, trust_pickle, notes)
 
 
 # ------------------------------------------------------------------ weights
@@ -259,19 +259,25 @@ def _autocast(weights: list[torch.dtype], *, scaler: bool, given: str | None, wh
     return "float16"
 
 
-def _rng(path: str, where: str, trust_pickle: bool) -> dict[str, Any] | None:
+def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[str, Any] | None:
     """torch's and CUDA's generator states from ``rng_state.pth`` (Python's and NumPy's are not the step's);
-    None when there is none."""
+    None when there is none, or (said in a note) when it cannot be used: the step then starts from the generator
+    state nanhunt has, as it would without the file."""
     file = _file(path, RNG, where)
     if file is None:
         return None
-    state = _mapping(load_file(file, what=f"{where}: its {RNG}", trust_pickle=trust_pickle,
-                               safe_globals=_numpy_state()), RNG, "generator states", where)
-    cpu, cuda = state.get("cpu"), state.get("cuda")
+    unused = "not used: the step starts from nanhunt's own generator state"
+    try:
+        state = load_file(file, what=f"{where}: its {RNG}", trust_pickle=trust_pickle, safe_globals=_numpy_state())
+    except CommandError as e:
+        notes.append(f"{e}; {unused}")
+        return None
+    cpu = state.get("cpu") if isinstance(state, Mapping) else None
     if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.shape == torch.get_rng_state().shape):
-        raise CommandError(f"{where}: its {RNG} holds no torch generator state ('cpu'); delete the file to replay "
-                           "from nanhunt's own")
+        notes.append(f"{where}: its {RNG} holds no torch generator state ('cpu'); {unused}")
+        return None
     out: dict[str, Any] = {"torch": cpu}
+    cuda = state.get("cuda")
     cuda = [cuda] if isinstance(cuda, torch.Tensor) else cuda  # one device's, or every device's
     if isinstance(cuda, list) and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
         out["cuda"] = cuda

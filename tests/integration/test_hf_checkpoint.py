@@ -23,7 +23,7 @@ from nanhunt import Phase
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main
 from nanhunt.records import Report
-from tests.helpers_cli import HotNet
+from tests.helpers_cli import HotNet, Output
 from tests.real import builders as B
 from tests.real.builders import where
 
@@ -201,6 +201,25 @@ def test_optimizer_groups_that_are_not_the_trainers_are_said_and_not_replayed(
     assert step.optimizer is None
     assert f"Trainer checkpoint {str(ck)!r}: the groups of its optimizer.pt (10 parameters) are not the Trainer's (10 " \
            "with weight decay, 18 without): phase update not replayed" in step.notes, step.notes
+
+
+@pytest.mark.parametrize("case", ["pickled objects", "no generator state"])
+def test_an_rng_state_that_cannot_be_used_is_said_and_left_out(
+        case: str, trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
+    # GIVEN checkpoint-1 whose rng_state.pth holds an object of a class, or no torch generator state
+    ck = _copy(trained, 1, tmp_path)
+    cpu = torch.get_rng_state()
+    state = ({"cpu": cpu, "python": Output(cpu, cpu)} if case == "pickled objects" else {"cpu": cpu[:8]})
+    torch.save(state, ck / "rng_state.pth")
+    # WHEN it is loaded
+    step = load_step(str(ck), str(batch))
+    # THEN the step has no RNG state of its own, and a note says why
+    assert step.rng is None
+    why = ("holds pickled Python objects (tests.helpers_cli.Output), which run code when loaded; if you trust its "
+           "source, rerun with --trust-pickle" if case == "pickled objects" else
+           "holds no torch generator state ('cpu')")
+    assert any(why in n and n.endswith("not used: the step starts from nanhunt's own generator state")
+               for n in step.notes), step.notes
 
 
 # ------------------------------------------------------------------ damaged or hostile checkpoints
