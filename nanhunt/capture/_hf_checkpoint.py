@@ -286,11 +286,13 @@ def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[st
 
 def _numpy_state() -> list[Any]:
     """What NumPy's generator state pickles as (an array of uint32 and its dtype), for the weights-only
-    unpickler: the Trainer saves it beside torch's, as transformers' own loader allows."""
+    unpickler: the Trainer saves it beside torch's, as transformers' own loader allows. NumPy 1 named the array's
+    constructor ``numpy.core.multiarray``, NumPy 2 ``numpy._core.multiarray``: either name is taken for it."""
     import numpy as np
 
     core: Any = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    rebuild = core.multiarray._reconstruct
+    return [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 # ------------------------------------------------------------------ files

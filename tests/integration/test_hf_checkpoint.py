@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,25 @@ def test_optimizer_groups_that_are_not_the_trainers_are_said_and_not_replayed(
     assert step.optimizer is None
     assert f"Trainer checkpoint {str(ck)!r}: the groups of its optimizer.pt (10 parameters) are not the Trainer's (10 " \
            "with weight decay, 18 without): phase update not replayed" in step.notes, step.notes
+
+
+def test_an_rng_state_written_under_numpy_1_is_read(trained: tuple[Trainer, Path], batch: Path,
+                                                     tmp_path: Path) -> None:
+    # GIVEN checkpoint-1 whose rng_state.pth names NumPy's array constructor as NumPy 1 did (numpy.core)
+    ck = _copy(trained, 1, tmp_path)
+    saved = torch.load(ck / "rng_state.pth", weights_only=False)  # this test's own file
+    torch.save(saved, tmp_path / "protocol2.pth", pickle_protocol=2)  # names as text: "c<module>\n<name>\n"
+    with zipfile.ZipFile(tmp_path / "protocol2.pth") as src, zipfile.ZipFile(ck / "rng_state.pth", "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                assert b"cnumpy._core.multiarray\n" in data
+                data = data.replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n")
+            dst.writestr(info, data)
+    # WHEN it is loaded
+    step = load_step(str(ck), str(batch))
+    # THEN its torch generator state is the step's
+    assert step.rng is not None and torch.equal(step.rng["torch"], saved["cpu"])
 
 
 @pytest.mark.parametrize("case", ["pickled objects", "no generator state"])
