@@ -174,6 +174,22 @@ def test_a_grad_scaler_beside_the_checkpoint_means_float16_with_its_scale(
     assert not any(ASSUMED_FP16 in n for n in step.notes), step.notes
 
 
+def test_bfloat16_weights_stay_bfloat16_and_mean_bfloat16_autocast(
+        trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
+    # GIVEN checkpoint-1 with its weights saved in bfloat16 (a model loaded and trained in bfloat16)
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy(trained, 1, tmp_path)
+    weights = load_file(ck / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, ck / "model.safetensors")
+    # WHEN it is loaded
+    step = load_step(str(ck), str(batch))
+    # THEN the model holds them as they are, the autocast is bfloat16, and no autocast is said to be assumed
+    assert {p.dtype for p in step.model.parameters()} == {torch.bfloat16}
+    assert step.dtype == torch.bfloat16
+    assert not any(ASSUMED_FP16 in n for n in step.notes), step.notes
+
+
 def test_model_optimizer_and_dtype_given_on_the_command_line_are_used(
         trained: tuple[Trainer, Path], batch: Path) -> None:
     # GIVEN checkpoint-2 and --model, --optimizer, --dtype
