@@ -111,6 +111,7 @@ class Attached:
         self.options = options
         self.framework: str | None = None  # the Trainer found, if any
         self.gave_up = ""  # why a framework run was not watched, or ""
+        self.own_callback = False  # the script attached nanhunt's callback itself
         self.callbacks: list[Any] = []  # the framework callbacks made (their events)
         self.loop = _PlainLoop(self)
         self._patches: list[_Patch] = []
@@ -173,17 +174,32 @@ class Attached:
             if getattr(trainer, "_nanhunt_attached", False):  # a subclass's __init__ calling this one again
                 init(trainer, *args, **kwargs)
                 return
-            callback = attached._callback(kind)
+            trainer._nanhunt_attached = True
             if kind == "Lightning":
                 given = kwargs.get("callbacks")
                 given = [] if given is None else list(given) if isinstance(given, (list, tuple)) else [given]
-                kwargs["callbacks"] = [*given, callback]
-            trainer._nanhunt_attached = True
+                if not attached._has_own(given, kind):
+                    kwargs["callbacks"] = [*given, attached._callback(kind)]
+                init(trainer, *args, **kwargs)
+                return
             init(trainer, *args, **kwargs)
-            if kind != "Lightning":
-                trainer.add_callback(callback)
+            if not attached._has_own(trainer.callback_handler.callbacks, kind):
+                trainer.add_callback(attached._callback(kind))
 
         return __init__
+
+    def _has_own(self, callbacks: list[Any], kind: str) -> bool:
+        """The script gives the Trainer nanhunt's callback itself: that one watches (no second Guard)."""
+        if kind == "Lightning":
+            from .lightning import NanhuntCallback as Own
+        else:
+            from .transformers import NanhuntCallback as Own  # type: ignore[assignment]
+        if not any(isinstance(c, Own) for c in callbacks):
+            return False
+        self.framework = kind
+        self.loop.stand_down()
+        self.own_callback = True
+        return True
 
     def _callback(self, kind: str) -> Any:
         if self.options.on_fail == "rollback":
@@ -552,6 +568,8 @@ class _PlainLoop:
         elif call is not None and _default_loss(call[0]) and call[1][0] is out and len(call[1]) <= 2:
             self.loss_known = "module"
             run.guard._capture.set_loss_fn(call[0])
+            # its targets at every step after this one (the global hook goes now)
+            self.hooks.append(call[0].register_forward_hook(self._shielded(self._any_forward)))
         elif found is not None:
             self.loss_known = "functional"
             run.guard._capture.set_loss_fn(found[0])

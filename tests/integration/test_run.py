@@ -354,3 +354,34 @@ def test_resuming_from_a_trainer_checkpoint_reaches_the_bad_step(tmp_path: Path)
     assert f"'loss': '{plain_losses[2]:.4g}'" in done.stdout
     assert "nanhunt did not see what wrote them at step 3" in done.stderr
     assert (tmp_path / "nan-captures" / "step000003-checkpoint.pt").exists()
+
+
+OWN_CALLBACK = """
+import sys
+import torch
+sys.path.insert(0, {scripts!r})
+from hf_trainer import BreakWeight, data
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from nanhunt.integrations.transformers import NanhuntCallback
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+args = TrainingArguments(output_dir="out", max_steps=4, per_device_train_batch_size=4, report_to=[],
+                         save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+Trainer(model=model, args=args, train_dataset=data(),
+        callbacks=[BreakWeight(1), NanhuntCallback(dump_dir="mine", on_fail="dump")]).train()
+"""
+
+
+def test_a_script_with_its_own_callback_is_watched_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a Trainer script that gives the Trainer nanhunt's callback itself
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main(["run", str(_script(tmp_path, OWN_CALLBACK.format(scripts=str(SCRIPTS))))])
+    err = capsys.readouterr().err
+    # THEN its callback records step 1 (on_fail="dump": the run goes on), and nanhunt run added no second one:
+    # one capture, in the script's directory
+    assert rc == 0
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [
+        "step000001-batch.pt", "step000001-checkpoint.pt", "step000001-event.json"]
+    assert not (tmp_path / "nan-captures").exists()
