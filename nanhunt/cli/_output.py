@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 
 class ReplayOutput:
-    """``report`` and ``bundle`` as given; ``speaks``: this process shows and writes the report (under torchrun,
-    rank 0 alone). Every check runs when it is made: a bad suffix or a path that cannot be written fails before
-    the replay, not after it."""
+    """Where a replay's report goes: ``report`` and ``bundle`` as the flags give them; ``speaks``: this process
+    shows and writes the report (under torchrun, rank 0 alone). Every check runs when it is made: a bad suffix or
+    a path that cannot be written fails before the replay, not after it."""
 
     def __init__(self, report: str | None, bundle: str | None, *, speaks: bool) -> None:
         from .._util._bundle import Staging
