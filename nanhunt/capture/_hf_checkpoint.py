@@ -12,6 +12,7 @@ say (the optimizer's class, fp16 or bf16) is assumed and said in the step's note
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -37,7 +38,9 @@ INDEX = "model.safetensors.index.json"
 OPTIMIZER = "optimizer.pt"
 SCALER = "scaler.pt"
 RNG = "rng_state.pth"
+_RANK0_RNG = "rng_state_0.pth"
 _PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's SHARDED_STATE_DICT: a DCP directory
 _ADAMW = "torch.optim:AdamW"  # transformers' default optimizer (adamw_torch, adamw_torch_fused)
 _CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*")
 # Tensors a model built from the config may hold beyond the weights file (non-persistent buffers: rotary
@@ -117,6 +120,16 @@ def _weight_files(path: str, where: str) -> dict[str, list[str]]:
             raise CommandError(f"{where} holds its weights as pytorch_model.bin (a pickle), not {WEIGHTS}; save the "
                                "model again with save_pretrained (safetensors, its default), or give that file as "
                                "the checkpoint with --model package.module:factory")
+        if os.path.isdir(os.path.join(path, _FSDP_SHARDS)):
+            raise CommandError(f"{where} holds its weights as FSDP shards ({_FSDP_SHARDS}/), not {WEIGHTS}; merge "
+                               f"them into one with accelerate merge-weights {os.path.join(path, _FSDP_SHARDS)} {path} "
+                               "(it unpickles the shards' metadata: only for a checkpoint you trust), or save with "
+                               "fsdp_state_dict_type FULL_STATE_DICT")
+        if glob.glob(os.path.join(glob.escape(path), "global_step*")):
+            raise CommandError(f"{where} holds its weights as DeepSpeed ZeRO partitions (global_step*/), not "
+                               f"{WEIGHTS}; gather them into one with python -m deepspeed.utils.zero_to_fp32 {path} "
+                               f"{path} --safe_serialization (it unpickles the partitions: only for a checkpoint you "
+                               "trust), or set stage3_gather_16bit_weights_on_model_save")
         raise CommandError(f"{where} holds no {WEIGHTS} nor {INDEX}; is the checkpoint complete?")
     fix = f"the checkpoint is damaged; save it again (save_pretrained writes {INDEX} with its shards)"
     doc = read_json(index, what=f"a safetensors index ({INDEX})", fix=fix, label=f"{where}: its {INDEX}")
@@ -260,12 +273,17 @@ def _autocast(weights: list[torch.dtype], *, scaler: bool, given: str | None, wh
 
 
 def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[str, Any] | None:
-    """torch's and CUDA's generator states from ``rng_state.pth`` (Python's and NumPy's are not the step's);
+    """torch's and CUDA's generator states from ``rng_state.pth`` (rank 0's ``rng_state_0.pth`` when each rank
+    saved its own; Python's and NumPy's are not the step's);
     None when there is none, or (said in a note) when it cannot be used: the step then starts from the generator
     state nanhunt has, as it would without the file."""
     file = _file(path, RNG, where)
-    if file is None:
-        return None
+    if file is None:  # a run of several processes saved one per rank
+        file = _file(path, _RANK0_RNG, where)
+        if file is None:
+            return None
+        notes.append(f"{where} was saved by several processes: the step starts from rank 0's generator state "
+                     f"({_RANK0_RNG})")
     unused = "not used: the step starts from nanhunt's own generator state"
     try:
         state = load_file(file, what=f"{where}: its {RNG}", trust_pickle=trust_pickle, safe_globals=_numpy_state())

@@ -239,6 +239,21 @@ def test_an_rng_state_written_under_numpy_1_is_read(trained: tuple[Trainer, Path
     assert step.rng is not None and torch.equal(step.rng["torch"], saved["cpu"])
 
 
+def test_the_generator_state_of_rank_0_is_taken_when_each_rank_saved_its_own(
+        trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
+    # GIVEN checkpoint-1 as two processes save it: rng_state_0.pth and rng_state_1.pth, no rng_state.pth
+    ck = _copy(trained, 1, tmp_path)
+    saved = torch.load(ck / "rng_state.pth", weights_only=False)  # this test's own file
+    (ck / "rng_state.pth").rename(ck / "rng_state_0.pth")
+    torch.save({**saved, "cpu": torch.Generator().manual_seed(1).get_state()}, ck / "rng_state_1.pth")
+    # WHEN it is loaded
+    step = load_step(str(ck), str(batch))
+    # THEN the step starts from rank 0's, and says so
+    assert step.rng is not None and torch.equal(step.rng["torch"], saved["cpu"])
+    assert f"Trainer checkpoint {str(ck)!r} was saved by several processes: the step starts from rank 0's generator " \
+           "state (rng_state_0.pth)" in step.notes, step.notes
+
+
 @pytest.mark.parametrize("case", ["pickled objects", "no generator state"])
 def test_an_rng_state_that_cannot_be_used_is_said_and_left_out(
         case: str, trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
@@ -258,7 +273,7 @@ def test_an_rng_state_that_cannot_be_used_is_said_and_left_out(
                for n in step.notes), step.notes
 
 
-# ------------------------------------------------------------------ damaged or hostile checkpoints
+# ------------------------------------------------------------------ checkpoints nanhunt refuses
 def _header(path: Path, header: dict[str, Any], data: bytes = b"") -> None:
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
@@ -289,13 +304,25 @@ def _config(**changes: Any) -> Any:
     return write
 
 
+def _fsdp_shards(ck: Path) -> None:
+    (ck / "model.safetensors").unlink()
+    (ck / "pytorch_model_fsdp_0").mkdir()
+    (ck / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"")
+
+
+def _zero_partitions(ck: Path) -> None:
+    (ck / "model.safetensors").unlink()
+    (ck / "global_step1").mkdir()
+    (ck / "latest").write_text("global_step1")
+
+
 def _sgd_state(ck: Path) -> None:
     sd = torch.load(ck / "optimizer.pt", weights_only=True)
     sd["state"] = {i: {"momentum_buffer": s["exp_avg"]} for i, s in sd["state"].items()}
     torch.save(sd, ck / "optimizer.pt")
 
 
-HOSTILE = {
+REFUSED = {
     "a tensor of a terabyte": (_terabyte_tensor, "claims bytes 0 to 1,099,511,627,776 of the data, and the file "
                                                  "holds 0: it is truncated or hostile; nanhunt allocates nothing"),
     "a header of 100 MB": (_huge_header, "has a safetensors header of 100.0 MiB; a header spends some 100 bytes a "
@@ -310,17 +337,22 @@ HOSTILE = {
                                                                    "(64, 4096), "),
     "a config asking for remote code": (_config(auto_map={"AutoModel": "evil.Model"}),
                                         "its config asks to fetch something (auto_map)"),
+    "FSDP shards": (_fsdp_shards, "holds its weights as FSDP shards (pytorch_model_fsdp_0/), not model.safetensors; "
+                                  "merge them into one with accelerate merge-weights "),
+    "DeepSpeed partitions": (_zero_partitions, "holds its weights as DeepSpeed ZeRO partitions (global_step*/), not "
+                                               "model.safetensors; gather them into one with python -m "
+                                               "deepspeed.utils.zero_to_fp32 "),
     "optimizer state that is not AdamW's": (_sgd_state, "its optimizer.pt holds state (momentum_buffer) that is not "
                                                         "AdamW's, the Trainer's default; pass --optimizer"),
 }
 
 
-@pytest.mark.parametrize("case", list(HOSTILE))
-def test_a_damaged_or_hostile_checkpoint_is_refused_in_one_line(
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_checkpoint_that_is_damaged_hostile_or_not_readable_here_is_refused_in_one_line(
         case: str, trained: tuple[Trainer, Path], batch: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN checkpoint-1 with one file replaced
-    make, said = HOSTILE[case]
+    make, said = REFUSED[case]
     ck = _copy(trained, 1, tmp_path)
     make(ck)
     # WHEN it is replayed
