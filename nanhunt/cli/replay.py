@@ -23,7 +23,8 @@ class ReplayCommand:
 
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("checkpoint", help="checkpoint.pt: a nanhunt capture, a state_dict, {'model': ...} or "
-                       "Lightning's; or a capture directory the Guard wrote under FSDP2 (DIR, alone)")
+                       "Lightning's, or a .safetensors file; a Trainer's checkpoint-N/ directory (with its batch); "
+                       "or a capture directory the Guard wrote under FSDP2 (DIR, alone)")
         p.add_argument("batch", nargs="?", help="batch.pt: a nanhunt capture, a tensor, (inputs, targets) or a dict")
         p.add_argument("--rank", type=int, metavar="R", help="with a capture directory: replay rank R's batch "
                        "(default: the first rank that saw the failure)")
