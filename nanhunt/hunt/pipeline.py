@@ -21,6 +21,7 @@ from .advice import advise
 from .bisection import Team, bisect
 from ..records import FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 from ._twice import Replayed, module_status, state_notes, step_config, trace_twice
+from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
 from ..step.step import Step
 from ..tracing.tracer import Trace
@@ -80,6 +81,8 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         first = replayed.final.first
         if ranks is not None:
             ranks.traced(replayed.final)
+        ladder = climb(step, step.compile_spec, repeat=repeat) \
+            if step.compile_spec is not None and replayed.status == "clean" and ranks is None else None
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = None
         if bundle is not None:
@@ -88,6 +91,8 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
 
             repro = make(bundle) if ranks is None else ranks.repro(make, bundle)
     report = _report(step, replayed, config, verdict, repro, command)
+    if ladder is not None:
+        report = _compiled_report(report, ladder)
     event, why = _guard_event(step.event_file)
     report = dataclasses.replace(report, notes=(*report.notes, *notes, *([why] if why is not None else [])),
                                  guard_event=event)
@@ -95,6 +100,20 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         report = dataclasses.replace(report, status="not-reproducible",
                                      verdict=Verdict(kind="not-reproducible", replays=replays))
     return dataclasses.replace(report, advice=advise(report))
+
+
+def _compiled_report(report: Report, ladder: Ladder) -> Report:
+    """A compiled step's report: the ladder in its configuration; a compile-induced verdict and status when a
+    compiled rung failed (the graph node with its line's text)."""
+    config = {**report.config, "compiled_rungs": {r.backend: f"{r.nonfinite}/{r.runs} non-finite"
+                                                  for r in ladder.rungs}}
+    v = ladder.verdict
+    if v is None:
+        return dataclasses.replace(report, config=config)
+    if v.graph_node is not None:
+        v = dataclasses.replace(v, graph_node=dataclasses.replace(v.graph_node,
+                                                                  source_text=_line_text(v.graph_node.source)))
+    return dataclasses.replace(report, config=config, status="compile-induced", verdict=v)
 
 
 def _failed_here(event: GuardEvent) -> bool:

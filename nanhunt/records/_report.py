@@ -172,12 +172,47 @@ class Inspection:
 
 
 @dataclass(frozen=True)
+class Rung(JSONData):
+    """One rung of a compiled model's replay ladder: the step run by ``backend`` (``eager``: not compiled;
+    ``aot_eager``: dynamo and AOTAutograd's graphs run by eager kernels; the recorded backend), ``runs`` times
+    from the same state, ``nonfinite`` of them with a non-finite loss, gradient or update."""
+
+    backend: str = field(metadata=absent(""))
+    runs: int = 0
+    nonfinite: int = 0
+
+
+@dataclass(frozen=True)
+class GraphNode(JSONData):
+    """The first node of a compiled step's forward graph whose value the failing backend makes non-finite:
+    ``node`` its name in the graph, ``target`` the function or method it calls, ``module`` the user's module
+    it runs in (``named_modules()`` name; None: outside any), ``module_class``, ``source`` the user's line
+    (``"file:line in function"``) and ``source_text`` its text; ``graph`` which of ``graphs`` (dynamo splits
+    a step at graph breaks), ``nodes`` how many candidate nodes the graph holds, ``compiles`` how many
+    prefixes of it were compiled to find the node, ``kind`` ``"nan"`` or ``"inf"``."""
+
+    node: str = field(metadata=absent(""))
+    target: str = ""
+    module: str | None = None
+    module_class: str | None = None
+    source: str | None = None
+    source_text: str | None = None
+    kind: str = "nan"
+    graph: int = 0
+    graphs: int = 1
+    nodes: int = 0
+    compiles: int = 0
+
+
+@dataclass(frozen=True)
 class Verdict(JSONData):
     """What the float32 bisection proved.
 
     ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
     ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
-    scale overflows the gradients), ``not-reproducible``, ``clean``, ``interrupted``
+    scale overflows the gradients), ``compile-induced`` (a ``torch.compile``d model
+    whose eager step is finite and whose compiled step is not: ``rungs``, ``graph_node``),
+    ``not-reproducible``, ``clean``, ``interrupted``
     (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
     ``precision`` verdict). ``not-reproducible`` is also the verdict (and the report's status)
     of a Guard's capture whose event says its step failed, on that rank alone, and whose
@@ -220,6 +255,19 @@ class Verdict(JSONData):
     fix_regions: tuple[str, ...] = ()
     fix_classes: tuple[str, ...] = ()
     remaining: tuple[Occurrence, ...] | None = None
+    # a compiled model's step: the ladder's rungs (eager first), and where the failing backend's forward graph
+    # first goes non-finite (compile-induced; None: not located, see ``graph_note``)
+    rungs: tuple[Rung, ...] = ()
+    graph_node: GraphNode | None = None
+    graph_note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        # a compiled step's keys only where there is one (the files of every other step are as before)
+        d = _serial.to_dict(self)
+        for key in ("rungs", "graph_node", "graph_note"):
+            if not d[key]:
+                del d[key]
+        return d
 
 
 @dataclass(frozen=True)

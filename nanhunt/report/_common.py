@@ -71,6 +71,8 @@ def sentence(report: Report) -> list[Span]:
                          f"capture stayed finite ({n}).")]
         return [Span("Not reproducible: two replays of the same step disagree on where the first non-finite "
                      "value is born.")]
+    if report.status == "compile-induced" and report.verdict is not None:
+        return compiled_sentence(report.verdict)
     occ = report.first
     if occ is None:
         if report.status == "clean":
@@ -139,6 +141,8 @@ def verdict_text(report: Report) -> list[Span]:
     if v.kind == "scale-induced":
         return [Span("Scale-induced: the gradients overflow only because of the loss scale; GradScaler backs off "
                      "and skips this step (a bug only if it keeps happening).")]
+    if v.kind == "compile-induced":
+        return compiled_verdict(v)
     if v.kind == "not-reproducible":
         e = report.guard_event
         if e is not None and not any(report.runs):
@@ -147,6 +151,32 @@ def verdict_text(report: Report) -> list[Span]:
     if v.kind == "interrupted":
         return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
+
+
+def compiled_sentence(v: Verdict) -> list[Span]:
+    """A compile-induced step in one sentence: where the compiled graph first goes non-finite."""
+    failed = next((r for r in v.rungs if r.nonfinite), None)
+    backend = failed.backend if failed is not None else "the compiled backend"
+    n = v.graph_node
+    if n is None:
+        return [Span(f"Non-finite only when compiled: eager stays finite, {backend} does not.")]
+    return [Span(f"{_kind(n.kind)} born only when compiled ({backend}), "),
+            *([Span("in "), Span(label(n.module), True)] if n.module is not None else [Span("outside any module")]),
+            Span(f" at graph node {n.node} ({n.target}).")]
+
+
+def compiled_verdict(v: Verdict) -> list[Span]:
+    """The ladder's rungs, how often each failed, and the node with the user's line."""
+    rungs = ", ".join(f"{r.backend} {r.nonfinite}/{r.runs} non-finite" for r in v.rungs)
+    out = [Span(f"Compile-induced: the eager step is finite, a compiled one is not ({rungs}).")]
+    n = v.graph_node
+    if n is not None:
+        where = f" at {n.source}" + (f": {n.source_text}" if n.source_text else "") if n.source else ""
+        out.append(Span(f" First non-finite node of forward graph {n.graph} of {n.graphs}: {n.node} ({n.target})"
+                        f"{where} (found in {n.compiles} compiles of its {n.nodes} nodes' prefixes)."))
+    elif v.graph_note:
+        out.append(Span(f" Not located: {v.graph_note}."))
+    return out
 
 
 def _not_reproduced(step: int, captured: int | None, pre_update: bool, replays: int) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._util._compiled import CompileSpec, spec_of
 from .precision import LOSS_REGION, UPDATE_REGION, float32_weights, keep_fp32, to_fp32
 from ._inputs import rng_state, set_rng_state, split_batch
 from ._run import run_step
@@ -33,9 +34,10 @@ class Step:
     ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``). ``rng`` is the
     generator state the step starts from (default: the state when it is isolated); ``train`` sets the
     model's mode for every run (default: as it is). A ``torch.compile``'d model is replayed through its
-    eager original (``compiled`` says so). ``host_snapshot`` or ``snapshot``: where the snapshot of the weights
-    and optimizer state lives (see :class:`StepState`; ``None``: in host memory when they are on an accelerator,
-    in a temporary file when they are on the CPU and would not fit comfortably in the memory left).
+    eager original (``compiled`` says so), and compiled as ``compile_spec`` says when that replay is finite.
+    ``host_snapshot`` or ``snapshot``: where the snapshot of the weights and optimizer state lives (see
+    :class:`StepState`; ``None``: in host memory when they are on an accelerator, in a temporary file when they
+    are on the CPU and would not fit comfortably in the memory left).
 
     Example::
 
@@ -55,6 +57,8 @@ class Step:
     rng: Mapping[str, Any] | None = None
     train: bool | None = None
     compiled: bool = False
+    # how the model was compiled (a compiled step is also replayed compiled: nanhunt.hunt._compiled)
+    compile_spec: CompileSpec | None = None
     notes: tuple[str, ...] = ()
     host_snapshot: bool | None = None
     snapshot: Snapshot | None = None
@@ -71,6 +75,7 @@ class Step:
         compiled = False
         inner = getattr(model, "_orig_mod", None)
         if isinstance(inner, nn.Module):  # torch.compile: compiled graphs hide their ops
+            kw.setdefault("compile_spec", spec_of(model))
             model, compiled = inner, True
         if device_type is None:
             device_type = next((p.device.type for p in model.parameters()), "cpu")

@@ -1,0 +1,156 @@
+"""torch.compile's machinery, in one place: what a compiled module was compiled with, compiling a module or a
+graph again the same way, inductor's precision-cast emulation, and the graphs dynamo hands a backend.
+
+torch keeps the backend a ``torch.compile``d module runs with inside its wrapper (``OptimizedModule``), behind
+private attributes; this module reads them and nothing else does. What it reads becomes a :class:`CompileSpec`,
+plain data but for a backend given as a callable, which a capture records by its name only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "compile_module", "compile_graph", "reset",
+           "emulating_precision_casts", "GraphCapture"]
+
+# torch's own backends: a name from a file that is one of these is used as it is; any other needs confirming
+TORCH_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """How a module was compiled: ``backend`` a name (torch's own, or ``package.module:function`` for a callable),
+    ``mode`` (inductor folds its mode into ``options``), ``options`` (JSON values only), ``dynamic``; ``fn`` the
+    backend callable itself when it is live (a model compiled in this process), else None."""
+
+    backend: str
+    mode: str | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dynamic: bool | None = None
+    fn: Callable[..., Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "mode": self.mode, "options": dict(self.options), "dynamic": self.dynamic}
+
+    def with_backend(self, backend: str) -> CompileSpec:
+        """The same settings on another of torch's backends (inductor's options do not apply to the others)."""
+        if backend == self.backend:
+            return self
+        return CompileSpec(backend, self.mode if backend == "inductor" else None,
+                           self.options if backend == "inductor" else {}, self.dynamic)
+
+    def target(self) -> str | Callable[..., Any]:
+        """What ``torch.compile(backend=)`` takes."""
+        return self.fn if self.fn is not None else self.backend
+
+
+def _json_value(v: Any) -> bool:
+    try:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _name_of(fn: Any) -> str:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return type(fn).__qualname__
+    return f"{module}:{qualname}"
+
+
+def spec_of(model: nn.Module) -> CompileSpec | None:
+    """How ``model`` (an ``OptimizedModule``) was compiled; None for a module that is not compiled or whose
+    wrapper this torch lays out differently."""
+    ctx = getattr(model, "dynamo_ctx", None)
+    backend = getattr(ctx, "callback", None)
+    for _ in range(8):  # torch wraps the backend a few times (error catching, the minifier's debug wrapper)
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    if backend is None:
+        return None
+    dynamic = getattr(backend, "dynamic", None)
+    dynamic = dynamic if isinstance(dynamic, bool) else None
+    if type(backend).__name__ == "_TorchCompileInductorWrapper":  # the mode is already in its config
+        config = getattr(backend, "config", {}) or {}
+        return CompileSpec("inductor", None, {k: v for k, v in config.items() if _json_value(v)}, dynamic)
+    name, fn = getattr(backend, "compiler_name", None), getattr(backend, "compiler_fn", None)
+    if not isinstance(name, str) or fn is None:
+        return None
+    kwargs = getattr(backend, "kwargs", {}) or {}
+    mode = kwargs.get("mode") if isinstance(kwargs.get("mode"), str) else None
+    options = {k: v for k, v in (kwargs.get("options") or {}).items() if _json_value(v)}
+    if name in TORCH_BACKENDS:
+        return CompileSpec(name, mode, options, dynamic)
+    return CompileSpec(_name_of(fn), mode, options, dynamic, fn=fn)
+
+
+def compile_module(module: nn.Module, spec: CompileSpec) -> nn.Module:
+    """``module`` compiled as ``spec`` says (it shares the module's parameters and buffers)."""
+    kw: dict[str, Any] = {"backend": spec.target(), "dynamic": spec.dynamic}
+    if spec.options:
+        kw["options"] = dict(spec.options)
+    elif spec.mode is not None:
+        kw["mode"] = spec.mode
+    compiled = torch.compile(module, **kw)
+    assert isinstance(compiled, nn.Module)  # torch.compile of a module gives its OptimizedModule
+    return compiled
+
+
+def compile_graph(gm: fx.GraphModule, spec: CompileSpec) -> Callable[..., Any]:
+    """A graph dynamo captured, compiled again by ``spec``'s backend (static shapes: the inputs are fixed)."""
+    kw: dict[str, Any] = {"backend": spec.target(), "dynamic": False}
+    if spec.options:
+        kw["options"] = dict(spec.options)
+    return torch.compile(gm, **kw)
+
+
+def reset() -> None:
+    """Forget every compiled graph (the next call compiles anew)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def emulating_precision_casts() -> Iterator[None]:
+    """Inductor rounds its float32 intermediates to the half dtype where eager would store them."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(emulate_precision_casts=True):
+        yield
+
+
+class GraphCapture:
+    """A dynamo backend that keeps each graph it is given and the inputs of the graph's first call (detached
+    copies), and runs the graph as it is (dynamo's ``eager`` backend). ``graphs``: (graph, inputs, autocast)
+    in the order the graphs first ran, ``autocast`` the (device type, dtype) autocast ran the call under, or
+    None."""
+
+    def __init__(self, device_type: str) -> None:
+        self.graphs: list[tuple[fx.GraphModule, tuple[Any, ...], tuple[str, torch.dtype] | None]] = []
+        self._device_type = device_type
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        seen = False
+
+        def run(*args: Any) -> Any:
+            nonlocal seen
+            if not seen:
+                seen = True
+                on = torch.is_autocast_enabled(self._device_type)
+                autocast = (self._device_type, torch.get_autocast_dtype(self._device_type)) if on else None
+                kept = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+                self.graphs.append((gm, kept, autocast))
+            return gm.forward(*args)
+
+        return run

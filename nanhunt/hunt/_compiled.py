@@ -1,0 +1,109 @@
+"""A compiled model's step, replayed the way it ran: the ladder eager -> aot_eager -> the recorded backend.
+
+The traced replay runs the eager original (compiled kernels hide their ops). When that stays finite, the step
+is run compiled from the same state, each rung ``repeat`` times: ``aot_eager`` (dynamo's and AOTAutograd's
+graphs on eager kernels: what the capture and the graph transformations change) and the backend the model was
+compiled with. A rung whose step is non-finite while eager was finite makes the verdict ``compile-induced``;
+then the failing backend's forward graph is searched for its first non-finite node
+(:func:`~nanhunt.tracing._graph_nodes.first_nonfinite_node`), and two ways out are tried: inductor's
+``emulate_precision_casts`` (its float32 intermediates rounded where eager rounds them) and the located node's
+module run in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .._util._compiled import CompileSpec, GraphCapture, compile_module, emulating_precision_casts, reset
+from ..records import GraphNode, Rung, Verdict
+from ..step.step import Step
+from ..tracing._graph_nodes import first_nonfinite_node
+
+__all__ = ["Ladder", "climb"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """The compiled rungs (eager's is the traced replay), how long they took, and the verdict when one failed."""
+
+    rungs: tuple[Rung, ...]
+    seconds: float
+    verdict: Verdict | None
+
+
+def _finite_step(model: nn.Module, loss: torch.Tensor) -> bool:
+    """The loss, every gradient and every parameter after the update are finite."""
+    tensors = [loss.detach(), *(p.detach() for p in model.parameters()),
+               *(p.grad for p in model.parameters() if p.grad is not None)]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+@contextlib.contextmanager
+def _compiled_step(step: Step, spec: CompileSpec) -> Iterator[Step]:
+    """``step`` whose model is its eager original compiled by ``spec`` (same parameters, same snapshot)."""
+    reset()
+    try:
+        yield dataclasses.replace(step, model=compile_module(step.model, spec))
+    finally:
+        reset()
+
+
+def _rung(step: Step, spec: CompileSpec, repeat: int, fp32: tuple[str, ...] = ()) -> Rung:
+    failed = 0
+    with _compiled_step(step, spec) as compiled:
+        for _ in range(repeat):
+            loss = compiled.run(fp32=tuple(f"_orig_mod.{name}" if name else "_orig_mod" for name in fp32))
+            failed += not _finite_step(step.model, loss)
+    return Rung(spec.backend, repeat, failed)
+
+
+def climb(step: Step, spec: CompileSpec, *, repeat: int = 1) -> Ladder:
+    """The ladder of ``step`` (its eager replay already finite) inside ``step.isolated()``: each compiled rung
+    ``repeat`` times; at the first that fails, the verdict ``compile-induced`` with the graph node and the
+    alternatives. The state is the step's start before each run and after."""
+    start = time.perf_counter()
+    rungs = [Rung("eager", 1, 0)]
+    backends = ["aot_eager"] + ([spec.backend] if spec.backend not in ("aot_eager", "eager") else [])
+    failing: CompileSpec | None = None
+    for backend in backends:
+        rung_spec = spec.with_backend(backend) if backend != spec.backend else spec
+        rung = _rung(step, rung_spec, repeat)
+        rungs.append(rung)
+        if rung.nonfinite:
+            failing = rung_spec
+            break
+    if failing is None:
+        return Ladder(tuple(rungs), time.perf_counter() - start, None)
+    located = _locate(step, failing)
+    alternatives: dict[str, bool] = {}
+    if failing.backend == "inductor":
+        with emulating_precision_casts():
+            alternatives["inductor emulate_precision_casts"] = not _rung(step, failing, repeat).nonfinite
+    if isinstance(located, GraphNode) and located.module is not None:
+        region = located.module or "<root>"
+        alternatives[f"{region} in float32"] = not _rung(step, failing, repeat, fp32=(located.module,)).nonfinite
+    seconds = time.perf_counter() - start
+    verdict = Verdict(kind="compile-induced", rungs=tuple(rungs), replays=sum(r.runs for r in rungs),
+                      seconds=seconds, alternatives=alternatives,
+                      graph_node=located if isinstance(located, GraphNode) else None,
+                      graph_note=located if isinstance(located, str) else None)
+    return Ladder(tuple(rungs), seconds, verdict)
+
+
+def _locate(step: Step, spec: CompileSpec) -> GraphNode | str:
+    """The failing backend's first non-finite forward node: the step run once under a backend that keeps
+    dynamo's graphs and their inputs, then the graphs searched under ``spec``'s backend."""
+    capture = GraphCapture(step.device_type)
+    with _compiled_step(step, CompileSpec("capture", dynamic=False, fn=capture)) as captured:
+        captured.run()
+    try:
+        return first_nonfinite_node(capture.graphs, spec, reset=reset)
+    finally:
+        reset()
+
