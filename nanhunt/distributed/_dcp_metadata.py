@@ -160,89 +160,103 @@ def _scan_metadata(data: bytes, where: str) -> None:
     """Refuse, before it is unpickled, a .metadata that nests deeper than :data:`MAX_METADATA_DEPTH` (a dict key
     of a tuple nested 100k deep crashed the process when hashed), would take more than
     :data:`MAX_METADATA_MEMORY` to unpickle (10 MB of empty sets took 2.75 GB), or is no pickle pickle.dump
-    writes. Its opcodes are followed on a model of the unpickler's stack, marks and memo; nothing is built."""
-    def odd(why: str) -> CommandError:
-        return CommandError(f"{where}: its .metadata is not a pickle as pickle.dump writes it ({why}); nanhunt "
-                            "refuses it")
-
-    table = _opcodes()
-    stack: list[_Made] = []
-    marks: list[int] = []  # the stack's length at each MARK, as the unpickler keeps them
-    memo: list[_Made] = []
-    cost = 0
+    writes. Its opcodes are followed on a model of the unpickler's stack, marks and memo (:class:`_Scan`);
+    nothing is built."""
+    scan = _Scan(where)
     ops: Iterable[tuple[Any, Any, Any]] = pickletools.genops(io.BytesIO(data))  # an argument's type is its opcode's
     try:
         for op, arg, _ in ops:
-            if cost > MAX_METADATA_MEMORY:
+            if scan.cost > MAX_METADATA_MEMORY:
                 break
-            name = op.name
-            kind, base, below, marked, each, leaves = table[name]
-            cost += base
-            if arg.__class__ in (str, bytes, bytearray):
-                cost += len(arg) if arg.__class__ is not str or arg.isascii() else 4 * len(arg)
-            if kind == _GETS:
-                if not 0 <= arg < len(memo):
-                    raise odd(f"memo key {arg} read before it was stored")
-                stack.append(memo[arg])
-                continue
-            if kind == _PUTS:
-                key = len(memo) if name == "MEMOIZE" else arg
-                if len(stack) <= (marks[-1] if marks else 0):
-                    raise odd(f"{name} with nothing to store")
-                if key > len(memo):  # the unpickler sizes its memo table by the largest key
-                    raise odd(f"memo key {key} skips past the {len(memo)} values stored so far")
-                memo[key:key + 1] = [stack[-1]]
-                continue
-            if kind == _MARKS:
-                marks.append(len(stack))
-                continue
-            if name == "POP" and marks and len(stack) == marks[-1]:
-                marks.pop()
-                continue
-            if marked and not marks:
-                raise odd(f"{name} without a MARK")
-            first = (marks.pop() if marked else len(stack)) - below
-            if first < (marks[-1] if marks else 0):  # the unpickler takes no value from below a MARK
-                raise odd(f"{name} takes more values than the stack holds")
-            items = stack[first:]
-            del stack[first:]
-            if kind == _LEAVES:
-                if arg.__class__ is int:
-                    cost += arg.bit_length() >> 3
-                if name == "DUP":  # the value itself, twice
-                    stack += items * 2
-                elif leaves:
-                    stack.append(_LEAF)
-                continue
-            cost += each * len(items)
-            made = items[0] if kind == _CHANGE else None
-            if made is not None:
-                items = items[1:]
-                if made is _LEAF or (name == "BUILD" and not made.instance):
-                    raise odd(f"{name} on a value that is no container it made")
-            depth = 0
-            for i in items:
-                i.inside = True
-                if i.depth > depth:
-                    depth = i.depth
-                if name in _CALLS or name == "BUILD":  # a call may copy what its arguments hold (torch.Size),
-                    cost += 40 * i.items  # BUILD copies the state's items into the instance
-            if made is None:
-                made = _Made(depth + 1, len(items), name.startswith("NEWOBJ"))
-            elif made.inside:  # its own item, too: a cycle
-                raise odd("a list, dict or object changes after it was put in another")
-            else:
-                made.items += len(items)
-                made.depth = max(made.depth, depth + 1)
-            stack.append(made)
-            if made.depth > MAX_METADATA_DEPTH:
-                raise CommandError(f"{where}: its .metadata nests values more than {MAX_METADATA_DEPTH} deep (DCP's "
-                                   "own nest 11); nanhunt refuses it")
+            scan.step(op.name, arg)
     except ValueError as e:  # pickletools: a bad opcode or argument, no STOP
         raise CommandError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
-    if cost > MAX_METADATA_MEMORY:
+    if scan.cost > MAX_METADATA_MEMORY:
         raise CommandError(f"{where}: its .metadata would take more than {MAX_METADATA_MEMORY >> 20} MiB of memory "
                            "to unpickle, which no DCP checkpoint nanhunt reads needs; nanhunt refuses it")
+
+
+class _Scan:
+    """The unpickler's stack, marks and memo as :func:`_scan_metadata` follows the opcodes, and what unpickling
+    would cost so far (bytes, estimated)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.table = _opcodes()
+        self.stack: list[_Made] = []
+        self.marks: list[int] = []  # the stack's length at each MARK, as the unpickler keeps them
+        self.memo: list[_Made] = []
+        self.cost = 0
+
+    def odd(self, why: str) -> CommandError:
+        return CommandError(f"{self.where}: its .metadata is not a pickle as pickle.dump writes it ({why}); nanhunt "
+                            "refuses it")
+
+    def step(self, name: str, arg: Any) -> None:
+        """One opcode: what it takes from the stack and leaves there."""
+        stack, marks, memo = self.stack, self.marks, self.memo
+        kind, base, below, marked, each, leaves = self.table[name]
+        self.cost += base
+        if arg.__class__ in (str, bytes, bytearray):
+            self.cost += len(arg) if arg.__class__ is not str or arg.isascii() else 4 * len(arg)
+        if kind == _GETS:
+            if not 0 <= arg < len(memo):
+                raise self.odd(f"memo key {arg} read before it was stored")
+            stack.append(memo[arg])
+        elif kind == _PUTS:
+            key = len(memo) if name == "MEMOIZE" else arg
+            if len(stack) <= (marks[-1] if marks else 0):
+                raise self.odd(f"{name} with nothing to store")
+            if key > len(memo):  # the unpickler sizes its memo table by the largest key
+                raise self.odd(f"memo key {key} skips past the {len(memo)} values stored so far")
+            memo[key:key + 1] = [stack[-1]]
+        elif kind == _MARKS:
+            marks.append(len(stack))
+        elif name == "POP" and marks and len(stack) == marks[-1]:
+            marks.pop()
+        else:
+            if marked and not marks:
+                raise self.odd(f"{name} without a MARK")
+            first = (marks.pop() if marked else len(stack)) - below
+            if first < (marks[-1] if marks else 0):  # the unpickler takes no value from below a MARK
+                raise self.odd(f"{name} takes more values than the stack holds")
+            items = stack[first:]
+            del stack[first:]
+            if kind != _LEAVES:
+                self.make(name, kind, each, items)
+            elif arg.__class__ is int:
+                self.cost += arg.bit_length() >> 3
+            if kind == _LEAVES and name == "DUP":  # the value itself, twice
+                stack += items * 2
+            elif kind == _LEAVES and leaves:
+                stack.append(_LEAF)
+
+    def make(self, name: str, kind: int, each: int, items: list[_Made]) -> None:
+        """An opcode that makes a container or object, or puts ``items`` into one (``_CHANGE``: the first)."""
+        self.cost += each * len(items)
+        made = items[0] if kind == _CHANGE else None
+        if made is not None:
+            items = items[1:]
+            if made is _LEAF or (name == "BUILD" and not made.instance):
+                raise self.odd(f"{name} on a value that is no container it made")
+        depth = 0
+        for i in items:
+            i.inside = True
+            if i.depth > depth:
+                depth = i.depth
+            if name in _CALLS or name == "BUILD":  # a call may copy what its arguments hold (torch.Size),
+                self.cost += 40 * i.items  # BUILD copies the state's items into the instance
+        if made is None:
+            made = _Made(depth + 1, len(items), name.startswith("NEWOBJ"))
+        elif made.inside:  # its own item, too: a cycle
+            raise self.odd("a list, dict or object changes after it was put in another")
+        else:
+            made.items += len(items)
+            made.depth = max(made.depth, depth + 1)
+        self.stack.append(made)
+        if made.depth > MAX_METADATA_DEPTH:
+            raise CommandError(f"{self.where}: its .metadata nests values more than {MAX_METADATA_DEPTH} deep (DCP's "
+                               "own nest 11); nanhunt refuses it")
 
 
 def _read_metadata(path: str, where: str) -> Any:

@@ -263,29 +263,9 @@ class OpRecorder:
                  scalar: str | None, node: Any) -> Sequence[torch.Tensor]:
         """Record an op's new values: its floating outputs (distinct) and the arguments it wrote; return those
         tensors, one per record made, in order."""
-        written_ids: Sequence[int] = ()
-        hidden_ids: Sequence[int] = ()
-        if not info.writes:
-            # No argument written: only the outputs are new values.
-            if isinstance(out, torch.Tensor):
-                if out.dtype not in FLOATISH:
-                    self._index_uses.update(ins)
-                    return ()
-                outs: list[torch.Tensor] = [out]
-            elif isinstance(out, (tuple, list)):
-                outs = []
-                for o in out:
-                    if isinstance(o, torch.Tensor) and o.dtype in FLOATISH and not any(o is p for p in outs):
-                        outs.append(o)
-                if not outs:
-                    self._index_uses.update(ins)
-                    return ()
-            else:
-                return ()
-        else:
-            outs, written_ids, hidden_ids = _written(info, args, kwargs, out)
-            if not outs:
-                return ()
+        outs, written_ids, hidden_ids = self._new_values(info, args, kwargs, out, ins)
+        if not outs:
+            return ()
         raws = self._raw
         # A view of uninitialised memory is no value either, until something writes it; a
         # partial write (index_put_, a slice copy) leaves some of it unwritten: still no value,
@@ -340,6 +320,26 @@ class OpRecorder:
         if self._watching:
             self._watch.hold(new, args, kwargs, outs, node)
         return outs
+
+    def _new_values(self, info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                    ins: list[int]) -> tuple[list[torch.Tensor], Sequence[int], Sequence[int]]:
+        """``(tensors, ids written, ids written in place with the version untouched)``: what an op that writes
+        an argument wrote (:func:`_written`), else its floating outputs, each once. An op whose outputs are all
+        integers (an index, a mask) made no value: its inputs are marked as used by one."""
+        if info.writes:
+            return _written(info, args, kwargs, out)
+        outs: list[torch.Tensor] = []
+        if isinstance(out, torch.Tensor):
+            outs = [out] if out.dtype in FLOATISH else []
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor) and o.dtype in FLOATISH and not any(o is p for p in outs):
+                    outs.append(o)
+        else:
+            return [], (), ()
+        if not outs:
+            self._index_uses.update(ins)
+        return outs, (), ()
 
     def _constant(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], phase: Phase,
                   module: str | None, call: int, want_src: bool) -> Any:
