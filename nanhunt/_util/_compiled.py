@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "compile_module", "compile_graph", "reset",
+__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "record_of", "read_record", "compile_module", "compile_graph", "reset",
            "emulating_precision_casts", "GraphCapture"]
 
 # torch's own backends: a name from a file that is one of these is used as it is; any other needs confirming
@@ -92,6 +92,38 @@ def spec_of(model: nn.Module) -> CompileSpec | None:
     if name in TORCH_BACKENDS:
         return CompileSpec(name, mode, options, dynamic)
     return CompileSpec(_name_of(fn), mode, options, dynamic, fn=fn)
+
+
+def record_of(model: nn.Module) -> dict[str, Any] | None:
+    """What a capture records of how ``model`` was compiled (plain data), None when it was not; the model a
+    Guard or callback watches may be the compiled wrapper itself or hold it (DDP's ``module``)."""
+    for _ in range(4):
+        spec = spec_of(model)
+        if spec is not None:
+            return spec.to_dict()
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
+    return None
+
+
+def read_record(d: Any) -> CompileSpec | str | None:
+    """The :class:`CompileSpec` a capture recorded (untrusted: every field type-checked), when its backend is one
+    of torch's own; the backend's name when it is not (a name from a file is imported only when confirmed:
+    ``--compile NAME``); None when the step did not run compiled."""
+    if d is None:
+        return None
+    if not isinstance(d, Mapping) or not isinstance(d.get("backend"), str):
+        raise ValueError("its 'compile' is not a record of a compilation (a backend name and its settings)")
+    mode, options, dynamic = d.get("mode"), d.get("options") or {}, d.get("dynamic")
+    if mode is not None and not isinstance(mode, str) or dynamic is not None and not isinstance(dynamic, bool) \
+            or not isinstance(options, Mapping) or not all(isinstance(k, str) and _json_value(v)
+                                                           for k, v in options.items()):
+        raise ValueError("its 'compile' holds a mode, options or dynamic flag of the wrong type")
+    if d["backend"] not in TORCH_BACKENDS:
+        return str(d["backend"])
+    return CompileSpec(d["backend"], mode, dict(options), dynamic)
 
 
 def compile_module(module: nn.Module, spec: CompileSpec) -> nn.Module:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..distributed import _dcp
 from . import _names
+from .._util._compiled import record_of
 from .._util._text import dtype_name
 from .._util._tree import map_tensors
 from .._util._wrappers import user_class
@@ -59,6 +60,7 @@ def save_capture(
     scaler_state: Mapping[str, Any] | None = None,
     step_call: str | None = None,
     script_run: Mapping[str, Any] | None = None,
+    compiled: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
 
@@ -79,11 +81,15 @@ def save_capture(
     A name defined in the running script is saved with how the script was started (its argv, working directory,
     path and the sha256 of its text: ``_names.script_run``), as now unless ``script_run`` gives it (the Guard
     takes it when it is made): its confirmed replay runs the script's definitions with that argv.
+
+    A ``torch.compile``d model (or one given unwrapped with ``compiled``, what :func:`capture_record` says) is
+    saved with its backend, mode, options and dynamic flag: the replay runs the step compiled too.
     """
     ckpt, bfile = capture_record(
         model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, model_factory=model_factory,
         model_kwargs=model_kwargs, device_type=device_type, dtype=dtype, rng=rng, model_state=model_state,
-        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call, script_run=script_run)
+        optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call, script_run=script_run,
+        compiled=compiled)
     torch.save(ckpt, os.fspath(checkpoint_path))
     torch.save(bfile, os.fspath(batch_path))
 
@@ -105,9 +111,12 @@ def capture_record(
     scaler_state: Mapping[str, Any] | None = None,
     step_call: str | None = None,
     script_run: Mapping[str, Any] | None = None,
+    compiled: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What :func:`save_capture` writes: the checkpoint's and the batch file's contents (the Guard's capture
-    directory writes the same fields, the tensors as DCP shards)."""
+    directory writes the same fields, the tensors as DCP shards). ``compiled``: how the model was compiled, when
+    ``model`` is no longer its compiled wrapper (the Guard keeps the module it wraps)."""
+    compiled = dict(compiled) if compiled is not None else record_of(model)  # before the wrapper is taken off
     model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     opt_class = None if optimizer is None else _optimizer_name(optimizer)
@@ -142,6 +151,8 @@ def capture_record(
         },
         "torch_version": str(torch.__version__),
         "device": str(dev),
+        # how the step's model was compiled (backend, mode, options, dynamic): the replay runs it compiled too
+        "compile": compiled,
     }
     if _dcp.sharded(model):  # FSDP2: which modules fully_shard wrapped, for the distributed replay to wrap again
         ckpt["fsdp"] = _dcp.fsdp_layout(model)

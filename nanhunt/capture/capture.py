@@ -25,7 +25,8 @@ from torch import nn
 
 from ..distributed import _dcp
 from . import _hf_checkpoint, _names
-from .._util._errors import CommandError
+from .._util._compiled import CompileSpec, read_record
+from .._util._errors import CommandError, visible
 from .._util._safeload import load_file
 from ..step.step import Step, rng_state, set_rng_state, split_batch
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
@@ -210,8 +211,24 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
     scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not no_scaler else None
     dt = parse_dtype(dtype or str(got.autocast.get("dtype", "float16")))
+    compiled = _compiled(ck, checkpoint, notes) if isinstance(ck, Mapping) and "nanhunt_capture" in ck else None
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
-                optimizer=optimizer, rng=rng, notes=tuple(notes))
+                optimizer=optimizer, rng=rng, compile_spec=compiled, notes=tuple(notes))
+
+
+def _compiled(ck: Mapping[str, Any], checkpoint: str, notes: list[str]) -> CompileSpec | None:
+    """How the captured step's model was compiled, when by one of torch's own backends; a backend the file
+    names otherwise is said in a note (``--compile NAME`` confirms it)."""
+    try:
+        got = read_record(ck.get("compile"))
+    except ValueError as e:
+        raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: {e}; save the capture "
+                           "again (nanhunt.save_capture)") from e
+    if isinstance(got, str):
+        notes.append(f"the step ran compiled by backend {visible(got)!r}, a name from the file: it is replayed "
+                     f"eager only; pass --compile {visible(got)} to replay it compiled too (imports it)")
+        return None
+    return got
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class ReplayCommand:
         p.add_argument("--repeat", type=int, default=1, metavar="N",
                        help="replay up to N times while the step stays finite (default 1): a failure that comes "
                        "only now and then (non-deterministic kernels, state outside the capture) shows in one of them")
+        p.add_argument("--compile", metavar="BACKEND",
+                       help="when the eager replay is finite, replay the step compiled too: aot_eager, then BACKEND "
+                       "(inductor, aot_eager, eager, or package.module:function; default: the backend the capture "
+                       "recorded), each --repeat times")
 
     def run(self, args: argparse.Namespace) -> int:
         from ..hunt._dist_replay import under_torchrun
@@ -70,6 +74,7 @@ class ReplayCommand:
                 output: ReplayOutput) -> int:
         from ..capture.capture import load_capture_dir, load_step
         from ..hunt._dist_replay import replay_ranks
+        from ..hunt._compiled import given_spec
         from ..hunt._ranks import other_ranks, received_note
         from ..hunt.pipeline import hunt
 
@@ -85,6 +90,8 @@ class ReplayCommand:
             raise CommandError(f"--repeat {args.repeat}: replay at least once (--repeat 1, the default)")
         if torchrun and args.repeat != 1:
             raise CommandError("--repeat applies to a replay in one process; under torchrun leave it out")
+        if torchrun and args.compile is not None:
+            raise CommandError("--compile applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
                 with Progress() as progress:
@@ -103,6 +110,8 @@ class ReplayCommand:
                                "leave it out")
         else:
             step = load_step(args.checkpoint, args.batch, **options)
+        if args.compile is not None:
+            step.compile_spec = given_spec(args.compile, step.compile_spec)
         for i, n in enumerate(step.notes):
             print(visible(n if directory and i == 0 else f"warning: {n}"), file=sys.stderr)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..distributed import _dcp, _fsdp1
 from .._util import _dispatch
+from .._util._compiled import TORCH_BACKENDS, record_of
 from .._util._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
 from ..capture._names import capture_name, confirmations, is_script, replay_problem, script_run
@@ -122,6 +123,7 @@ class CaptureWriter:
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1 or None")
         self.module = unwrap_model(model)
+        self.compiled = record_of(model)  # a torch.compile'd model: its backend and settings (its replay's ladder)
         # A DDP model (given wrapped): its capture is a directory every rank writes, each with its own batch, so a
         # replay under torchrun averages the same gradients the step did; None: per-rank files (or FSDP2's
         # directory, judged at each capture: fully_shard may come after the Guard)
@@ -190,6 +192,9 @@ class CaptureWriter:
         self.replay_problems = tuple(p for what, name, _ in named if name is not None and is_script(name)
                                      for p in [replay_problem(name, what)] if p is not None)
         args, notes = confirmations(named)
+        backend = None if self.compiled is None else self.compiled["backend"]
+        if backend is not None and backend not in TORCH_BACKENDS:  # the replay imports a backend you confirm
+            args += ["--compile", backend]
         return tuple(args), (*notes, *self.replay_problems)
 
     # ------------------------------------------------------------ a step begins
@@ -380,7 +385,7 @@ class CaptureWriter:
         return {
             "loss_fn": self.loss_fn, "model_factory": self.model_factory, "model_kwargs": self.model_kwargs,
             "device_type": self.device_type, "dtype": self._capture_dtype(entry), "step_call": self.step_call,
-            "script_run": self.script_run,
+            "script_run": self.script_run, "compiled": self.compiled,
         }
 
     def _save_live(self, entry: StepEntry, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:

@@ -20,12 +20,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .._util._compiled import CompileSpec, GraphCapture, compile_module, emulating_precision_casts, reset
+from .._util._compiled import TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module, emulating_precision_casts, reset
+from .._util._errors import CommandError
+from ..capture._resolve import resolve
 from ..records import GraphNode, Rung, Verdict
 from ..step.step import Step
 from ..tracing._graph_nodes import first_nonfinite_node
 
-__all__ = ["Ladder", "climb"]
+__all__ = ["Ladder", "climb", "given_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +109,16 @@ def _locate(step: Step, spec: CompileSpec) -> GraphNode | str:
     finally:
         reset()
 
+
+
+def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:
+    """The backend ``--compile NAME`` names: one of torch's own, or ``package.module:function`` imported (you gave
+    the name: that is the confirmation); the recorded settings are kept when it is the recorded backend."""
+    if recorded is not None and recorded.backend == name:
+        return recorded
+    if name in TORCH_BACKENDS:
+        return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic)
+    if ":" not in name:
+        raise CommandError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
+                           "own as package.module:function")
+    return CompileSpec(name, fn=resolve(name, what="compile backend", trusted=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import nanhunt
+from nanhunt._util._compiled import CompileSpec
+from nanhunt._util._errors import CommandError
+from nanhunt.cli import main
+from nanhunt.hunt._compiled import given_spec
 from nanhunt.records import Report
 from nanhunt.report._common import sentence, verdict_text
 
@@ -122,3 +127,60 @@ def test_a_clean_compiled_step_stays_clean() -> None:
     # THEN it is clean, and the report says the compiled rung ran finite
     assert rep.status == "clean" and rep.verdict is not None and rep.verdict.kind == "clean"
     assert rep.config["compiled_rungs"] == {"eager": "0/1 non-finite", "aot_eager": "0/1 non-finite"}
+
+
+def test_a_capture_of_a_compiled_step_records_its_backend_and_replays_compiled_when_confirmed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a capture of a model compiled by the test's own backend
+    torch.manual_seed(0)
+    net = Net()
+    ck, bt, out = str(tmp_path / "ck.pt"), str(tmp_path / "bt.pt"), str(tmp_path / "r.json")
+    nanhunt.save_capture(ck, bt, model=torch.compile(net, backend=miscompile_exp),
+                         batch=(torch.randn(3, 4), torch.randint(0, 2, (3,))), loss_fn=F.cross_entropy,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1), dtype=torch.float32)
+    backend = f"{__name__}:miscompile_exp"
+    # THEN it records the backend by name, as plain data
+    assert torch.load(ck, weights_only=True)["compile"] == {"backend": backend, "mode": None, "options": {},
+                                                             "dynamic": None}
+    # AND a name from the file is not imported unconfirmed: the replay runs eager only, finite, and says how
+    model = ["--model", f"{__name__}:Net", "--no-bisect"]
+    assert main(["replay", ck, bt, *model]) == 0
+    assert (f"the step ran compiled by backend {backend!r}, a name from the file: it is replayed eager only; pass "
+            f"--compile {backend} to replay it compiled too (imports it)") in capsys.readouterr().err
+    # AND confirmed with --compile, the step replays compiled: compile-induced, exit 1, the node in the report
+    assert main(["replay", ck, bt, *model, "--compile", backend, "--report", out]) == 1
+    rep = Report.from_json(Path(out).read_text())
+    assert rep.status == "compile-induced" and rep.verdict is not None and rep.verdict.graph_node is not None
+    assert (rep.verdict.graph_node.module, rep.verdict.graph_node.node) == ("gate", "exp")
+
+
+def test_compile_names_a_backend_or_a_function() -> None:
+    with pytest.raises(CommandError, match="^--compile inductr: name one of torch's backends "
+                       r"\(inductor, aot_eager, eager\) or your own as package.module:function$"):
+        given_spec("inductr", None)
+    assert given_spec("aot_eager", None) == CompileSpec("aot_eager")
+
+
+def test_a_guard_on_a_compiled_model_records_its_backend_and_its_command_replays_it_compiled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a Guard on a model compiled by the test's own backend, whose step goes non-finite
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    net = Net()
+    model = torch.compile(net, backend=miscompile_exp)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    guard = nanhunt.Guard(model, opt, dump_dir="nan", loss_fn=F.cross_entropy, model_factory=f"{__name__}:Net")
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    with pytest.raises(nanhunt.GuardError) as caught:
+        with guard.step((x, y)):
+            opt.zero_grad()
+            loss = guard.loss(F.cross_entropy(model(x), y))
+            loss.backward()
+            opt.step()
+    # THEN its printed command confirms the backend, and run as printed it finds the compiled step's node
+    command = caught.value.event.replay_command()
+    assert command is not None and f"--compile {__name__}:miscompile_exp" in command
+    assert main([*command.split()[1:], "--no-bisect", "--report", "r.json"]) == 1
+    rep = Report.from_json(Path("r.json").read_text())
+    assert rep.status == "compile-induced" and rep.verdict is not None and rep.verdict.graph_node is not None
+    assert rep.verdict.graph_node.module == "gate"
