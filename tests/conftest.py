@@ -20,6 +20,59 @@ if _HERE not in sys.path:
 os.environ["NANHUNT_TRUST_NAMES"] = "models,fixtures,tests"
 
 
+class ProcessWatch:
+    """The Python processes started while it is on (:meth:`on` ... :meth:`off`): a ``subprocess`` command
+    whose program is a Python interpreter, or a multiprocessing process. Other programs (``uname`` for the
+    report's environment) are no Python process and not counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started: list[str] = []
+        self._monkeypatch = monkeypatch
+
+    def on(self) -> None:
+        import multiprocessing.process
+        import subprocess
+
+        popen_init = subprocess.Popen.__init__
+        process_start = multiprocessing.process.BaseProcess.start
+        watch = self
+
+        def popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+            argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+            if argv and (os.path.basename(argv[0]).startswith("python") or argv[0] == sys.executable):
+                watch.started.append(" ".join(argv[:4]))
+            popen_init(self, args, *rest, **kwargs)
+
+        def start(self: multiprocessing.process.BaseProcess) -> None:
+            watch.started.append(f"a multiprocessing process of {getattr(self, '_target', None)!r}")
+            process_start(self)
+
+        self._monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+        self._monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+
+    def off(self) -> list[str]:
+        self._monkeypatch.undo()
+        return self.started
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that starts a Python process (itself or through nanhunt: a bundle's repro is verified in a fresh
+    interpreter) fails unless it is marked ``subprocess`` or ``distributed``: ``./scripts/test --fast`` leaves
+    those out. tests/unit/test_tiers.py checks the same from the source, for tests a run does not reach."""
+    if request.node.get_closest_marker("subprocess") or request.node.get_closest_marker("distributed"):
+        yield
+        return
+    watch = ProcessWatch(pytest.MonkeyPatch())
+    watch.on()
+    try:
+        yield
+    finally:
+        started = watch.off()
+    assert not started, (f"{request.node.nodeid} starts Python processes ({'; '.join(started[:3])}) "
+                         "without @pytest.mark.subprocess")
+
+
 @pytest.fixture()
 def one_thread() -> Iterator[None]:
     """One torch thread for the test (timing-free, but half-precision kernels and snapshots behave alike on any

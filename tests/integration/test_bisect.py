@@ -252,6 +252,7 @@ def test_origin_alone_is_answered_on_not_precision() -> None:
     assert rep.verdict.origin_alone_fixes is False
 
 
+@pytest.mark.slow
 def test_a_compiled_models_origin_and_culprits_carry_the_users_names() -> None:
     # GIVEN a torch.compile'd chain whose layer 2 overflows float16
     torch.manual_seed(0)

@@ -241,6 +241,7 @@ def _overflow_capture(directory: Path) -> list[str]:
     return files
 
 
+@pytest.mark.subprocess
 def test_input_files_untouched_by_replay_bundle_compare_inspect(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN a capture, with the reports written into the capture's own directory and the bundle beside them (the

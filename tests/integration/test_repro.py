@@ -118,6 +118,7 @@ def _first(kw: dict[str, Any]) -> Occurrence:
 # ------------------------------------------------------------------ three faults, each verified in a fresh process
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", ["exp-overflow", "zero-over-zero", "sqrt-backward"])
 def test_repro_reproduces_in_a_fresh_process(case: str, tmp_path: Path) -> None:
     # GIVEN a step with a known fault, and where the replay says it was born
@@ -147,6 +148,8 @@ def test_repro_reproduces_in_a_fresh_process(case: str, tmp_path: Path) -> None:
         assert rp.nbytes <= cap
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_overflow_fixture_bundle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN the bundled capture whose blocks.1.ff.wo overflows float16
@@ -229,6 +232,7 @@ def test_no_op_means_no_repro(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ verification reads the script's verdict
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("body,kind,verified,says", [
     ("print('nanhunt-repro: REPRODUCED inf'); raise SystemExit(1)", "inf", True, "inf"),
     ("print('nanhunt-repro: REPRODUCED nan'); raise SystemExit(1)", "inf", False, "got nan"),
@@ -242,6 +246,7 @@ def test_verify_reads_exit_status_and_marker(tmp_path: Path, body: str, kind: st
     assert rp.verified is verified and says in rp.result
 
 
+@pytest.mark.subprocess
 def test_verify_times_out(tmp_path: Path) -> None:
     (tmp_path / SCRIPT).write_text("import time; time.sleep(30)\n")
     rp = verify_repro(str(tmp_path), Repro(op="aten::exp", files=(SCRIPT,)), "inf", timeout=0.5)
@@ -262,6 +267,7 @@ def test_script_with_finite_inputs_exits_zero(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "NOT REPRODUCED" in proc.stdout
 
 
+@pytest.mark.subprocess
 def test_the_bundle_repro_comes_from_the_replay_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN a step whose exp overflows, replayed with a bundle and no bisection
     from nanhunt.hunt.pipeline import hunt

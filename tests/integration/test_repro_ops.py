@@ -91,6 +91,7 @@ def _repro(model: nn.Module, x: torch.Tensor, y: Any, loss_fn: Any, directory: P
     return rep.first, rp
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", ["var_mean", "convolution_backward"])
 def test_repro_of_an_op_returning_a_tuple_is_verified(case: str, tmp_path: Path) -> None:
     # GIVEN an origin in an op with several outputs: var_mean's NaN in forward, or the weight gradient of a conv
@@ -106,6 +107,7 @@ def test_repro_of_an_op_returning_a_tuple_is_verified(case: str, tmp_path: Path)
     assert rp.result == kind
 
 
+@pytest.mark.subprocess
 def test_repro_of_a_foreach_update_is_verified(tmp_path: Path) -> None:
     # GIVEN SGD(foreach=True) with a learning rate that takes finite gradients to Inf in the update
     torch.manual_seed(0)
@@ -118,6 +120,7 @@ def test_repro_of_a_foreach_update_is_verified(tmp_path: Path) -> None:
     assert rp.verified, rp.result
 
 
+@pytest.mark.subprocess
 def test_repro_of_index_put_with_integer_index_list_is_sliced_and_verified(tmp_path: Path) -> None:
     # GIVEN index_put_ with a list of integer index tensors, its 64 rows above a 200-byte cap
     first, rp = _repro(_IndexPut(), torch.full((64, 4), 10.0), None, _sum_loss, tmp_path / "a", cap=200)
@@ -130,6 +133,7 @@ def test_repro_of_index_put_with_integer_index_list_is_sliced_and_verified(tmp_p
     assert {p.name for p in (tmp_path / "a").iterdir()} == {".nanhunt-bundle", SCRIPT, INPUTS}
 
 
+@pytest.mark.subprocess
 def test_repro_of_an_op_with_a_dtype_keyword_is_verified(tmp_path: Path) -> None:
     # GIVEN a sum of float32 values into float16, asked for by a dtype keyword argument
     first, rp = _repro(_SumDtype(), torch.full((32, 4), 10.0), None, _sum_loss, tmp_path / "b")

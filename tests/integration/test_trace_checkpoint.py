@@ -120,6 +120,7 @@ def test_recomputed_calls_keep_their_forward_call_index(outer: str, inner: str) 
                     (Phase.BACKWARD, 3): {1}}
 
 
+@pytest.mark.slow
 def test_gpt2_gradient_checkpointing_recomputed_overflow_names_the_forward_call() -> None:
     # GIVEN a tiny GPT-2 (transformers, non-reentrant gradient checkpointing) whose block 1 c_fc weight is
     # scaled by 1e14: gelu_new's pow(x, 3) overflows float32 there (|x| ~ 1e13, cubed > 3.4e38)

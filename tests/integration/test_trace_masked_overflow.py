@@ -118,6 +118,8 @@ def test_stop_at_first_stops_in_the_masked_exp() -> None:
     assert where(info.value.occurrence) == (Phase.FORWARD, "blocks.0.attn", "aten::exp", 0, "inf")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_masked_exp_overflow_gets_the_softmax_advice_and_a_repro_of_the_exp(tmp_path: Path) -> None:
     # GIVEN the float16 block replayed as a step
     step = Step.of(hand_gpt(5.0), (X, torch.zeros(2, 4, 2)), loss_fn=F.mse_loss, dtype=torch.float16)

@@ -116,6 +116,7 @@ def test_without_the_callback_the_trainer_hides_the_inf(tmp_path: Path) -> None:
     assert logs[2]["loss"] > 0 and logs[3]["loss"] == 0 and math.isnan(logs[3]["grad_norm"])
 
 
+@pytest.mark.slow
 def test_bf16_run_stops_at_the_bad_step_and_its_capture_replays_with_no_argument(tmp_path: Path) -> None:
     # GIVEN the same run with the callback
     dump = tmp_path / "nan"

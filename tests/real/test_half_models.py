@@ -22,6 +22,7 @@ from .builders import where
 T5_WO = "encoder.block.0.layer.1.DenseReluDense.wo"
 
 
+@pytest.mark.slow
 def test_half_t5_replay_bisects_to_the_encoder() -> None:
     pytest.importorskip("transformers")
     # GIVEN T5 made float16 with .half() whose encoder FFN wo overflows float16 (T5's own float16 clamp absorbs it)

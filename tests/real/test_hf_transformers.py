@@ -59,6 +59,7 @@ def test_gpt2_mlp_projection_overflow_is_traced_to_its_addmm(attn: str) -> None:
     assert t.first is not None and t.first.reached == ("output", "loss", "gradients")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_gpt2_mlp_projection_overflow_replay_proves_that_layer(attn: str) -> None:
     # GIVEN the same model, an AdamW optimizer and a GradScaler
@@ -195,6 +196,7 @@ def _bert_fault() -> Any:
     return m
 
 
+@pytest.mark.slow
 def test_bert_checkpointed_layer_overflow_trace_and_replay() -> None:
     # GIVEN checkpointed BERT whose layer-1 output dense overflows float16 (LayerNorm after it: NaN);
     # the checkpoint recomputes the layer's forward inside backward

@@ -161,6 +161,8 @@ def test_a_link_planted_while_writing_is_never_written_through(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "victim.txt"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_symlinked_bundle_directory_is_followed(overflow: list[str], tmp_path: Path) -> None:
     # GIVEN a bundle directory that is a link the user made to a real directory
     real = tmp_path / "real"
@@ -174,6 +176,7 @@ def test_a_symlinked_bundle_directory_is_followed(overflow: list[str], tmp_path:
     assert os.readlink(tmp_path / "link") == str(real)
 
 
+@pytest.mark.subprocess
 def test_every_bundle_holds_nanhunts_marker_naming_its_format(overflow: list[str], tmp_path: Path) -> None:
     # GIVEN a new bundle directory
     bundle = tmp_path / "bundle"
@@ -185,6 +188,7 @@ def test_every_bundle_holds_nanhunts_marker_naming_its_format(overflow: list[str
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
 
 
+@pytest.mark.subprocess
 def test_an_empty_directory_takes_the_bundle_and_keeps_its_permissions(overflow: list[str], tmp_path: Path) -> None:
     # GIVEN an empty directory the user made, readable by the group only
     bundle = tmp_path / "bundle"
@@ -273,6 +277,7 @@ def test_the_current_directory_is_refused_as_a_bundle(overflow: list[str], tmp_p
 # ------------------------------------------------------------------ an earlier bundle
 
 
+@pytest.mark.subprocess
 def test_an_earlier_bundle_is_replaced_and_said_so(earlier: Path, overflow: list[str], tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN an earlier bundle, whose report.md is also a hard link to a file outside it

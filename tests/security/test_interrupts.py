@@ -229,6 +229,7 @@ def _one_thread_default_sigint() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ restores
+@pytest.mark.slow
 @pytest.mark.parametrize("snapshot", [None, "disk"])
 def test_step_state_holds_sigint_at_every_line_event_of_reset_and_restore(
         snapshot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,6 +263,7 @@ def test_step_state_holds_sigint_at_every_line_event_of_reset_and_restore(
     assert os.listdir(tmp_path) == []  # and no file is left
 
 
+@pytest.mark.slow
 def test_replay_holds_sigint_at_every_line_of_its_restores() -> None:
     # GIVEN the state after training
     model, opt, scaler = _setup()
@@ -471,6 +473,7 @@ def test_guard_entry_interrupted_at_every_line_leaves_it_usable(tmp_path: Path) 
     assert guard.events == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nan_loss", [False, True], ids=["clean-step", "capture-at-exit"])
 def test_guard_exit_interrupted_at_every_line_leaves_it_usable(tmp_path: Path, nan_loss: bool) -> None:
     # GIVEN a Guard checking parameters and the handed loss at exit; with a NaN loss, exit writes a capture

@@ -27,7 +27,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 NOT_RUN = "<!-- not run -->"
 SHELL = ("console", "bash", "sh", "shell")
 # pages whose examples import transformers and lightning (several seconds each on a small CPU)
-SLOW = {"integrations.md"}
+SLOW = {"integrations.md", "compare.md"}
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,20 @@
 Read from the source, not run: every function of the test tree (tests, fixtures, helpers, in any module under
 tests/) is followed through the names it uses, across the modules it imports from tests/, to what starts a process.
 A test reaches a process start through its own body, the functions and classes it uses and the fixtures it takes.
+What the source does not show (nanhunt verifying a bundle's repro in a fresh interpreter) is caught when the test
+runs: tests/conftest.py fails an unmarked test that starts a Python process.
 """
 
 from __future__ import annotations
 
 import ast
+import multiprocessing
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -19,9 +26,9 @@ PROCESS_MODULES = {"subprocess", "multiprocessing", "torch.multiprocessing"}
 PROCESS_FUNCTIONS = {("os", "fork"), ("os", "forkpty"), ("os", "posix_spawn"), ("os", "posix_spawnp"), ("pty", "spawn"),
                      *(("os", f"exec{v}") for v in ("l", "le", "lp", "lpe", "v", "ve", "vp", "vpe")),
                      *(("os", f"spawn{v}") for v in ("l", "le", "lp", "lpe", "v", "ve", "vp", "vpe"))}
-# What starts ranks: torch's launcher (run as ``-m torch.distributed.run``) or mp.spawn; or processes whose code
-# (reached from the test, as a process target is) joins a gloo group.
-RANK_TEXT = {"torch.distributed.run", "torchrun"}
+# What starts ranks: the suite's launchers (tests/_support/dist.py: torchrun, run_ranks), mp.spawn, or processes
+# whose code (reached from the test, as a process target is) joins a gloo group.
+RANK_FUNCTIONS = {"torchrun", "run_ranks"}
 GROUP_TEXT = {"init_process_group", "gloo"}
 
 
@@ -83,7 +90,6 @@ class _Module:
         node = Node()
         for sub in ast.walk(tree):
             if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
-                node.ranks |= sub.value in RANK_TEXT
                 node.group |= sub.value in GROUP_TEXT
             node.group |= isinstance(sub, ast.Attribute) and sub.attr in GROUP_TEXT
             if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
@@ -140,7 +146,7 @@ class _Tree:
             if node is None or m is None:
                 continue
             process |= node.process
-            ranks |= node.ranks
+            ranks |= node.ranks or key[1] in RANK_FUNCTIONS
             group |= node.group
             for used in node.uses:
                 if used[0] == "fixture":
@@ -218,16 +224,18 @@ def _tree_of(tmp: Path, files: dict[str, str]) -> list[str]:
 
 
 def test_the_check_follows_helpers_fixtures_and_aliases(tmp_path: Path) -> None:
-    # GIVEN a helper module that starts a process and one that starts ranks, used in four ways by tests
+    # GIVEN helpers that start a process, ranks (mp.spawn) and torchrun, used in several ways by tests
     helpers = ("import subprocess as sp\nimport torch.multiprocessing as mp\n"
                "def cli():\n    return sp.run(['true'])\n"
-               "def ranks():\n    mp.spawn(print, nprocs=2)\n")
-    tests = ("import pytest\nfrom tests.helpers import cli, ranks\n"
+               "def ranks():\n    mp.spawn(print, nprocs=2)\n"
+               "def torchrun(args):\n    return sp.run(['python', '-m', 'torch.distributed.run', *args])\n")
+    tests = ("import pytest\nfrom tests.helpers import cli, ranks, torchrun\n"
              "@pytest.fixture\ndef ran():\n    return cli()\n"
              "def _indirect():\n    return ranks()\n"
              "def test_direct():\n    cli()\n"
              "def test_fixture(ran):\n    pass\n"
              "def test_ranks():\n    _indirect()\n"
+             "@pytest.mark.subprocess\ndef test_launcher():\n    torchrun(['w.py'])\n"
              "@pytest.mark.subprocess\ndef test_marked():\n    cli()\n"
              "@pytest.mark.subprocess\ndef test_ranks_marked_as_process():\n    ranks()\n"
              "def test_plain():\n    pass\n")
@@ -237,6 +245,7 @@ def test_the_check_follows_helpers_fixtures_and_aliases(tmp_path: Path) -> None:
     assert found == [
         "tests/unit/test_x.py::test_direct: starts a process, needs @pytest.mark.subprocess",
         "tests/unit/test_x.py::test_fixture: starts a process, needs @pytest.mark.subprocess",
+        "tests/unit/test_x.py::test_launcher: starts ranks, needs @pytest.mark.distributed",
         "tests/unit/test_x.py::test_ranks: starts ranks, needs @pytest.mark.distributed",
         "tests/unit/test_x.py::test_ranks_marked_as_process: starts ranks, needs @pytest.mark.distributed",
     ]
@@ -248,3 +257,25 @@ def test_a_module_mark_covers_its_tests(tmp_path: Path) -> None:
             "def test_launch():\n    subprocess.run([sys.executable, '-m', 'torch.distributed.run'])\n")
     # WHEN / THEN nothing is missing
     assert _tree_of(tmp_path, {"integration/test_y.py": text}) == []
+
+
+@pytest.mark.subprocess
+def test_the_run_time_watch_counts_python_processes_only() -> None:
+    # GIVEN conftest's watch, on
+    from tests.conftest import ProcessWatch
+
+    watch = ProcessWatch(pytest.MonkeyPatch())
+    watch.on()
+    try:
+        # WHEN a Python interpreter, another program and a multiprocessing process are started
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        subprocess.run(["true"], check=True)
+        proc = multiprocessing.get_context("spawn").Process(target=int)
+        proc.start()
+        proc.join(60)
+    finally:
+        started = watch.off()
+    # THEN the interpreter and the process are counted, the other program is not; and the watch is off again
+    assert started == [f"{sys.executable} -c pass", "a multiprocessing process of <class 'int'>"]
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert len(watch.started) == 2
