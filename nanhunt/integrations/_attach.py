@@ -349,7 +349,6 @@ class _PlainLoop:
         self._calls: list[tuple[Any, nn.Module, tuple[Any, ...]]] = []  # top-level loss-like calls of the step
         self._batch: dict[str, Any] | None = None
         self._backward = False  # a backward ran since the step began (a next forward is a next micro-batch)
-        self._probe: RemovableHandle | None = None
         self._global: RemovableHandle | None = None
         self.skipped_calls = 0
         self.gave_up = ""  # why nanhunt stopped watching (its own failure), or ""
@@ -397,9 +396,6 @@ class _PlainLoop:
             h.remove()
         self.hooks.clear()
         self._drop_global()
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
         run, self.run = self.run, None
         if run is not None:
             run.close(exc)
@@ -509,26 +505,12 @@ class _PlainLoop:
         options = self.attached.guard_options()
         guard = Guard(model, optimizer, scaler, dump_dir=self.attached.options.dump_dir, **options)
         hooks = [optimizer.register_step_post_hook(self._shielded(self._optimizer_stepped))]
-        if "dtype" not in options:
-            # accelerate enters autocast inside the forward it wraps, after the model's pre-hooks: the first
-            # child sees the dtype the forward really runs in
-            child = next(model.children(), None)
-            if child is not None:
-                self._probe = child.register_forward_pre_hook(self._shielded(self._autocast_seen))
         self.guards.append(guard)
         self.run = GuardedRun(guard, "training", hooks)
+        child = next(model.children(), None)
+        if "dtype" not in options and child is not None:
+            self.run.probe_autocast(child, self._shielded)
         return self.run
-
-    def _autocast_seen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        run = self.run
-        if run is None or not run.open:
-            return
-        device_type = run.guard.device_type
-        on = torch.is_autocast_enabled(device_type)
-        run.guard.dtype = torch.get_autocast_dtype(device_type) if on else torch.float32
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
 
     def _loss(self, loss: torch.Tensor) -> None:
         run = self.run

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._util._errors import GuardError
@@ -62,6 +63,27 @@ class GuardedRun:
         ctx = self.guard._step(batch, index)
         ctx.__enter__()
         self._ctx, self.loss_seen = ctx, False
+
+    def probe_autocast(self, module: nn.Module,
+                       wrap: Callable[[Callable[..., None]], Callable[..., None]] = lambda hook: hook) -> None:
+        """Take the Guard's autocast dtype from the first call of ``module`` within a step: accelerate enters
+        autocast inside the forward it wraps, after the model's own pre-hooks, so a child of the model sees the
+        dtype the forward really runs in. Once: the dtype does not change within a run. ``wrap``: how the hook
+        is wrapped (``nanhunt run`` shields the script from nanhunt's own errors)."""
+        handle: RemovableHandle | None = None
+
+        def seen(m: nn.Module, args: tuple[Any, ...]) -> None:
+            nonlocal handle
+            if self._ctx is None or handle is None:
+                return
+            device_type = self.guard.device_type
+            on = torch.is_autocast_enabled(device_type)
+            self.guard.dtype = torch.get_autocast_dtype(device_type) if on else torch.float32
+            handle.remove()
+            handle = None
+
+        handle = module.register_forward_pre_hook(wrap(seen))
+        self.hooks.append(handle)
 
     def loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss (the first one handed over; checked on device, read with the gradients)."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback
 
 from ..guard.guard import Guard
@@ -63,7 +62,6 @@ class NanhuntCallback(TrainerCallback):
         self.guard_options = guard_options
         self.run: GuardedRun | None = None
         self._state: Any = None
-        self._probe: RemovableHandle | None = None
 
     # ----------------------------------------------------------------- Trainer events
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -71,7 +69,6 @@ class NanhuntCallback(TrainerCallback):
         if self.run is not None:
             self.run.close()  # an earlier train() that raised
             self.run = None
-        self._probe = None
         if model is None or optimizer is None:
             raise ValueError("NanhuntCallback needs the Trainer's model and optimizer")
         inner = optimizer
@@ -83,17 +80,16 @@ class NanhuntCallback(TrainerCallback):
         self._state = state
         hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
                  model.register_forward_hook(self._forward_ends)]
+        self.run = GuardedRun(guard, "transformers.Trainer", hooks)
         if "dtype" not in options:
-            # accelerate enters autocast inside the forward it wraps, after the model's own pre-hooks: its
-            # first child sees the dtype the forward really runs in (none for fp16 on the CPU). A PEFT model's
-            # forward may call its base model directly, skipping its first child (the tuner): the base's is probed
+            # its first child sees the dtype the forward really runs in (none for fp16 on the CPU). A PEFT
+            # model's forward may call its base model directly, skipping its first child (the tuner): the
+            # base model's first child is probed
             get_base: Any = getattr(model, "get_base_model", None)
             base = get_base() if callable(get_base) else model
             child = next((base if isinstance(base, nn.Module) else model).children(), None)
             if child is not None:
-                self._probe = child.register_forward_pre_hook(self._autocast_seen)
-                hooks.append(self._probe)
-        self.run = GuardedRun(guard, "transformers.Trainer", hooks)
+                self.run.probe_autocast(child)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._state = state
@@ -131,14 +127,3 @@ class NanhuntCallback(TrainerCallback):
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
             run.loss(loss)
-
-    def _autocast_seen(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        run = self.run
-        if run is None or not run.open:
-            return
-        device_type = run.guard.device_type
-        on = torch.is_autocast_enabled(device_type)
-        run.guard.dtype = torch.get_autocast_dtype(device_type) if on else torch.float32
-        if self._probe is not None:  # seen once: the dtype does not change within a run
-            self._probe.remove()
-            self._probe = None

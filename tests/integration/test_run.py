@@ -1,4 +1,4 @@
-"""``nanhunt run SCRIPT``: real training scripts nanhunt never edits (tests/run_scripts/), each with a known bad
+"""``nanhunt run SCRIPT``: real training scripts nanhunt never edits (tests/user_scripts/), each with a known bad
 step, run as a user runs them; the replay command each prints is pasted into a shell in another directory and
 must name the culprit. A clean run under ``nanhunt run`` gives the same losses, bit for bit, as without it, and
 the process is left as it was (every patch taken out, ``sys.argv`` and ``sys.path`` back)."""
@@ -20,7 +20,7 @@ from nanhunt.cli import main as cli_main
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ROOT / "tests" / "run_scripts"
+SCRIPTS = ROOT / "tests" / "user_scripts"
 ENV_DROP = ("NANHUNT_TRUST_NAMES",)  # a user's shell: nothing trusted beforehand
 
 

@@ -1,28 +1,15 @@
 """An accelerate loop as people write them: ``Accelerator`` on the CPU, ``prepare``, ``accelerator.backward``, a
-functional loss (``F.cross_entropy``). The model applies ``exp`` to fc1's output; batch ``--bad-step`` holds an
-input of 200, for which that exp overflows float32, so the loss of that step is NaN. nanhunt never edits this
-file."""
+functional loss (``F.cross_entropy``). The model (expnet.py, beside it) applies ``exp`` to fc1's output; batch
+``--bad-step`` holds an input of 200, for which that exp overflows float32, so the loss of that step is NaN.
+nanhunt never edits this file."""
 
 import argparse
 
 import torch
 import torch.nn.functional as F
+from expnet import ExpNet
 from accelerate import Accelerator
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-
-class ExpNet(nn.Module):
-    def __init__(self, hidden=8):
-        super().__init__()
-        self.fc1 = nn.Linear(4, hidden)
-        self.fc2 = nn.Linear(hidden, 3)
-        with torch.no_grad():
-            self.fc1.weight.fill_(0.5)
-            self.fc1.bias.zero_()
-
-    def forward(self, x):
-        return self.fc2(torch.exp(self.fc1(x)))
 
 
 def main():
