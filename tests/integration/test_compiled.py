@@ -184,3 +184,55 @@ def test_a_guard_on_a_compiled_model_records_its_backend_and_its_command_replays
     rep = Report.from_json(Path("r.json").read_text())
     assert rep.status == "compile-induced" and rep.verdict is not None and rep.verdict.graph_node is not None
     assert rep.verdict.graph_node.module == "gate"
+
+
+class Spread(nn.Module):
+    """A difference that eager's rounding makes exactly 0 and inductor's float32 makes negative.
+
+    Under bfloat16 autocast, ``h`` (the linear's output) is bfloat16 and so is every op after it in eager: ``p = h * h``
+    is rounded to bfloat16, and ``q = p * (1 + 2**-10)`` rounds back to ``p`` itself (2**-10 is below half of
+    bfloat16's relative spacing, 2**-8 to 2**-7), so ``p - q`` is exactly 0 and the square root of ``0 + 1e-6`` is
+    finite. Inductor fuses the four element-wise ops into one kernel that loads ``h``, computes in float32 and rounds
+    only the kernel's output: there ``p - q = -h**2 * 2**-10``, below -1e-6 for any ``|h| > 0.032``, and its square
+    root is NaN. With ``emulate_precision_casts`` inductor rounds each op's result to bfloat16 as eager does, and the
+    step is finite again; running the module in float32 does not help (``p - q`` is negative in float32 too).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        p = h * h
+        q = p * (1 + 2 ** -10)
+        return torch.sqrt(p - q + 1e-6)
+
+
+class SpreadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spread = Spread()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.spread(x))
+
+
+@pytest.mark.subprocess  # inductor compiles in a pool of Python worker processes
+def test_inductors_float32_intermediates_make_a_nan_that_eagers_bfloat16_rounding_hides() -> None:
+    # GIVEN a model compiled by inductor (its defaults) and replayed under bfloat16 autocast
+    torch.manual_seed(0)
+    net = SpreadNet()
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    rep = nanhunt.replay(torch.compile(net), (x, y), loss_fn=F.cross_entropy, dtype=torch.bfloat16,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    # THEN eager and aot_eager are finite, inductor is not: compile-induced, at the square root, in spread, its line
+    v = rep.verdict
+    assert rep.status == "compile-induced" and v is not None
+    assert [(r.backend, r.nonfinite) for r in v.rungs] == [("eager", 0), ("aot_eager", 0), ("inductor", 1)]
+    n = v.graph_node
+    assert n is not None and (n.node, n.target, n.module, n.kind) == ("sqrt", "torch.sqrt", "spread", "nan")
+    assert n.source_text == "return torch.sqrt(p - q + 1e-6)"
+    # AND inductor's precision-cast emulation removes it, the module in float32 does not
+    assert v.alternatives == {"inductor emulate_precision_casts": True, "spread in float32": False}
