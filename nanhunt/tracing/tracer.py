@@ -176,6 +176,12 @@ class Trace:
             self._state = "done"
             if held is not None:
                 raise held
+            if self.compiled and exc is None and self.first is None:
+                # the compiled kernels never ran here: a NaN only they make is not seen
+                warnings.warn("nanhunt: the eager original of the torch.compile'd model stayed finite; a NaN that "
+                              "only the compiled step makes is not seen by a trace: nanhunt.replay(compiled_model, "
+                              "batch, ...) replays the step compiled too and names the first non-finite node of "
+                              "the compiled graph", stacklevel=2)
             return
         self._state = "failed"
         self._result = None

@@ -236,3 +236,19 @@ def test_inductors_float32_intermediates_make_a_nan_that_eagers_bfloat16_roundin
     assert n.source_text == "return torch.sqrt(p - q + 1e-6)"
     # AND inductor's precision-cast emulation removes it, the module in float32 does not
     assert v.alternatives == {"inductor emulate_precision_casts": True, "spread in float32": False}
+
+
+def test_a_trace_of_a_compiled_model_whose_eager_step_is_finite_says_what_it_cannot_see() -> None:
+    # GIVEN a model compiled by a backend that breaks its exp, traced live: its eager original runs
+    torch.manual_seed(0)
+    model = torch.compile(Net(), backend=miscompile_exp)
+    with pytest.warns(UserWarning) as warned:
+        with nanhunt.trace(model) as t:
+            F.cross_entropy(model(torch.randn(3, 4)), torch.tensor([0, 1, 0])).backward()
+    # THEN the trace is finite, and it says a NaN of the compiled step alone is not seen, and what finds it
+    assert t.first is None and t.compiled
+    messages = [str(w.message) for w in warned]
+    assert "nanhunt: the model is torch.compile'd; tracing its eager original (compiled kernels can differ)" in messages
+    assert ("nanhunt: the eager original of the torch.compile'd model stayed finite; a NaN that only the compiled "
+            "step makes is not seen by a trace: nanhunt.replay(compiled_model, batch, ...) replays the step compiled "
+            "too and names the first non-finite node of the compiled graph") in messages
