@@ -116,8 +116,10 @@ def test_transformers_trainer_script_replays_with_no_argument(tmp_path: Path, el
     assert (phase, module) == ("weights", "transformer.h.0.mlp.c_fc")
 
 
-def test_lightning_script_stops_and_its_command_names_the_exp(tmp_path: Path, elsewhere: Path) -> None:
-    done = _nanhunt_run("lightning_fit.py", "--bad-step", "3", cwd=tmp_path)
+@pytest.mark.parametrize("package", [(), ("--pytorch-lightning",)], ids=["lightning", "pytorch_lightning"])
+def test_lightning_script_stops_and_its_command_names_the_exp(tmp_path: Path, elsewhere: Path,
+                                                              package: tuple[str, ...]) -> None:
+    done = _nanhunt_run("lightning_fit.py", "--bad-step", "3", *package, cwd=tmp_path)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "nanhunt run: stopped lightning_fit.py: nanhunt.Guard: non-finite loss at step 3" in done.stderr
     command = _printed_command(done.stderr)

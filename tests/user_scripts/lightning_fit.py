@@ -1,14 +1,20 @@
-"""A Lightning script as people write them: a LightningModule with saved hyper-parameters, a DataLoader, a
-Trainer from the command line. The module's ``forward`` applies ``exp`` to fc1's output; batch ``--bad-step``
-holds an input of 200, for which that exp overflows float32 (exp(88.7) is the largest finite value), so the
-loss of that step is NaN. nanhunt never edits this file."""
+"""A Lightning script as people write them (``lightning``, or ``pytorch_lightning`` with ``--pytorch-lightning``):
+a LightningModule with saved hyper-parameters, a DataLoader, a Trainer from the command line. The module's
+``forward`` applies ``exp`` to fc1's output; batch ``--bad-step`` holds an input of 200, for which that exp
+overflows float32 (exp(88.7) is the largest finite value), so the loss of that step is NaN. nanhunt never edits
+this file."""
 
 import argparse
+import sys
 
-import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+if "--pytorch-lightning" in sys.argv:  # the older package name, which projects still use
+    import pytorch_lightning as L
+else:
+    import lightning as L
 
 
 class ExpNet(L.LightningModule):
@@ -36,6 +42,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--max_steps", type=int, default=6)
     parser.add_argument("--bad-step", type=int, default=-1)
+    parser.add_argument("--pytorch-lightning", action="store_true")
     a = parser.parse_args()
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(1)
