@@ -91,10 +91,14 @@ def _target(args: argparse.Namespace) -> tuple[str, list[str], str | None]:
         name = rest[0]
         import importlib.util
 
+        saved = list(sys.path)
+        sys.path.insert(0, os.getcwd())  # as `python -m` looks for it (python -m nanhunt left it out)
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             spec = None
+        finally:
+            sys.path[:] = saved
         if spec is None:
             raise CommandError(f"no module named {name!r} on the import path; run from the project's folder or "
                                "install it")

@@ -387,3 +387,19 @@ def test_a_script_with_its_own_callback_is_watched_once(tmp_path: Path, monkeypa
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [
         "step000001-batch.pt", "step000001-checkpoint.pt", "step000001-event.json"]
     assert not (tmp_path / "nan-captures").exists()
+
+
+def test_a_module_runs_with_dash_m_from_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN trainmod.py in the current directory (python -m trainmod finds it there)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trainmod.py").write_text(LOOP.format(loss="model(x).pow(2).mean()", tail="import sys; print(sys.argv[1:])"))
+    before = _patched_state()
+    # WHEN nanhunt run -m trainmod runs it with its arguments
+    rc = cli_main(["run", "-m", "trainmod", "--lr", "3"])
+    out, err = capsys.readouterr()
+    # THEN it ran as __main__ with its own arguments, watched, and the process is as it was
+    assert rc == 0 and out == "['--lr', '3']\n"
+    assert "nanhunt run: trainmod.py finished; a training loop was watched and no non-finite value was seen" in err
+    assert _patched_state() == before
+    sys.modules.pop("trainmod", None)
