@@ -11,7 +11,7 @@ import dataclasses
 import os
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, overload
@@ -28,20 +28,28 @@ from .._util._text import dtype_name
 from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
 from .._util._interrupt import atomic
 from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, seen
+from ._headroom import Finding, Headroom
 from ._skip_policy import SkipPolicy
 from ..capture.capture import rng_state
 from ..records import GuardEvent
 from ..step.step import set_rng_state
 from .._util._wrappers import user_modules
 
-__all__ = ["Guard", "GuardEvent", "GuardWarning"]
+__all__ = ["Guard", "GuardEvent", "GuardWarning", "HeadroomWarning"]
 
 OnFail = Literal["raise", "dump", "warn", "rollback"]
+OnWarn = Literal["log", "capture", "stop"]
 _T = TypeVar("_T")
 
 
 class GuardWarning(UserWarning):
     """Issued by :class:`Guard` with ``on_fail="warn"``."""
+
+
+class HeadroomWarning(GuardWarning):
+    """Issued by :class:`Guard` before any non-finite value: a module's values near their dtype's limit and
+    growing, the GradScaler's scale falling, a loss or gradient-norm spike, weights or optimizer state near
+    the limit (once per module and condition)."""
 
 
 @dataclass
@@ -56,6 +64,7 @@ class _Step(StepEntry):
     update_ran: bool = False
     scale: float | None = None
     tripped: bool = False
+    watched: bool = False  # the headroom history has had this step's numbers
     # on_fail="rollback": the guard dropped the gradients before optimizer.step() (``held``), the parameters'
     # versions then, and whether the optimizer wrote them all the same (a custom one that ignores .grad)
     held: bool = False
@@ -187,6 +196,19 @@ class Guard:
     gradients), and with ``check_params=True`` one reduction and one host read at
     exit. Nothing reads back per parameter. ``scripts/bench_guard.py`` measures it.
 
+    Before the NaN: on one step in ``headroom_every`` (default 8) the guard hooks every module and keeps, on the
+    device, the largest magnitude of its output and of its output gradient (a max over its calls); the buffer of
+    8 such steps is read back once (one host read per 64 steps), with the largest magnitude of every weight and
+    optimizer state tensor. The loss, the gradient norm (``check_grads(grad_norm=...)``) and the GradScaler's
+    scale come every step from the read :meth:`check_grads` does anyway. A module whose values are within 1024x
+    of their dtype's limit (float16 65504; under autocast the autocast dtype's) and whose robust trend meets it
+    within ``warn_horizon`` steps, the scale falling 16x within 200 steps, a loss or gradient-norm spike (robust
+    z-score of 8 over the last 100 steps), weights or optimizer state within 16x of their limit: each is a
+    :class:`HeadroomWarning` once per module and condition, naming what was measured and the usual fixes, and
+    an event of kind ``"warning"`` in ``events`` and ``dump_dir/rollbacks.jsonl``. ``on_warn="capture"`` also
+    writes a capture of the warned step (the first warning's; it does not count towards ``max_captures``),
+    ``"stop"`` raises :class:`nanhunt.GuardError` with that event.
+
     Example::
 
         guard = nanhunt.Guard(model, optimizer, scaler, dump_dir="nan-captures", loss_fn=loss_fn)
@@ -230,6 +252,12 @@ class Guard:
             by default the device of the parameters and the autocast dtype in
             effect when the model's forward ran (float32 when autocast was off).
         process_group: the group whose ranks stop together (default: the world).
+        headroom_every: sample the modules' headroom on one step in this many (None: no module history; the
+            loss, gradient norm and scale are still judged). Off for a ``torch.compile`` model (hooks added and
+            removed would recompile it).
+        warn_horizon: warn when a module's overflow is forecast at most this many steps ahead.
+        on_warn: ``"log"`` (default), ``"capture"`` or ``"stop"`` (see above; under torch.distributed ``"log"``
+            only: each rank judges its own history, and a rank that stopped alone would leave the others waiting).
 
     The batch is kept by reference until the next step: don't modify it in
     place during the step.
@@ -256,9 +284,14 @@ class Guard:
         device_type: str | None = None,
         dtype: torch.dtype | None = None,
         process_group: Any = None,
+        headroom_every: int | None = 8,
+        warn_horizon: int = 1000,
+        on_warn: OnWarn = "log",
     ) -> None:
         if on_fail not in ("raise", "dump", "warn", "rollback"):
             raise ValueError(f"on_fail must be 'raise', 'dump', 'warn' or 'rollback', not {on_fail!r}")
+        if on_warn not in ("log", "capture", "stop"):
+            raise ValueError(f"on_warn must be 'log', 'capture' or 'stop', not {on_warn!r}")
         if max_rollbacks < 0:
             raise ValueError("max_rollbacks must be >= 0")
         refused = _fsdp1.refusal(model, on_fail=on_fail, snapshot_every=snapshot_every)
@@ -277,6 +310,13 @@ class Guard:
             snapshot_every=snapshot_every, max_captures=max_captures, dump_all_ranks=dump_all_ranks,
             rank=self._detect.rank)
         self._capture.group = self._detect._pg
+        if on_warn != "log" and self._detect.world > 1:
+            raise ValueError(f"on_warn={on_warn!r} needs a single process: under torch.distributed pass on_warn='log'")
+        self.on_warn: OnWarn = on_warn
+        compiled = isinstance(getattr(model, "_orig_mod", None), nn.Module)
+        self._watch = Headroom(self._capture.module, optimizer, every=None if compiled else headroom_every,
+                               horizon=warn_horizon, device_type=self._capture.device_type)
+        self._warn_captured = False
         for problem in self._capture.replay_problems:  # the replay command it would print fails: said now
             warnings.warn(f"nanhunt.Guard: {problem}", GuardWarning, stacklevel=2)
 
@@ -333,7 +373,7 @@ class Guard:
         cur.loss = loss.detach()
         return loss
 
-    def check_grads(self) -> bool:
+    def check_grads(self, grad_norm: torch.Tensor | float | None = None) -> bool:
         """Check the loss and gradients; call after ``unscale_``/clipping, before ``scaler.step``.
 
         With a GradScaler, reuses its ``found_inf`` (calling ``scaler.unscale_``
@@ -342,7 +382,8 @@ class Guard:
         distributed). Returns True when every rank's loss and gradients are
         finite: without a GradScaler and with ``on_fail`` other than ``"raise"``,
         skip ``optimizer.step()`` when it returns False. Repeated calls in one step
-        return the first answer.
+        return the first answer. ``grad_norm``: the norm the loop has (``clip_grad_norm_``'s), for the
+        headroom history's spike check; read in the same host read.
         """
         cur = self._require("check_grads")
         if cur.checked:
@@ -354,8 +395,10 @@ class Guard:
         if scaling and self.scaler is not None and self.scaler._scale is not None \
                 and self.scaler._growth_tracker is not None:
             extra = [self.scaler._scale, self.scaler._growth_tracker]  # still the state the step began with
+        n_scaler = len(extra)
+        watched = _scalars(extra, cur.loss, grad_norm)  # the headroom history's numbers, in the same read
         per_rank, values = self._detect.read([self._detect.loss_flag(cur.loss), grads_flag, None, None], extra)
-        if values:
+        if n_scaler:
             self._note_scale(cur, values[0])
             cur.scale_before, cur.tracker_before = values[0], int(values[1])
         any_bits = any_set(per_rank)
@@ -377,6 +420,8 @@ class Guard:
         if kind is not None:
             # Still before scaler.step/optimizer.step: the live state is the pre-update state.
             self._trip(cur, kind, detail, ranks, per_rank, live=True, stacklevel=3)
+        else:
+            self._headroom(cur, *watched(values[n_scaler:]), live=True, scaler_before=False, stacklevel=4)
         return cur.grads_ok
 
     def note_change(self, text: str) -> None:
@@ -414,6 +459,7 @@ class Guard:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._watch.close()
         self._capture.snapshot = None
         self._closed = True
 
@@ -479,6 +525,7 @@ class Guard:
                 cur.scale_before = self.scaler._scale.detach().clone()
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
         self._capture.begin(cur, first=self.iterations == 0)
+        self._watch.begin(cur.index)
         if self._resumed is not None or self._changes:
             self._changes_at_resume(cur)
         self._cur, self._plan = cur, None  # a detection can be rolled back only until the next step begins
@@ -505,6 +552,7 @@ class Guard:
     def _close(self, cur: _Step, failed: bool) -> None:
         """Count the step and end it. One assignment: interrupted, every counter is as it was or all are
         updated (``_StepContext.__exit__`` ends the step in any case)."""
+        self._watch.discard()  # a sampled step that never reached its checks (it raised) keeps nothing
         stepped = cur.updated
         skipped = bool(cur.local_skip) and not failed  # an aborted step attempted nothing
         self._cur, self.iterations, self.stepped, self.updates, self.skipped = (
@@ -525,8 +573,13 @@ class Guard:
                 skip_flag, extra = scale_now < before.to(scale_now.device), [before]
         need_skip = skip_flag is not None
         need_loss = cur.loss is not None and not cur.checked
+        touched = cur.update_ran and not cur.local_skip
         if not (self.check_params or need_skip or need_loss):
+            if not cur.watched and not cur.tripped:
+                self._headroom(cur, None, None, live=not touched, scaler_before=True, stacklevel=6)
             return
+        n_extra = len(extra)
+        watched = _scalars(extra, cur.loss if need_loss else None, None)
         flags: list[torch.Tensor | None] = [None, None, None, skip_flag]
         if self.check_params and cur.update_ran:  # a skipped update wrote nothing (the read still happens:
             # every rank must join the same collectives whatever its own step did)
@@ -534,7 +587,7 @@ class Guard:
         if need_loss:
             flags[0] = self._detect.loss_flag(cur.loss)
         per_rank, values = self._detect.read(flags, extra)
-        if values:
+        if n_extra:
             self._note_scale(cur, values[0])
         any_bits = any_set(per_rank)
         if need_skip:
@@ -560,6 +613,9 @@ class Guard:
             # snapshot); the scaler state is put back to what it was when the step began.
             touched = cur.update_ran and not cur.local_skip
             self._trip(cur, kind, detail, ranks, per_rank, live=not touched, scaler_before=True, stacklevel=5)
+        elif not cur.watched and not cur.tripped:
+            loss, _ = watched(values[n_extra:])
+            self._headroom(cur, loss, None, live=not touched, scaler_before=True, stacklevel=6)
 
     def _check_aborted(self, cur: _Step, exc: Exception) -> None:
         """A step that raised: a non-finite loss it was handed and did not check is still the detection.
@@ -641,6 +697,41 @@ class Guard:
         if self.on_fail == "warn":
             warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
         return event
+
+    # ------------------------------------------------------------- warnings
+    def _headroom(self, cur: _Step, loss: float | None, grad_norm: float | None, *, live: bool,
+                  scaler_before: bool, stacklevel: int) -> None:
+        """The step's numbers, and a sampled step's module maxima, into the headroom history; then its warnings.
+        ``live``: nothing updated the weights yet (a capture holds the warned step's own start)."""
+        cur.watched = True
+        findings = self._watch.observe(cur.index, loss=loss, grad_norm=grad_norm, scale=cur.scale)
+        findings += self._watch.end(cur.index, cur.scale)
+        for f in findings:
+            self._warn(cur, f, live=live, scaler_before=scaler_before, stacklevel=stacklevel + 1)
+
+    def _warn(self, cur: _Step, f: Finding, *, live: bool, scaler_before: bool, stacklevel: int) -> None:
+        event = GuardEvent(step=cur.index, kind="warning", detail=f.detail, rank=self._detect.rank,
+                           condition=f.condition, module=f.module, measured=f.value, limit=f.limit,
+                           forecast_step=f.forecast_step, iterations=self.iterations, updates=self.updates,
+                           skipped=self.skipped, scale=cur.scale)
+        if self.on_warn == "capture" and not self._warn_captured:
+            self._warn_captured = True  # the first warning's step: later ones are events only
+            written = self._capture.capture(cur, seen_here=True, live=live, began=live, bad_update=cur.index,
+                                            scaler_before=scaler_before)
+            if written.checkpoint is not None:
+                # not counted: max_captures stays for the failure the warning may precede
+                self._capture.captures -= 1
+                replay_args, replay_notes = self._capture.replay_args()
+                event = dataclasses.replace(event, checkpoint=written.checkpoint, batch=written.batch,
+                                            captured_step=written.captured_step, pre_update=written.pre_update,
+                                            replay_args=replay_args, replay_notes=replay_notes)
+                self._capture.write_event(event, self.scale_history)
+            else:
+                event = dataclasses.replace(event, capture_error=written.error)
+        self._record(event)
+        warnings.warn(event.describe(), HeadroomWarning, stacklevel=stacklevel)
+        if self.on_warn == "stop":
+            raise GuardError(event)
 
     # ------------------------------------------------------------- rollback
     def _roll(self, plan: _Plan) -> GuardEvent:
@@ -769,6 +860,28 @@ class _StepContext:
             # Ended here too: a Ctrl-C inside _exit before its own try/finally, or inside that finally,
             # must not leave a step open (every later guard.step() would raise "steps do not nest").
             self._guard._cur = None
+
+
+def _scalars(extra: list[torch.Tensor], loss: torch.Tensor | None, grad_norm: torch.Tensor | float | None
+             ) -> Callable[[list[float]], tuple[float | None, float | None]]:
+    """Append the loss and the gradient norm (one-element tensors) to ``extra``, the scalars of a read; returns
+    how to find them among the values read after ``extra``'s own."""
+    start = len(extra)
+
+    def slot(x: torch.Tensor | None) -> int | None:
+        if x is None or x.numel() != 1:
+            return None
+        extra.append(local_tensor(x.detach()))
+        return len(extra) - 1 - start
+
+    at_loss = slot(loss)
+    at_norm = slot(grad_norm) if isinstance(grad_norm, torch.Tensor) else None
+    fixed = float(grad_norm) if isinstance(grad_norm, (int, float)) else None
+
+    def found(tail: list[float]) -> tuple[float | None, float | None]:
+        return (None if at_loss is None else tail[at_loss], fixed if at_norm is None else tail[at_norm])
+
+    return found
 
 
 def _host_rng() -> dict[str, Any]:

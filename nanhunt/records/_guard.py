@@ -29,10 +29,16 @@ class GuardEvent(JSONData):
     far; or, with ``rollback_error``, it could not be. ``"change"``: ``changes`` of policy made before the
     loop resumed at ``step`` (a float32 region, the autocast dtype, a note), an experiment to judge, not a fix.
     ``updates`` and ``skipped`` are then the counters after the rollback.
+
+    Kind ``"warning"``: a finite step whose headroom history warned (``on_warn``), before any non-finite value.
+    ``condition`` says what was judged (``"output"``, ``"output gradient"``, ``"scale"``, ``"loss"``,
+    ``"gradient norm"``, ``"weights"`` or ``"optimizer state"``), ``module`` the module or tensor it is about,
+    ``measured`` the largest magnitude (or the loss, norm or scale), ``limit`` the dtype's largest finite value and
+    ``forecast_step`` the step where the trend meets it; with ``on_warn="capture"`` the capture holds that step.
     """
 
     step: int
-    kind: str  # "loss", "grads", "params" or "skips"; "rollback" or "change"
+    kind: str  # "loss", "grads", "params" or "skips"; "rollback" or "change"; "warning"
     detail: str
     rank: int | None = None
     ranks: tuple[int, ...] = ()
@@ -53,6 +59,11 @@ class GuardEvent(JSONData):
     changes: tuple[str, ...] = ()  # "rollback", "change": changes of policy recorded before resuming
     rollbacks: int = 0  # "rollback": rollbacks done so far, this one included
     rollback_error: str | None = None  # "rollback": why it was refused (nothing was restored)
+    condition: str | None = None  # "warning": what was judged
+    module: str | None = None  # "warning": the module or tensor it is about (None: the step's loss, norm, scale)
+    measured: float | None = None  # "warning": the value measured
+    limit: float | None = None  # "warning": the dtype's largest finite value
+    forecast_step: int | None = None  # "warning": where the trend meets the limit
 
     def replay_command(self) -> str | None:
         """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
@@ -69,6 +80,11 @@ class GuardEvent(JSONData):
             where += f" (rank {self.rank}; seen first by rank(s) {seen})"
         if self.kind == "change":
             return f"nanhunt.Guard: change of policy before {where} (an experiment): {'; '.join(self.changes)}"
+        if self.kind == "warning":
+            text = f"nanhunt.Guard: warning at {where}: {self.detail}"
+            if self.checkpoint:
+                text += f"; capture of the warned step (finite): {self.replay_command()}"
+            return text
         text = f"nanhunt.Guard: {self.detail} at {where}"
         if self.kind == "rollback":
             if self.rollback_error is not None:

@@ -1,0 +1,355 @@
+"""The Guard's headroom history: how near each module's values come to their dtype's limit, and the warnings
+that forecast an overflow while the run can still be saved.
+
+On a sampled step (one in ``every``) a forward hook on every module, and a tensor hook on each output, reduce
+the output and its gradient to their largest magnitude on the device; at the step's end the step's maxima
+(a max over a module's calls) go into one row of a preallocated device buffer. The buffer is read back once
+it is full (one host read per ``every * SAMPLES_PER_READ`` steps), with the largest magnitude of every
+parameter and optimizer state tensor. The loss, the gradient norm and the GradScaler's scale come every step
+as host numbers the Guard read anyway. Nothing is hooked on an unsampled step.
+
+What is judged on the host: per module, a Theil-Sen line through log2(max) against the step over the last
+``HISTORY`` samples (robust to a noisy sample), the step where it meets the limit; robust z-scores of the
+loss and the gradient norm; the scale's fall over a window. Each :class:`Finding` is given once per module
+(or tensor) and condition.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._util._dispatch import local_tensor
+from .._util._text import dtype_name
+from .._util._wrappers import user_modules
+
+__all__ = ["Finding", "Headroom", "SAMPLES_PER_READ", "HISTORY"]
+
+SAMPLES_PER_READ = 8  # sampled steps per host read of the device buffer
+HISTORY = 24  # samples a module's trend is fitted over
+_MIN_SAMPLES = 6  # no trend from fewer
+_NEAR_BITS = 10  # an output or gradient is watched once it is within 2**10 = 1024x of its limit
+_MIN_RISE_BITS = 1.0  # ... and the fitted line rose at least 2x over the samples fitted (not noise)
+_STATE_NEAR = 16.0  # a weight or optimizer state within 16x of its dtype's limit
+_SPIKE_WINDOW = 100  # steps of loss / gradient norm a spike is judged against
+_SPIKE_MIN = 50  # ... once this many are known
+_SPIKE_Z = 8.0  # robust z-score of a spike (median, 1.4826 * MAD), and at least twice the median
+_SCALE_WINDOW = 200  # steps over which a GradScaler scale that fell 16x or more is warned (after the first 200)
+_SCALE_FALL = 16.0
+
+_FIX_GROWTH = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping, weight decay; or run the "
+               "step in bfloat16 (its range reaches 3.4e38), or keep this module in float32 (nanhunt.keep_fp32)")
+_FIX_SCALE = ("usual fixes: a lower learning rate or gradient clipping; the output gradient warnings name the "
+              "module whose gradients grow")
+_FIX_SPIKE = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping; look at this step's batch "
+              "(on_warn='capture' keeps it)")
+_FIX_STATE = ("usual fixes: weight decay or a lower learning rate; keep the parameters and the optimizer state in "
+              "float32 (autocast for the forward only)")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One warning: ``condition`` is ``"output"``, ``"output gradient"``, ``"scale"``, ``"loss"``,
+    ``"gradient norm"``, ``"weights"`` or ``"optimizer state"``; ``module`` the module (or parameter) it is
+    about, None for the step's own numbers; ``value`` what was measured, ``limit`` the dtype's largest finite
+    value, ``forecast_step`` where the trend meets it."""
+
+    condition: str
+    module: str | None
+    detail: str
+    value: float | None = None
+    limit: float | None = None
+    forecast_step: int | None = None
+
+
+class _Robust:
+    """The last ``_SPIKE_WINDOW`` finite values; median and MAD recomputed every tenth value (the rest of the
+    steps compare one number)."""
+
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=_SPIKE_WINDOW)
+        self._stats: tuple[float, float] | None = None
+        self._since = 0
+
+    def spike(self, x: float | None) -> tuple[float, float, int] | None:
+        """(median, z, values judged against) when ``x`` is a spike against the values before it; then records
+        it."""
+        if x is None or not math.isfinite(x):
+            return None
+        found = None
+        if len(self.values) >= _SPIKE_MIN:
+            if self._stats is None or self._since >= 10:
+                arr = np.fromiter(self.values, dtype=np.float64)
+                med = float(np.median(arr))
+                self._stats, self._since = (med, 1.4826 * float(np.median(np.abs(arr - med)))), 0
+            med, spread = self._stats
+            z = (x - med) / spread if spread > 0 else (math.inf if x > med else 0.0)
+            if z >= _SPIKE_Z and x - med > abs(med):
+                found = (med, z, len(self.values))
+        self.values.append(x)
+        self._since += 1
+        return found
+
+
+class Headroom:
+    """The history of one Guard, and the findings it gives. ``every``: sample one step in ``every`` (None: no
+    module history; the step's own numbers are still judged). ``horizon``: warn when the forecast overflow is at
+    most this many steps ahead."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int | None,
+                 horizon: int, device_type: str) -> None:
+        if every is not None and every < 1:
+            raise ValueError("headroom_every must be >= 1 or None")
+        if horizon < 1:
+            raise ValueError("warn_horizon must be >= 1")
+        self.every, self.horizon, self.device_type = every, horizon, device_type
+        self._optimizer = optimizer
+        named = list(user_modules(model).items())
+        self.names = [name or "(model)" for name, _ in named]
+        self._modules = [m for _, m in named]
+        self._param_names = {id(p): f"{name}.{pn}" if name else pn
+                             for name, m in named for pn, p in m.named_parameters(recurse=False)}
+        n = len(self._modules)
+        self._fwd = [functools.partial(self._on_output, i) for i in range(n)]
+        self._bwd = [functools.partial(self._on_grad, n + i) for i in range(n)]
+        self._handles: list[RemovableHandle] = []
+        self._active = False
+        self._vals: list[torch.Tensor] = []
+        self._idx: list[int] = []
+        self._limit = [math.inf] * n  # this sample's limit per module: the smallest of its outputs' dtypes'
+        self._buf: torch.Tensor | None = None  # (SAMPLES_PER_READ, 2n) on the device: outputs, then gradients
+        self._rows: list[tuple[int, float | None, list[float]]] = []  # (step, scale, limits) per buffered row
+        # host history: (condition, module index) -> (step, log2 max, limit) of the last HISTORY samples
+        self.history: dict[tuple[str, int], deque[tuple[int, float, float]]] = {}
+        self._warned: set[tuple[str, str | None]] = set()
+        self._loss, self._norm = _Robust(), _Robust()
+        self._scales: deque[tuple[int, float]] = deque()  # (step, scale) of the last _SCALE_WINDOW steps
+
+    # ---------------------------------------------------------------- sampled steps
+    def sampled(self, index: int) -> bool:
+        return self.every is not None and index % self.every == 0
+
+    def begin(self, index: int) -> None:
+        """Hook every module for this step if it is sampled."""
+        if self._active or not self.sampled(index):
+            return
+        self._active = True
+        self._limit = [math.inf] * len(self._modules)
+        for m, fn in zip(self._modules, self._fwd):
+            self._handles.append(m.register_forward_hook(fn))
+
+    def discard(self) -> None:
+        """Unhook, keeping nothing of this step (it raised, or it ended); safe to call twice."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._active = False
+        self._vals, self._idx = [], []
+
+    def end(self, index: int, scale: float | None) -> list[Finding]:
+        """The sampled step's backward is done: its maxima into the buffer (on the device); when the buffer is
+        full, the one host read and the findings. ``scale``: the GradScaler's scale its backward ran with."""
+        if not self._active:
+            return []
+        vals, idx = self._vals, self._idx
+        self.discard()
+        if not vals:
+            return []
+        n2 = 2 * len(self._modules)
+        dev = vals[0].device
+        if self._buf is None or self._buf.device != dev:
+            self._buf, self._rows = torch.zeros((SAMPLES_PER_READ, n2), device=dev), []
+        with torch.no_grad():
+            found = torch.cat([v.reshape(1).to(dev) for v in vals]).float()
+            row = self._buf[len(self._rows)]
+            row.zero_()
+            # a module called twice has two entries: the max over its calls (magnitudes are >= 0)
+            row.scatter_reduce_(0, torch.tensor(idx, device=dev), found, "amax")
+        self._rows.append((index, scale, list(self._limit)))
+        return self.read() if len(self._rows) >= SAMPLES_PER_READ else []
+
+    def _on_output(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._active:
+            return
+        # A float32 region (nanhunt.keep_fp32) ran without autocast; its hook runs outside it, so ask the module.
+        cast = (None if getattr(module.__dict__.get("forward"), "__nanhunt_fp32__", False)
+                else torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type)
+                else None)
+        grads = torch.is_grad_enabled()
+        with torch.no_grad():
+            for t in _tensors(output, 0):
+                limit = _limit_of(t.dtype if cast is None or t.dtype == torch.float64 else cast)
+                limit = min(limit, _limit_of(t.dtype))
+                self._limit[i] = min(self._limit[i], limit)
+                self._vals.append(torch.linalg.vector_norm(local_tensor(t.detach()), math.inf))
+                self._idx.append(i)
+                if t.requires_grad and grads:
+                    t.register_hook(self._bwd[i])  # type: ignore[no-untyped-call]
+
+    def _on_grad(self, j: int, grad: torch.Tensor) -> None:
+        if self._active and grad.numel():
+            with torch.no_grad():
+                self._vals.append(torch.linalg.vector_norm(local_tensor(grad.detach()), math.inf))
+                self._idx.append(j)
+
+    # ---------------------------------------------------------------- the window's read
+    def read(self) -> list[Finding]:
+        """Read the buffered samples (and the weights' and optimizer state's largest magnitudes) back in one
+        host read, add them to the history, and judge it."""
+        if self._buf is None or not self._rows:
+            return []
+        rows, self._rows = self._rows, []
+        states = self._state_tensors()
+        with torch.no_grad():
+            dev = self._buf.device
+            parts = [self._buf[: len(rows)].reshape(-1)]
+            parts += [torch.linalg.vector_norm(local_tensor(t.detach()), math.inf).float().reshape(1).to(dev)
+                      for _, t in states]
+            data: list[float] = torch.cat(parts).tolist()  # the one host read of the window
+        n = len(self._modules)
+        for r, (step, scale, limits) in enumerate(rows):
+            for i in range(n):
+                for cond, v in (("output", data[r * 2 * n + i]), ("output gradient", data[r * 2 * n + n + i])):
+                    if cond == "output gradient" and scale:
+                        v /= scale  # the loss scale is the GradScaler's business: judge the true gradient
+                    if v > 0 and math.isfinite(v) and math.isfinite(limits[i]):
+                        h = self.history.setdefault((cond, i), deque(maxlen=HISTORY))
+                        h.append((step, math.log2(v), limits[i]))
+        # the nearest overflow first
+        findings = sorted((f for key in self.history if (f := self._trend(*key)) is not None),
+                          key=lambda f: f.forecast_step or 0)
+        offset = len(rows) * 2 * n
+        for k, (what, t) in enumerate(states):
+            f = self._state(what, t.dtype, data[offset + k])
+            if f is not None:
+                findings.append(f)
+        return findings
+
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for g in self._optimizer.param_groups:
+            for p in g["params"]:
+                name = self._param_names.get(id(p), "a parameter the optimizer updates outside the model")
+                if p.is_floating_point() and p.numel():
+                    out.append((f"{name}", p))
+                for k, s in self._optimizer.state.get(p, {}).items():
+                    if isinstance(s, torch.Tensor) and s.is_floating_point() and s.numel() > 1:
+                        out.append((f"{k} of {name}", s))
+        return out
+
+    def _trend(self, cond: str, i: int) -> Finding | None:
+        name = self.names[i]
+        h = self.history[(cond, i)]
+        if len(h) < _MIN_SAMPLES or (cond, name) in self._warned:
+            return None
+        x = np.array([s for s, _, _ in h], dtype=np.float64)
+        y = np.array([v for _, v, _ in h], dtype=np.float64)
+        limit = h[-1][2]
+        top = math.log2(limit)
+        if top - y[-1] > _NEAR_BITS:
+            return None
+        ii, jj = np.triu_indices(len(x), 1)
+        dx = x[jj] - x[ii]
+        keep = dx > 0
+        if not keep.any():
+            return None
+        slope = float(np.median((y[jj] - y[ii])[keep] / dx[keep]))  # Theil-Sen: bits per step
+        if slope <= 0 or slope * (x[-1] - x[0]) < _MIN_RISE_BITS:
+            return None
+        fitted = float(np.median(y - slope * x)) + slope * x[-1]
+        left = (top - max(fitted, float(y[-1]))) / slope
+        if left > self.horizon:
+            return None
+        self._warned.add((cond, name))
+        at = int(x[-1] + max(left, 0.0))
+        value = 2.0 ** float(y[-1])
+        detail = (f"{name} {cond}: max {_num(value)} (headroom {_num(limit / value)}x to {_limit_name(limit)}), "
+                  f"growing {2.0 ** (slope * 100):.2g}x per 100 steps: overflow expected near step {at:,}; "
+                  f"{_FIX_GROWTH}")
+        return Finding(cond, name, detail, value, limit, at)
+
+    def _state(self, what: str, dtype: torch.dtype, value: float) -> Finding | None:
+        limit = _limit_of(dtype)
+        cond = "weights" if " of " not in what else "optimizer state"
+        if not (math.isfinite(value) and value * _STATE_NEAR >= limit) or (cond, what) in self._warned:
+            return None
+        self._warned.add((cond, what))
+        detail = (f"{what}: max |x| {_num(value)} (headroom {_num(limit / value)}x to {dtype_name(dtype)}); "
+                  f"{_FIX_STATE}")
+        return Finding(cond, what, detail, value, limit)
+
+    # ---------------------------------------------------------------- every step
+    def observe(self, index: int, *, loss: float | None, grad_norm: float | None,
+                scale: float | None) -> list[Finding]:
+        """The step's own numbers (host floats the Guard read anyway): spikes, and a scale falling steadily."""
+        out: list[Finding] = []
+        for cond, robust, x in (("loss", self._loss, loss), ("gradient norm", self._norm, grad_norm)):
+            spike = robust.spike(x)
+            if spike is not None and (cond, None) not in self._warned:
+                self._warned.add((cond, None))
+                assert x is not None
+                med, z, n = spike
+                out.append(Finding(cond, None, f"{cond} spike: {_num(x)} against a median of {_num(med)} over the "
+                                   f"last {n} steps (robust z-score {z:.3g}); {_FIX_SPIKE}", x))
+        if scale is not None and math.isfinite(scale):
+            if not self._scales or self._scales[-1][1] != scale:
+                self._scales.append((index, scale))
+            while len(self._scales) > 1 and self._scales[1][0] <= index - _SCALE_WINDOW:
+                self._scales.popleft()  # the first kept is the scale in use _SCALE_WINDOW steps ago
+            high = max(s for _, s in self._scales)
+            if (index >= 2 * _SCALE_WINDOW and high >= _SCALE_FALL * scale and ("scale", None) not in self._warned):
+                self._warned.add(("scale", None))
+                out.append(Finding("scale", None, f"GradScaler's scale fell {high / scale:.3g}x in the last "
+                                   f"{_SCALE_WINDOW} steps ({high:,g} -> {scale:,g}): the gradients are "
+                                   f"growing into the float16 range; {_FIX_SCALE}", scale))
+        return out
+
+    def close(self) -> None:
+        self.discard()
+
+
+def _tensors(obj: Any, depth: int) -> Iterator[torch.Tensor]:
+    """The floating tensors of a module's output: a tensor, a tuple or list, a dict (a ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel():
+            yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+    elif depth < 3 and isinstance(obj, Mapping):
+        for o in obj.values():
+            yield from _tensors(o, depth + 1)
+
+
+_LIMITS: dict[torch.dtype, float] = {}
+
+
+def _limit_of(dtype: torch.dtype) -> float:
+    limit = _LIMITS.get(dtype)
+    if limit is None:
+        limit = _LIMITS[dtype] = float(torch.finfo(dtype).max) if dtype.is_floating_point else math.inf
+    return limit
+
+
+def _limit_name(limit: float) -> str:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        if limit == _limit_of(dtype):
+            return dtype_name(dtype)
+    return f"{limit:.3g}"
+
+
+def _num(x: float) -> str:
+    """``21,400``, ``3.5``, ``3.39e+38``: three significant digits, thousands grouped."""
+    if not math.isfinite(x) or abs(x) >= 1e7 or (x != 0 and abs(x) < 1e-3):
+        return f"{x:.3g}"
+    r = float(f"{x:.3g}")
+    return f"{r:,.0f}" if abs(r) >= 1000 else f"{r:.3g}"
