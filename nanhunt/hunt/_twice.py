@@ -101,6 +101,9 @@ def _occurrence_key(o: Occurrence, records: Sequence[Record]) -> tuple[object, .
     return (o.phase, o.module, o.call_index, o.op, o.kind, nth)
 
 
+COMPILED_NOTE = "the model is torch.compile'd: the eager original was replayed"
+
+
 def state_notes(config: Mapping[str, Any], compiled: bool) -> tuple[str, ...]:
     """What the step was replayed from that the findings alone do not say."""
     out: list[str] = []
@@ -110,7 +113,7 @@ def state_notes(config: Mapping[str, Any], compiled: bool) -> tuple[str, ...]:
         out.append(f"the GradScaler's scale is {scale}: every scaled loss and gradient is non-finite before any "
                    "op runs; fix the scaler state (nanhunt inspect flags it)")
     if compiled:
-        out.append("the model is torch.compile'd: the eager original was replayed")
+        out.append(COMPILED_NOTE)
     return tuple(out)
 
 

@@ -20,7 +20,7 @@ from .._util._env import environment
 from .advice import advise
 from .bisection import Team, bisect
 from ..records import FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
-from ._twice import Replayed, module_status, state_notes, step_config, trace_twice
+from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
 from ..step.step import Step
@@ -107,13 +107,16 @@ def _compiled_report(report: Report, ladder: Ladder) -> Report:
     compiled rung failed (the graph node with its line's text)."""
     config = {**report.config, "compiled_rungs": {r.backend: f"{r.nonfinite}/{r.runs} non-finite"
                                                   for r in ladder.rungs}}
+    ran = ", ".join(r.backend for r in ladder.rungs[1:])
+    notes = tuple(f"the model is torch.compile'd: its eager original was traced, and the step replayed compiled "
+                  f"({ran}) as well" if n == COMPILED_NOTE else n for n in report.notes)
     v = ladder.verdict
     if v is None:
-        return dataclasses.replace(report, config=config)
+        return dataclasses.replace(report, config=config, notes=notes)
     if v.graph_node is not None:
         v = dataclasses.replace(v, graph_node=dataclasses.replace(v.graph_node,
                                                                   source_text=_line_text(v.graph_node.source)))
-    return dataclasses.replace(report, config=config, status="compile-induced", verdict=v)
+    return dataclasses.replace(report, config=config, notes=notes, status="compile-induced", verdict=v)
 
 
 def _failed_here(event: GuardEvent) -> bool:

@@ -119,6 +119,7 @@ def test_an_eager_nan_in_a_compiled_model_keeps_the_eager_answer() -> None:
     assert rep.first is not None and (rep.first.op, rep.first.module) == ("aten::log", "")
     assert rep.verdict is not None and rep.verdict.kind == "not-precision" and not rep.verdict.rungs
     assert "compiled_rungs" not in rep.config
+    assert "the model is torch.compile'd: the eager original was replayed" in rep.notes
 
 
 def test_a_clean_compiled_step_stays_clean() -> None:
@@ -127,6 +128,8 @@ def test_a_clean_compiled_step_stays_clean() -> None:
     # THEN it is clean, and the report says the compiled rung ran finite
     assert rep.status == "clean" and rep.verdict is not None and rep.verdict.kind == "clean"
     assert rep.config["compiled_rungs"] == {"eager": "0/1 non-finite", "aot_eager": "0/1 non-finite"}
+    assert rep.notes == ("the model is torch.compile'd: its eager original was traced, and the step replayed "
+                         "compiled (aot_eager) as well",)
 
 
 def test_a_capture_of_a_compiled_step_records_its_backend_and_replays_compiled_when_confirmed(
