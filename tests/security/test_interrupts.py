@@ -570,6 +570,7 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in d.iterdir()} if d.is_dir() else {}
 
 
+@pytest.mark.slow
 def test_a_bundle_write_interrupted_at_every_line_leaves_the_earlier_bundle_or_the_new_one(
         replayed: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
