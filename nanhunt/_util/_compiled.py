@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "record_of", "read_record", "compile_module", "compile_graph", "reset",
-           "emulating_precision_casts", "GraphCapture"]
+__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "record_of", "read_record", "compile_module", "compile_graph",
+           "reset", "emulating_precision_casts", "GraphCapture", "graph_source"]
 
 # torch's own backends: a name from a file that is one of these is used as it is; any other needs confirming
 TORCH_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -144,6 +144,14 @@ def compile_graph(gm: fx.GraphModule, spec: CompileSpec) -> Callable[..., Any]:
     if spec.options:
         kw["options"] = dict(spec.options)
     return torch.compile(gm, **kw)
+
+
+def graph_source(gm: fx.GraphModule) -> str:
+    """``gm`` as the source of a module class ``Repro`` with its imports (torch's own repro writer, the one
+    its accuracy minifier writes its scripts with)."""
+    from torch._dynamo.debug_utils import NNModuleToString
+
+    return str(NNModuleToString.convert(gm))
 
 
 def reset() -> None:

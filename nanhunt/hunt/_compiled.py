@@ -23,9 +23,10 @@ from torch import nn
 from .._util._compiled import TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module, emulating_precision_casts, reset
 from .._util._errors import CommandError
 from ..capture._resolve import resolve
-from ..records import GraphNode, Rung, Verdict
+from ..records import GraphNode, Repro, Rung, Verdict
 from ..step.step import Step
-from ..tracing._graph_nodes import first_nonfinite_node
+from ..tracing._graph_nodes import Found, first_nonfinite_node
+from ._graph_repro import make_graph_repro
 
 __all__ = ["Ladder", "climb", "given_spec"]
 
@@ -37,6 +38,7 @@ class Ladder:
     rungs: tuple[Rung, ...]
     seconds: float
     verdict: Verdict | None
+    repro: Repro | None = None  # the compiled graph's repro, with a bundle
 
 
 def _finite_step(model: nn.Module, loss: torch.Tensor) -> bool:
@@ -65,10 +67,11 @@ def _rung(step: Step, spec: CompileSpec, repeat: int, fp32: tuple[str, ...] = ()
     return Rung(spec.backend, repeat, failed)
 
 
-def climb(step: Step, spec: CompileSpec, *, repeat: int = 1) -> Ladder:
+def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None = None) -> Ladder:
     """The ladder of ``step`` (its eager replay already finite) inside ``step.isolated()``: each compiled rung
     ``repeat`` times; at the first that fails, the verdict ``compile-induced`` with the graph node and the
-    alternatives. The state is the step's start before each run and after."""
+    alternatives, and with ``bundle`` the graph's repro written there. The state is the step's start before each
+    run and after."""
     start = time.perf_counter()
     rungs = [Rung("eager", 1, 0)]
     backends = ["aot_eager"] + ([spec.backend] if spec.backend not in ("aot_eager", "eager") else [])
@@ -82,7 +85,9 @@ def climb(step: Step, spec: CompileSpec, *, repeat: int = 1) -> Ladder:
             break
     if failing is None:
         return Ladder(tuple(rungs), time.perf_counter() - start, None)
-    located = _locate(step, failing)
+    found = _locate(step, failing)
+    located = found.node if isinstance(found, Found) else found
+    repro = make_graph_repro(found, failing, bundle) if isinstance(found, Found) and bundle is not None else None
     alternatives: dict[str, bool] = {}
     if failing.backend == "inductor":
         with emulating_precision_casts():
@@ -95,10 +100,10 @@ def climb(step: Step, spec: CompileSpec, *, repeat: int = 1) -> Ladder:
                       seconds=seconds, alternatives=alternatives,
                       graph_node=located if isinstance(located, GraphNode) else None,
                       graph_note=located if isinstance(located, str) else None)
-    return Ladder(tuple(rungs), seconds, verdict)
+    return Ladder(tuple(rungs), seconds, verdict, repro)
 
 
-def _locate(step: Step, spec: CompileSpec) -> GraphNode | str:
+def _locate(step: Step, spec: CompileSpec) -> Found | str:
     """The failing backend's first non-finite forward node: the step run once under a backend that keeps
     dynamo's graphs and their inputs, then the graphs searched under ``spec``'s backend."""
     capture = GraphCapture(step.device_type)
@@ -108,7 +113,6 @@ def _locate(step: Step, spec: CompileSpec) -> GraphNode | str:
         return first_nonfinite_node(capture.graphs, spec, reset=reset)
     finally:
         reset()
-
 
 
 def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:

@@ -81,7 +81,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         first = replayed.final.first
         if ranks is not None:
             ranks.traced(replayed.final)
-        ladder = climb(step, step.compile_spec, repeat=repeat) \
+        ladder = climb(step, step.compile_spec, repeat=repeat, bundle=bundle) \
             if step.compile_spec is not None and replayed.status == "clean" and ranks is None else None
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = None
@@ -116,7 +116,8 @@ def _compiled_report(report: Report, ladder: Ladder) -> Report:
     if v.graph_node is not None:
         v = dataclasses.replace(v, graph_node=dataclasses.replace(v.graph_node,
                                                                   source_text=_line_text(v.graph_node.source)))
-    return dataclasses.replace(report, config=config, notes=notes, status="compile-induced", verdict=v)
+    return dataclasses.replace(report, config=config, notes=notes, status="compile-induced", verdict=v,
+                               repro=ladder.repro or report.repro)
 
 
 def _failed_here(event: GuardEvent) -> bool:

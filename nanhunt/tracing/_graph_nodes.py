@@ -12,6 +12,7 @@ its intermediate), the backward graph (only the forward is searched), and a step
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from torch import fx
 from .._util._compiled import CompileSpec, compile_graph
 from ..records import GraphNode
 
-__all__ = ["first_nonfinite_node", "module_of", "source_of"]
+__all__ = ["Found", "first_nonfinite_node", "module_of", "source_of"]
 
 _PATH_HEAD = re.compile(r"^L\['[^']*'\]\.?")  # dynamo's name of the module it was called on
 _INDEX = re.compile(r"\[(\d+)\]")
@@ -91,8 +92,19 @@ def _run(fn: Callable[..., Any], inputs: Sequence[Any], autocast: tuple[str, tor
         return fn(*args)
 
 
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """The node found, and what reproduces it: the graph's prefix up to it, the graph's inputs as the step gave
+    them, the autocast they ran under."""
+
+    node: GraphNode
+    prefix: fx.GraphModule
+    inputs: tuple[Any, ...]
+    autocast: tuple[str, torch.dtype] | None
+
+
 def first_nonfinite_node(graphs: Sequence[tuple[fx.GraphModule, tuple[Any, ...], tuple[str, torch.dtype] | None]],
-                         spec: CompileSpec, *, reset: Callable[[], None]) -> GraphNode | str:
+                         spec: CompileSpec, *, reset: Callable[[], None]) -> Found | str:
     """The first node, in the first graph whose output ``spec``'s backend makes non-finite, whose own value is
     non-finite; a sentence saying why there is none otherwise. ``graphs``: what :class:`GraphCapture` kept.
     ``reset`` forgets compiled graphs between compiles (each prefix is a graph of its own)."""
@@ -121,9 +133,11 @@ def first_nonfinite_node(graphs: Sequence[tuple[fx.GraphModule, tuple[Any, ...],
                     f"returned alone is: the value goes non-finite inside a fused kernel, between nodes")
         node = found[0]
         module = module_of(node)
-        return GraphNode(node=node.name, target=_target(node), module=module[0] if module else None,
-                         module_class=module[1] if module else None, source=source_of(node), kind=last_kind or "nan",
-                         graph=index + 1, graphs=len(graphs), nodes=len(nodes), compiles=compiles)
+        return Found(GraphNode(node=node.name, target=_target(node), module=module[0] if module else None,
+                               module_class=module[1] if module else None, source=source_of(node),
+                               kind=last_kind or "nan", graph=index + 1, graphs=len(graphs), nodes=len(nodes),
+                               compiles=compiles),
+                     _prefix(gm, node), inputs, autocast)
     return (f"every forward graph's output is finite under {spec.backend}: the non-finite value is born in the "
             "compiled backward or the update, which this localisation does not search")
 

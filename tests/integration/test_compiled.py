@@ -18,7 +18,9 @@ from nanhunt._util._compiled import CompileSpec
 from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from nanhunt.hunt._compiled import given_spec
+from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Report
+from nanhunt.step.step import Step
 from nanhunt.report._common import sentence, verdict_text
 
 pytestmark = pytest.mark.slow
@@ -255,3 +257,22 @@ def test_a_trace_of_a_compiled_model_whose_eager_step_is_finite_says_what_it_can
     assert ("nanhunt: the eager original of the torch.compile'd model stayed finite; a NaN that only the compiled "
             "step makes is not seen by a trace: nanhunt.replay(compiled_model, batch, ...) replays the step compiled "
             "too and names the first non-finite node of the compiled graph") in messages
+
+
+@pytest.mark.subprocess  # inductor's compile workers, and the repro verified in a fresh process
+def test_the_bundle_of_a_compile_induced_step_holds_the_compiled_graph_up_to_its_node_verified(tmp_path: Path) -> None:
+    # GIVEN the bfloat16 model whose square root inductor makes NaN, hunted with a bundle
+    torch.manual_seed(0)
+    net = SpreadNet()
+    step = Step.of(torch.compile(net), (torch.randn(3, 4), torch.randint(0, 2, (3,))), loss_fn=F.cross_entropy,
+                   dtype=torch.bfloat16, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    rep = hunt(step, bundle=str(tmp_path))
+    # THEN its repro is the graph up to the sqrt compiled by inductor on the step's inputs, and a fresh process
+    # made NaN with it
+    rp = rep.repro
+    assert rep.status == "compile-induced" and rp is not None
+    assert rp.op == "torch.sqrt (compiled graph 1 up to node sqrt, inductor)"
+    assert (rp.files, rp.command, rp.autocast_dtype, rp.device_type) == (
+        ("repro.py", "repro_inputs.pt"), "python repro.py", "bfloat16", "cpu")
+    assert rp.verified and rp.result == "nan"
+    assert "BACKEND = 'inductor'" in (tmp_path / "repro.py").read_text()
