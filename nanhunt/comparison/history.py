@@ -119,6 +119,7 @@ class History:
             "accepted": all(x.accepted for x in c.candidates()), "failed": _failed_clauses(c), "report": self.report,
         }
         try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)  # the report's, made if missing
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(run, allow_nan=False) + "\n")
         except OSError as e:

@@ -99,6 +99,16 @@ def test_the_history_file_records_each_run(tmp_path: Path) -> None:
     assert "the rule changed after a failing run" in (tmp_path / "b.md").read_text()
 
 
+def test_a_report_in_a_missing_directory_gets_its_history_there(tmp_path: Path) -> None:
+    # GIVEN a report path in a directory that does not exist yet
+    files = _files(tmp_path)
+    # WHEN compare writes it
+    code, report = _run(files, tmp_path, 0, "new/dir/a.json")
+    # THEN the directory is made and holds the report and the history of the run
+    assert code == 1 and report.comparison is not None
+    assert sorted(p.name for p in (tmp_path / "new" / "dir").iterdir()) == ["a.json", HISTORY_FILE]
+
+
 def test_the_same_rule_again_warns_of_nothing_new(tmp_path: Path) -> None:
     files = _files(tmp_path)
     _run(files, tmp_path, 0, "1.json")
