@@ -60,11 +60,21 @@ def _compiled_step(step: Step, spec: CompileSpec) -> Iterator[Step]:
 
 def _rung(step: Step, spec: CompileSpec, repeat: int, fp32: tuple[str, ...] = ()) -> Rung:
     failed = 0
-    with _compiled_step(step, spec) as compiled:
-        for _ in range(repeat):
-            loss = compiled.run(fp32=tuple(f"_orig_mod.{name}" if name else "_orig_mod" for name in fp32))
-            failed += not _finite_step(step.model, loss)
+    try:
+        with _compiled_step(step, spec) as compiled:
+            for _ in range(repeat):
+                loss = compiled.run(fp32=tuple(f"_orig_mod.{name}" if name else "_orig_mod" for name in fp32))
+                failed += not _finite_step(step.model, loss)
+    except Exception as e:  # the eager step ran: what fails here is the compilation (Ctrl-C still stops)
+        return Rung(spec.backend, 0, 0, error=_said(e))
     return Rung(spec.backend, repeat, failed)
+
+
+def _said(e: Exception) -> str:
+    """An exception in one line: dynamo's first lines name the backend and the error it raised."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()][:2]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None = None) -> Ladder:
@@ -80,6 +90,8 @@ def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None 
         rung_spec = spec.with_backend(backend) if backend != spec.backend else spec
         rung = _rung(step, rung_spec, repeat)
         rungs.append(rung)
+        if rung.error is not None:
+            break
         if rung.nonfinite:
             failing = rung_spec
             break
@@ -89,12 +101,14 @@ def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None 
     located = found.node if isinstance(found, Found) else found
     repro = make_graph_repro(found, failing, bundle) if isinstance(found, Found) and bundle is not None else None
     alternatives: dict[str, bool] = {}
+    tried: dict[str, Rung] = {}
     if failing.backend == "inductor":
         with emulating_precision_casts():
-            alternatives["inductor emulate_precision_casts"] = not _rung(step, failing, repeat).nonfinite
+            tried["inductor emulate_precision_casts"] = _rung(step, failing, repeat)
     if isinstance(located, GraphNode) and located.module is not None:
-        region = located.module or "<root>"
-        alternatives[f"{region} in float32"] = not _rung(step, failing, repeat, fp32=(located.module,)).nonfinite
+        tried[f"{located.module or '<root>'} in float32"] = _rung(step, failing, repeat, fp32=(located.module,))
+    # a way out that could not compile answers nothing
+    alternatives = {name: not r.nonfinite for name, r in tried.items() if r.error is None}
     seconds = time.perf_counter() - start
     verdict = Verdict(kind="compile-induced", rungs=tuple(rungs), replays=sum(r.runs for r in rungs),
                       seconds=seconds, alternatives=alternatives,
@@ -107,10 +121,12 @@ def _locate(step: Step, spec: CompileSpec) -> Found | str:
     """The failing backend's first non-finite forward node: the step run once under a backend that keeps
     dynamo's graphs and their inputs, then the graphs searched under ``spec``'s backend."""
     capture = GraphCapture(step.device_type)
-    with _compiled_step(step, CompileSpec("capture", dynamic=False, fn=capture)) as captured:
-        captured.run()
     try:
+        with _compiled_step(step, CompileSpec("capture", dynamic=False, fn=capture)) as captured:
+            captured.run()
         return first_nonfinite_node(capture.graphs, spec, reset=reset)
+    except Exception as e:  # the ladder's finding stands without its node
+        return f"the search of the compiled graph failed: {_said(e)}"
     finally:
         reset()
 

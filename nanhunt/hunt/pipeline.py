@@ -105,11 +105,14 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
 def _compiled_report(report: Report, ladder: Ladder) -> Report:
     """A compiled step's report: the ladder in its configuration; a compile-induced verdict and status when a
     compiled rung failed (the graph node with its line's text)."""
-    config = {**report.config, "compiled_rungs": {r.backend: f"{r.nonfinite}/{r.runs} non-finite"
-                                                  for r in ladder.rungs}}
-    ran = ", ".join(r.backend for r in ladder.rungs[1:])
+    config = {**report.config, "compiled_rungs": {
+        r.backend: f"{r.nonfinite}/{r.runs} non-finite" if r.error is None else "could not run"
+        for r in ladder.rungs}}
+    ran = ", ".join(r.backend for r in ladder.rungs[1:] if r.error is None)
     notes = tuple(f"the model is torch.compile'd: its eager original was traced, and the step replayed compiled "
-                  f"({ran}) as well" if n == COMPILED_NOTE else n for n in report.notes)
+                  f"({ran}) as well" if n == COMPILED_NOTE and ran else n for n in report.notes)
+    notes += tuple(f"the step could not be replayed compiled by {r.backend} (its finding stands for the eager "
+                   f"step only): {r.error}" for r in ladder.rungs if r.error is not None)
     v = ladder.verdict
     if v is None:
         return dataclasses.replace(report, config=config, notes=notes)

@@ -175,11 +175,13 @@ class Inspection:
 class Rung(JSONData):
     """One rung of a compiled model's replay ladder: the step run by ``backend`` (``eager``: not compiled;
     ``aot_eager``: dynamo and AOTAutograd's graphs run by eager kernels; the recorded backend), ``runs`` times
-    from the same state, ``nonfinite`` of them with a non-finite loss, gradient or update."""
+    from the same state, ``nonfinite`` of them with a non-finite loss, gradient or update; ``error``: why it could
+    not run (the compilation failed), the ladder stopping there."""
 
     backend: str = field(metadata=absent(""))
     runs: int = 0
     nonfinite: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,22 @@ def test_a_clean_compiled_step_stays_clean() -> None:
                          "compiled (aot_eager) as well",)
 
 
+def fails_to_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_backend_that_cannot_compile_the_step_leaves_the_eager_answer_and_says_why() -> None:
+    # GIVEN a model whose backend raises when dynamo hands it the graph
+    rep = _replay(torch.compile(Net(), backend=fails_to_compile))
+    # THEN the replay finishes with the eager answer, and says the compiled replay could not run and why
+    assert rep.status == "clean"
+    assert rep.config["compiled_rungs"] == {"eager": "0/1 non-finite", "aot_eager": "0/1 non-finite",
+                                            f"{__name__}:fails_to_compile": "could not run"}
+    assert rep.notes[-1] == (
+        f"the step could not be replayed compiled by {__name__}:fails_to_compile (its finding stands for the eager "
+        "step only): backend='fails_to_compile' raised: RuntimeError: this backend compiles nothing")
+
+
 def test_a_capture_of_a_compiled_step_records_its_backend_and_replays_compiled_when_confirmed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # GIVEN a capture of a model compiled by the test's own backend
