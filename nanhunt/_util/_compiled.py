@@ -67,9 +67,12 @@ def _name_of(fn: Any) -> str:
 
 
 def spec_of(model: nn.Module) -> CompileSpec | None:
-    """How ``model`` (an ``OptimizedModule``) was compiled; None for a module that is not compiled or whose
-    wrapper this torch lays out differently."""
+    """How ``model`` (an ``OptimizedModule``, or a LightningModule that Lightning's Trainer took out of one) was
+    compiled; None for a module that is not compiled or whose wrapper this torch lays out differently."""
     ctx = getattr(model, "dynamo_ctx", None)
+    lightning = getattr(model, "_compiler_ctx", None)  # Lightning unwraps a compiled module it is given, keeping this
+    if ctx is None and isinstance(lightning, Mapping):
+        ctx = lightning.get("dynamo_ctx")
     backend = getattr(ctx, "callback", None)
     for _ in range(8):  # torch wraps the backend a few times (error catching, the minifier's debug wrapper)
         inner = getattr(backend, "_torchdynamo_orig_backend", None)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import nanhunt
-from nanhunt._util._compiled import CompileSpec
+from nanhunt._util._compiled import CompileSpec, record_of
 from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from nanhunt.hunt._compiled import given_spec
@@ -292,3 +292,18 @@ def test_the_bundle_of_a_compile_induced_step_holds_the_compiled_graph_up_to_its
         ("repro.py", "repro_inputs.pt"), "python repro.py", "bfloat16", "cpu")
     assert rp.verified and rp.result == "nan"
     assert "BACKEND = 'inductor'" in (tmp_path / "repro.py").read_text()
+
+
+def test_a_lightning_module_the_trainer_took_out_of_its_compiled_wrapper_records_its_backend() -> None:
+    # GIVEN a compiled LightningModule as Lightning's Trainer sees it: unwrapped, its compiled forward kept aside
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+    module = from_compiled(torch.compile(Module(), backend="aot_eager", dynamic=False))
+    # THEN the capture's record names the backend, as for the compiled wrapper itself
+    assert record_of(module) == {"backend": "aot_eager", "mode": None, "options": {}, "dynamic": False}
