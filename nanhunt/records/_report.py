@@ -37,9 +37,10 @@ class Advice(JSONData):
 class Report(JSONData):
     """Everything one replay found, as plain data; renderers only format it.
 
-    ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"`` or
+    ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"``,
     ``"not-reproducible"`` (two replays of the same step disagreed, or a Guard's capture
-    whose event says the step failed replayed finite: see :class:`Verdict`).
+    whose event says the step failed replayed finite: see :class:`Verdict`) or
+    ``"compile-induced"`` (a compiled model's step finite eager, non-finite compiled).
 
     JSON layout (``to_json``; key names are stable, numbers stay numbers, and
     NaN/Inf are the strings ``"nan"``/``"inf"``/``"-inf"`` so files are strict
