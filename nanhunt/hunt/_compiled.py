@@ -20,7 +20,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .._util._compiled import TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module, emulating_precision_casts, reset
+from .._util._compiled import (TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module,
+                               emulating_precision_casts, reset)
 from .._util._errors import CommandError
 from ..capture._resolve import resolve
 from ..records import GraphNode, Repro, Rung, Verdict
