@@ -307,3 +307,27 @@ def test_a_lightning_module_the_trainer_took_out_of_its_compiled_wrapper_records
     module = from_compiled(torch.compile(Module(), backend="aot_eager", dynamic=False))
     # THEN the capture's record names the backend, as for the compiled wrapper itself
     assert record_of(module) == {"backend": "aot_eager", "mode": None, "options": {}, "dynamic": False}
+
+
+def test_a_capture_compiled_by_torchs_own_backend_replays_compiled_and_a_malformed_record_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a capture of a model compiled by aot_eager
+    torch.manual_seed(0)
+    net = Net()
+    ck, bt, out = str(tmp_path / "ck.pt"), str(tmp_path / "bt.pt"), str(tmp_path / "r.json")
+    nanhunt.save_capture(ck, bt, model=torch.compile(net, backend="aot_eager"),
+                         batch=(torch.randn(3, 4), torch.randint(0, 2, (3,))), loss_fn=F.cross_entropy,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1), dtype=torch.float32)
+    model = ["--model", f"{__name__}:Net", "--no-bisect"]
+    # THEN torch's own backend is used as the file says: the step is replayed compiled, with no flag
+    assert main(["replay", ck, bt, *model, "--report", out]) == 0
+    assert Report.from_json(Path(out).read_text()).config["compiled_rungs"] == {
+        "eager": "0/1 non-finite", "aot_eager": "0/1 non-finite"}
+    # AND a record that is not one is refused in one line
+    saved = torch.load(ck, weights_only=True)
+    torch.save({**saved, "compile": {"backend": "inductor", "dynamic": "yes"}}, ck)
+    capsys.readouterr()
+    assert main(["replay", ck, bt, *model]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nanhunt: error: checkpoint {ck!r} is not a valid nanhunt capture: its 'compile' holds a mode, options or "
+        "dynamic flag of the wrong type; save the capture again (nanhunt.save_capture)")
