@@ -371,6 +371,9 @@ def replay(
     scaler are restored exactly afterwards, also on an exception. ``device_type``
     defaults to the device of the model's parameters.
 
+    A ``torch.compile``d model is traced through its eager original and, when that step is finite, run
+    compiled too (:mod:`nanhunt.hunt._compiled`): a NaN of the compiled step alone is ``compile-induced``.
+
     With ``bisect=True`` and a non-finite step, :func:`nanhunt.hunt.bisection.bisect`
     then proves why: ``report.verdict`` names a minimal set of modules whose
     float32 execution makes the step finite (``progress(n, label)`` is called
