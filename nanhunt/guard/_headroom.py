@@ -4,7 +4,7 @@ that forecast an overflow while the run can still be saved.
 On a sampled step (one in ``every``) a forward hook on every module, and a tensor hook on each output, reduce
 the output and its gradient to their largest magnitude on the device; at the step's end the step's maxima
 (a max over a module's calls) go into one row of a preallocated device buffer. The buffer is read back once
-it is full (one host read per ``every * SAMPLES_PER_READ`` steps), with the largest magnitude of every
+it is full (one host read per ``READ_STEPS`` steps, or per sample when sampling is sparser), with the largest magnitude of every
 parameter and optimizer state tensor. The loss, the gradient norm and the GradScaler's scale come every step
 as host numbers the Guard read anyway. Nothing is hooked on an unsampled step.
 
@@ -32,9 +32,9 @@ from .._util._dispatch import local_tensor
 from .._util._text import dtype_name
 from .._util._wrappers import user_modules
 
-__all__ = ["Finding", "Headroom", "SAMPLES_PER_READ", "HISTORY"]
+__all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY"]
 
-SAMPLES_PER_READ = 8  # sampled steps per host read of the device buffer
+READ_STEPS = 64  # steps per host read of the device buffer (the samples they hold fill it)
 HISTORY = 24  # samples a module's trend is fitted over
 _MIN_SAMPLES = 6  # no trend from fewer
 _NEAR_BITS = 10  # an output or gradient is watched once it is within 2**10 = 1024x of its limit
@@ -43,8 +43,8 @@ _STATE_NEAR = 16.0  # a weight or optimizer state within 16x of its dtype's limi
 _SPIKE_WINDOW = 100  # steps of loss / gradient norm a spike is judged against
 _SPIKE_MIN = 50  # ... once this many are known
 _SPIKE_Z = 8.0  # robust z-score of a spike (median, 1.4826 * MAD), and at least twice the median
-_SCALE_WINDOW = 200  # steps over which a GradScaler scale that fell 16x or more is warned (after the first 200)
-_SCALE_FALL = 16.0
+_SCALE_WINDOW = 200  # steps in which a GradScaler scale that backed off 4 times more than it grew is warned;
+_SCALE_FALLS = 4  # a run of consecutive backoffs (the scale finding its level at the start) counts once
 
 _FIX_GROWTH = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping, weight decay; or run the "
                "step in bfloat16 (its range reaches 3.4e38), or keep this module in float32 (nanhunt.keep_fp32)")
@@ -126,13 +126,17 @@ class Headroom:
         self._vals: list[torch.Tensor] = []
         self._idx: list[int] = []
         self._limit = [math.inf] * n  # this sample's limit per module: the smallest of its outputs' dtypes'
-        self._buf: torch.Tensor | None = None  # (SAMPLES_PER_READ, 2n) on the device: outputs, then gradients
+        self.rows = max(1, READ_STEPS // every) if every is not None else 1  # samples per host read
+        self._buf: torch.Tensor | None = None  # (rows, 2n) on the device: outputs, then gradients
+        self._index: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last step's entries' rows, on the device
         self._rows: list[tuple[int, float | None, list[float]]] = []  # (step, scale, limits) per buffered row
         # host history: (condition, module index) -> (step, log2 max, limit) of the last HISTORY samples
         self.history: dict[tuple[str, int], deque[tuple[int, float, float]]] = {}
         self._warned: set[tuple[str, str | None]] = set()
         self._loss, self._norm = _Robust(), _Robust()
         self._scales: deque[tuple[int, float]] = deque()  # (step, scale) of the last _SCALE_WINDOW steps
+        self._moves: deque[tuple[int, int]] = deque()  # (step, -1 a separate backoff or +1 a growth) in the window
+        self._fell_last = False  # the last step's scale was a backoff
 
     # ---------------------------------------------------------------- sampled steps
     def sampled(self, index: int) -> bool:
@@ -167,15 +171,21 @@ class Headroom:
         n2 = 2 * len(self._modules)
         dev = vals[0].device
         if self._buf is None or self._buf.device != dev:
-            self._buf, self._rows = torch.zeros((SAMPLES_PER_READ, n2), device=dev), []
+            self._buf, self._rows = torch.zeros((self.rows, n2), device=dev), []
+        key = tuple(idx)
+        if self._index is None or self._index[0] != key or self._index[1].device != dev:
+            # a host-to-device copy (pageable memory: it may wait for the device), so made once for the
+            # pattern of calls, which is the same step after step
+            self._index = (key, torch.tensor(idx, device=dev))
         with torch.no_grad():
-            found = torch.cat([v.reshape(1).to(dev) for v in vals]).float()
+            one = all(v.device == dev for v in vals)
+            found = torch.stack(vals if one else [v.to(dev) for v in vals])
             row = self._buf[len(self._rows)]
             row.zero_()
             # a module called twice has two entries: the max over its calls (magnitudes are >= 0)
-            row.scatter_reduce_(0, torch.tensor(idx, device=dev), found, "amax")
+            row.scatter_reduce_(0, self._index[1], found, "amax")
         self._rows.append((index, scale, list(self._limit)))
-        return self.read() if len(self._rows) >= SAMPLES_PER_READ else []
+        return self.read() if len(self._rows) >= self.rows else []
 
     def _on_output(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active:
@@ -185,21 +195,22 @@ class Headroom:
                 else torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type)
                 else None)
         grads = torch.is_grad_enabled()
-        with torch.no_grad():
-            for t in _tensors(output, 0):
-                limit = _limit_of(t.dtype if cast is None or t.dtype == torch.float64 else cast)
-                limit = min(limit, _limit_of(t.dtype))
-                self._limit[i] = min(self._limit[i], limit)
-                self._vals.append(torch.linalg.vector_norm(local_tensor(t.detach()), math.inf))
-                self._idx.append(i)
-                if t.requires_grad and grads:
-                    t.register_hook(self._bwd[i])  # type: ignore[no-untyped-call]
+        for t in _tensors(output, 0):
+            limit = _limit_of(t.dtype)
+            if cast is not None and t.dtype != torch.float64:
+                limit = min(limit, _limit_of(cast))
+            self._limit[i] = min(self._limit[i], limit)
+            # detached: the maximum holds no graph (nor the output); float32 out of the reduction itself, so the
+            # step's maxima stack in one op at its end
+            self._vals.append(torch.linalg.vector_norm(local_tensor(t).detach(), math.inf, dtype=torch.float32))
+            self._idx.append(i)
+            if t.requires_grad and grads:
+                t.register_hook(self._bwd[i])  # type: ignore[no-untyped-call]
 
     def _on_grad(self, j: int, grad: torch.Tensor) -> None:
         if self._active and grad.numel():
-            with torch.no_grad():
-                self._vals.append(torch.linalg.vector_norm(local_tensor(grad.detach()), math.inf))
-                self._idx.append(j)
+            self._vals.append(torch.linalg.vector_norm(local_tensor(grad).detach(), math.inf, dtype=torch.float32))
+            self._idx.append(j)
 
     # ---------------------------------------------------------------- the window's read
     def read(self) -> list[Finding]:
@@ -301,16 +312,27 @@ class Headroom:
                 out.append(Finding(cond, None, f"{cond} spike: {_num(x)} against a median of {_num(med)} over the "
                                    f"last {n} steps (robust z-score {z:.3g}); {_FIX_SPIKE}", x))
         if scale is not None and math.isfinite(scale):
-            if not self._scales or self._scales[-1][1] != scale:
+            prev = self._scales[-1][1] if self._scales else None
+            fell = prev is not None and scale < prev
+            if prev is not None and scale != prev:
                 self._scales.append((index, scale))
+                if not (fell and self._fell_last):
+                    self._moves.append((index, -1 if fell else 1))
+            elif prev is None:
+                self._scales.append((index, scale))
+            self._fell_last = fell
             while len(self._scales) > 1 and self._scales[1][0] <= index - _SCALE_WINDOW:
                 self._scales.popleft()  # the first kept is the scale in use _SCALE_WINDOW steps ago
-            high = max(s for _, s in self._scales)
-            if (index >= 2 * _SCALE_WINDOW and high >= _SCALE_FALL * scale and ("scale", None) not in self._warned):
+            while self._moves and self._moves[0][0] <= index - _SCALE_WINDOW:
+                self._moves.popleft()
+            falls = -sum(d for _, d in self._moves)
+            if falls >= _SCALE_FALLS and ("scale", None) not in self._warned:
                 self._warned.add(("scale", None))
+                high = max(s for _, s in self._scales)
                 out.append(Finding("scale", None, f"GradScaler's scale fell {high / scale:.3g}x in the last "
-                                   f"{_SCALE_WINDOW} steps ({high:,g} -> {scale:,g}): the gradients are "
-                                   f"growing into the float16 range; {_FIX_SCALE}", scale))
+                                   f"{_SCALE_WINDOW} steps ({high:,g} -> {scale:,g}), backing off {falls} times "
+                                   f"more than it grew, each after steps that did not overflow: the gradients "
+                                   f"are growing into the float16 range; {_FIX_SCALE}", scale))
         return out
 
     def close(self) -> None:

@@ -196,10 +196,10 @@ class Guard:
     gradients), and with ``check_params=True`` one reduction and one host read at
     exit. Nothing reads back per parameter. ``scripts/bench_guard.py`` measures it.
 
-    Before the NaN: on one step in ``headroom_every`` (default 8) the guard hooks every module and keeps, on the
-    device, the largest magnitude of its output and of its output gradient (a max over its calls); the buffer of
-    8 such steps is read back once (one host read per 64 steps), with the largest magnitude of every weight and
-    optimizer state tensor. The loss, the gradient norm (``check_grads(grad_norm=...)``) and the GradScaler's
+    Before the NaN: on one step in ``headroom_every`` (default 16) the guard hooks every module and keeps, on the
+    device, the largest magnitude of its output and of its output gradient (a max over its calls); the samples
+    are read back once every 64 steps (one host read), with the largest magnitude of every weight and optimizer
+    state tensor. The loss, the gradient norm (``check_grads(grad_norm=...)``) and the GradScaler's
     scale come every step from the read :meth:`check_grads` does anyway. A module whose values are within 1024x
     of their dtype's limit (float16 65504; under autocast the autocast dtype's) and whose robust trend meets it
     within ``warn_horizon`` steps, the scale falling 16x within 200 steps, a loss or gradient-norm spike (robust
@@ -284,7 +284,7 @@ class Guard:
         device_type: str | None = None,
         dtype: torch.dtype | None = None,
         process_group: Any = None,
-        headroom_every: int | None = 8,
+        headroom_every: int | None = 16,
         warn_horizon: int = 1000,
         on_warn: OnWarn = "log",
     ) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt.capture.capture import load_step
-from nanhunt.guard._headroom import SAMPLES_PER_READ, Headroom
+from nanhunt.guard._headroom import HISTORY, READ_STEPS, Headroom
 from nanhunt.guard.guard import HeadroomWarning
 from nanhunt.records import GuardEvent
 
@@ -124,10 +124,10 @@ def test_unsampled_steps_add_no_host_read_and_no_hook(tmp_path: Path, monkeypatc
         monkeypatch.setattr(torch.Tensor, name, counted)
     model, opt, scaler = mlp_setup()
     assert scaler is not None
-    guard = guard_for(model, opt, scaler, tmp_path, headroom_every=2)
+    guard = guard_for(model, opt, scaler, tmp_path, headroom_every=16)
     per_step: list[int] = []
     hooked: list[bool] = []
-    for i in range(2 * SAMPLES_PER_READ + 2):
+    for i in range(READ_STEPS + 2):
         x, y = batch(i)
         reads["n"] = 0
         with guard.step((x, y)):
@@ -146,12 +146,12 @@ def test_unsampled_steps_add_no_host_read_and_no_hook(tmp_path: Path, monkeypatc
             scaler.update()
             reads["on"] = 1
         per_step.append(reads["n"])
-    # THEN only the sampled steps (every second one) hook the modules, and the hooks are gone after
-    assert hooked == [i % 2 == 0 for i in range(len(hooked))]
+    # THEN only the sampled steps (one in 16) hook the modules, and the hooks are gone after
+    assert hooked == [i % 16 == 0 for i in range(len(hooked))]
     assert not model.fc1._forward_hooks
     # AND every step reads back once (check_grads' read, which now carries the loss and the norm), except the
-    # step that fills the buffer of SAMPLES_PER_READ samples: one read more, for the window
-    full = 2 * (SAMPLES_PER_READ - 1)
+    # step that fills the buffer (READ_STEPS / 16 samples): one read more, for the window
+    full = READ_STEPS - 16
     assert per_step == [2 if i == full else 1 for i in range(len(per_step))]
     assert guard.events == []
 
@@ -179,7 +179,7 @@ def test_module_called_twice_dict_output_and_inplace_ops_keep_the_max_over_calls
     lin, root = watch.names.index("lin"), watch.names.index("(model)")
     x = torch.randn(2, 4)
     expected_lin = expected_root = 0.0
-    for step in range(SAMPLES_PER_READ):
+    for step in range(watch.rows):
         watch.begin(step)
         out = model(x)
         # the reference: the same forward by hand
@@ -194,7 +194,7 @@ def test_module_called_twice_dict_output_and_inplace_ops_keep_the_max_over_calls
     assert 2.0 ** watch.history[("output", lin)][-1][1] == pytest.approx(expected_lin, rel=1e-6)
     assert 2.0 ** watch.history[("output", root)][-1][1] == pytest.approx(expected_root, rel=1e-6)
     assert 2.0 ** watch.history[("output gradient", root)][-1][1] == 1.0  # d(sum)/d(out) is 1
-    assert len(watch.history[("output", lin)]) == SAMPLES_PER_READ
+    assert len(watch.history[("output", lin)]) == HISTORY  # the last samples kept
     assert not model.lin._forward_hooks
 
 
@@ -207,7 +207,7 @@ def test_weights_near_the_float16_limit_warn_at_the_window_read() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     watch = Headroom(model, opt, every=1, horizon=1000, device_type="cpu")
     found = []
-    for step in range(SAMPLES_PER_READ):
+    for step in range(watch.rows):
         watch.begin(step)
         model(torch.zeros(1, 2, dtype=torch.float16)).float().sum().backward()
         found += watch.end(step, None)
@@ -222,15 +222,17 @@ def test_scale_falling_steadily_and_loss_spikes_warn_once() -> None:
     watch = Headroom(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), every=None,
                      horizon=1000, device_type="cpu")
     found = []
-    # GIVEN a scale that holds for 400 steps, then halves every 20 steps; a loss near 1 with one spike at 450
+    # GIVEN a scale that finds its level in 8 consecutive backoffs, holds until step 400 but for two lone
+    # backoffs and a growth, then halves every 20 steps; a loss near 1 with one spike at 450
     for i in range(600):
-        scale = 65536.0 / 2 ** max(0, (i - 400) // 20)
+        scale = 2.0 ** (24 - min(i, 8) - (i >= 250) - (i >= 300) + (i >= 350)) / 2 ** max(0, (i - 400) // 20)
         loss = 30.0 if i == 450 else 1.0 + 0.01 * math.sin(i)
         found += watch.observe(i, loss=loss, grad_norm=1.0, scale=scale)
     # THEN the spike is warned at its step, the fall once it reaches 16x within 200 steps; each once
-    assert [(f.condition, f.value) for f in found] == [("loss", 30.0), ("scale", 4096.0)]
+    assert [(f.condition, f.value) for f in found] == [("loss", 30.0), ("scale", 2048.0)]
     assert found[0].detail.startswith("loss spike: 30 against a median of 1 over the last 100 steps (robust z-score ")
-    assert found[1].detail.startswith("GradScaler's scale fell 16x in the last 200 steps (65,536 -> 4,096)")
+    assert found[1].detail.startswith("GradScaler's scale fell 16x in the last 200 steps (32,768 -> 2,048), "
+                                      "backing off 4 times more than it grew, each after steps that did not ")
 
 
 def test_on_warn_capture_writes_the_warned_step_and_leaves_max_captures_to_the_failure(tmp_path: Path) -> None:
