@@ -171,6 +171,12 @@ class CaptureWriter:
         self.loss_fn = loss_fn
         self._confirm = self._confirmations()
 
+    def set_compiled(self, record: Mapping[str, Any]) -> None:
+        """How the model is compiled, when it is compiled out of the Guard's sight (a transformers Trainer's
+        ``torch_compile``, inside accelerate): its captures record it, and the printed command confirms it."""
+        self.compiled = dict(record)
+        self._confirm = self._confirmations()
+
     def _confirmations(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         named: list[tuple[str, str | None, Any]] = []
         cls = user_class(self.module)

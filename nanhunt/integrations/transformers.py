@@ -77,6 +77,9 @@ class NanhuntCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # the GradScaler of fp16 training (accelerate), or None
         options = dict(self.guard_options)
         guard = Guard(model, inner, scaler, dump_dir=self.dump_dir, **options)
+        if getattr(args, "torch_compile", False):  # accelerate compiles the model; the callback is given it plain
+            guard._capture.set_compiled({"backend": args.torch_compile_backend or "inductor",
+                                         "mode": args.torch_compile_mode, "options": {}, "dynamic": None})
         self._state = state
         hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
                  model.register_forward_hook(self._forward_ends)]

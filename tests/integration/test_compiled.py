@@ -331,3 +331,22 @@ def test_a_capture_compiled_by_torchs_own_backend_replays_compiled_and_a_malform
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"nanhunt: error: checkpoint {ck!r} is not a valid nanhunt capture: its 'compile' holds a mode, options or "
         "dynamic flag of the wrong type; save the capture again (nanhunt.save_capture)")
+
+
+def test_a_trainer_that_compiles_its_model_records_the_backend_it_compiles_with(tmp_path: Path) -> None:
+    # GIVEN a transformers Trainer compiling its model (torch_compile_backend, through accelerate) with the callback
+    pytest.importorskip("transformers")
+    from nanhunt.integrations.transformers import NanhuntCallback
+    from tests.integration.test_transformers_callback import Poison, _trainer
+
+    dump = tmp_path / "nan"
+    trainer = _trainer(tmp_path, [Poison(at=1), NanhuntCallback(dump_dir=dump)], steps=2,
+                       torch_compile_backend="aot_eager")
+    # WHEN a weight goes inf and the Guard stops the run
+    with pytest.raises(nanhunt.GuardError) as caught:
+        trainer.train()
+    # THEN the capture says how the Trainer compiled the model
+    checkpoint = caught.value.event.checkpoint
+    assert checkpoint is not None
+    assert torch.load(checkpoint, weights_only=True)["compile"] == {"backend": "aot_eager", "mode": None,
+                                                                    "options": {}, "dynamic": None}
