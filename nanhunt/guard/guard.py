@@ -149,7 +149,10 @@ class Guard:
     Counters: ``iterations`` (guard steps), ``updates`` (optimizer updates that
     really ran and stand), ``skipped`` (GradScaler skips), ``rollbacks``,
     ``stepped`` (the last step updated the weights), ``scale_history`` ((step,
-    scale) whenever the scale in use changed), ``events``.
+    scale) whenever the scale in use changed), ``events``, ``bad_since`` (the first
+    step of the detections in a row, None once a step is clean: the callbacks
+    save no checkpoint meanwhile) and ``last_checkpoint`` (set by the callbacks:
+    the last checkpoint saved before, named by a detection's event).
 
     Rollback: after a detection, :meth:`rollback` (or ``on_fail="rollback"``, at
     the end of the failing step, with a :class:`GuardWarning`) puts the model's
@@ -333,6 +336,11 @@ class Guard:
         self._watch_dtype: _Step | None = None  # ... and until the resumed step's forward (its autocast dtype)
         self.scale_history: list[tuple[int, float]] = []
         self.events: list[GuardEvent] = []
+        # Checkpoint quarantine (the callbacks): the first step of the detections in a row, None once a step is
+        # clean; and the last checkpoint the framework saved while the steps were clean, named by the events.
+        self.bad_since: int | None = None
+        self._bad_at: int | None = None  # the last step with a detection (its micro-batches share its index)
+        self.last_checkpoint: str | None = None
         self._cur: _Step | None = None
         self._closed = False
         self._hooks: list[RemovableHandle] = [
@@ -555,6 +563,8 @@ class Guard:
         self._watch.discard()  # a sampled step that never reached its checks (it raised) keeps nothing
         stepped = cur.updated
         skipped = bool(cur.local_skip) and not failed  # an aborted step attempted nothing
+        if not (cur.tripped or failed) and cur.index != self._bad_at:
+            self.bad_since = None
         self._cur, self.iterations, self.stepped, self.updates, self.skipped = (
             None, self.iterations + 1, stepped, self.updates + stepped, self.skipped + skipped)
 
@@ -659,6 +669,9 @@ class Guard:
         ``live``: the live weights are those the step began with (nothing updated them yet).
         ``propagate=False``: never raise (another exception is propagating)."""
         cur.tripped = True
+        self._bad_at = cur.index
+        if self.bad_since is None:
+            self.bad_since = cur.index
         began = live  # the live weights are this step's starting weights, its buffers the entry copies
         bad_update = cur.index  # the step whose update the capture should hold the state before
         if live and kind != "params":
@@ -686,7 +699,7 @@ class Guard:
             checkpoint=written.checkpoint, batch=written.batch, captured_step=written.captured_step,
             pre_update=written.pre_update, capture_error=written.error,
             iterations=self.iterations, updates=self.updates, skipped=self.skipped, scale=cur.scale,
-            replay_args=replay_args, replay_notes=replay_notes,
+            replay_args=replay_args, replay_notes=replay_notes, last_checkpoint=self.last_checkpoint,
         )
         self.events.append(event)
         self._plan = _Plan(event, cur, bad_update, live)
@@ -799,6 +812,7 @@ class Guard:
         self.updates, self.skipped, self.stepped, self.rollbacks, self._plan = (
             counts[0], counts[1], False, self.rollbacks + 1, None)
         self._capture.poisoned_at = None  # the weights are good again: snapshots resume
+        self.bad_since = self._bad_at = None
         self._resumed = self._watch_dtype = cur
         self._record(event)
         return event

@@ -76,6 +76,10 @@ class NanhuntCallback(_Callback):
         guard_options: :class:`nanhunt.Guard`'s keyword options (``on_fail``, ``max_consecutive_skips``,
             ``snapshot_every``, ``check_params``, ``model_factory``, ``model_kwargs``, ...).
 
+    Checkpoints: after a detection (``on_fail="dump"`` or ``"warn"``, the run goes on) no ``ModelCheckpoint``
+    saves until a step is clean, so ``save_top_k`` never rotates the last good checkpoint out; the event names it
+    (``event.last_checkpoint``).
+
     Automatic optimization only (one optimizer; with manual optimization, use :class:`nanhunt.Guard` in
     ``training_step``). Under DDP every rank stops at the same step (the Guard's flags are all-reduced).
     """
@@ -116,6 +120,9 @@ class NanhuntCallback(_Callback):
             # training_step's arguments, as Lightning passes them
             inputs = (batch, batch_idx) if self._takes_batch_idx else (batch,)
             self.run.begin({"inputs": inputs}, int(trainer.global_step))
+            if self.run.guard.bad_since is None:  # the last checkpoint saved while the steps were clean
+                saved = [getattr(cb, "_last_checkpoint_saved", "") for cb in trainer.checkpoint_callbacks]
+                self.run.guard.last_checkpoint = next((p for p in saved if p), None)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.run is None:
@@ -137,6 +144,12 @@ class NanhuntCallback(_Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.run is not None:
             self.run.end()
+            if self.run.guard.bad_since is not None:
+                # quarantine: a checkpoint of a non-finite step must not rotate the last good one out. Lightning
+                # runs checkpoint callbacks after this one; a ModelCheckpoint skips a step it saved already.
+                for cb in trainer.checkpoint_callbacks:
+                    if hasattr(cb, "_last_global_step_saved"):
+                        cb._last_global_step_saved = trainer.global_step
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.run is not None:

@@ -52,6 +52,9 @@ class NanhuntCallback(TrainerCallback):
             model's forward really ran in (``fp16=True`` on the CPU runs in float32 with accelerate 1.x).
 
     Gradient accumulation: each micro-batch is a guard step; the capture holds the micro-batch that went bad.
+    Checkpoints: after a detection (``on_fail="dump"`` or ``"warn"``, the run goes on) no checkpoint is saved
+    until an optimizer step is clean, so ``save_total_limit`` never rotates the last good one out; the event
+    names it (``event.last_checkpoint``).
     Several processes (torchrun, ``accelerate launch``): every rank stops at the same step (the Guard's flags
     are all-reduced), and the ranks that saw the problem write ``step{N}-rank{R}-*``.
     """
@@ -80,6 +83,7 @@ class NanhuntCallback(TrainerCallback):
         if getattr(args, "torch_compile", False):  # accelerate compiles the model; the callback is given it plain
             guard._capture.set_compiled({"backend": args.torch_compile_backend or "inductor",
                                          "mode": args.torch_compile_mode, "options": {}, "dynamic": None})
+            guard._watch.every = None  # the headroom's hooks, added and removed, would recompile the model
         self._state = state
         hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
                  model.register_forward_hook(self._forward_ends)]
@@ -108,6 +112,13 @@ class NanhuntCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is not None:
             self.run.end()
+            if self.run.guard.bad_since is not None:
+                # quarantine: a checkpoint of a non-finite step must not rotate the last good one out
+                control.should_save = False
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is not None:
+            self.run.guard.last_checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is not None:

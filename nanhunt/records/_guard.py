@@ -64,6 +64,7 @@ class GuardEvent(JSONData):
     measured: float | None = None  # "warning": the value measured
     limit: float | None = None  # "warning": the dtype's largest finite value
     forecast_step: int | None = None  # "warning": where the trend meets the limit
+    last_checkpoint: str | None = None  # the last checkpoint the framework saved before (the callbacks)
 
     def replay_command(self) -> str | None:
         """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
@@ -110,6 +111,8 @@ class GuardEvent(JSONData):
             text += "".join(f" ({n})" for n in self.replay_notes)
         elif self.capture_error:
             text += f"; no capture: {self.capture_error}"
+        if self.last_checkpoint:
+            text += f"; checkpoints are not saved until a clean step, the last good one: {self.last_checkpoint}"
         return text
 
 
