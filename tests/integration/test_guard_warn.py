@@ -274,3 +274,14 @@ def test_warning_event_round_trips_and_options_are_checked(tmp_path: Path) -> No
         guard_for(model, opt, scaler, tmp_path, on_warn="loud")
     with pytest.raises(ValueError, match="headroom_every must be >= 1 or None"):
         guard_for(model, opt, scaler, tmp_path, headroom_every=0)
+
+
+def test_callbacks_take_the_warning_options(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning.pytorch")
+    from nanhunt.integrations.lightning import NanhuntCallback as LightningCallback
+    from nanhunt.integrations.transformers import NanhuntCallback as TrainerCallback
+
+    options = {"on_warn": "capture", "headroom_every": 4, "warn_horizon": 500}
+    for make in (TrainerCallback, LightningCallback):
+        assert make(dump_dir=tmp_path, **options).guard_options == options
