@@ -5,6 +5,7 @@
     ./.venv/bin/python scripts/bench.py --quick    # smoke run, < 2 min
     ./.venv/bin/python scripts/bench.py --only replay --threads 1   # the replay-at-scale section alone
     ./.venv/bin/python scripts/bench.py --only run --threads 1      # what `nanhunt run` costs a clean run
+    ./.venv/bin/python scripts/bench.py --only warn --threads 1     # does the Guard warn before the NaN?
     ./.venv/bin/python scripts/bench.py --reps 60 --workloads gpt
     ./.venv/bin/python scripts/bench.py --profile nanhunt-op --workloads gpt   # cProfile one variant
     ./.venv/bin/python scripts/bench.py --threads 1 --clock thread --busy-cores 1.5   # busy machine
@@ -1101,10 +1102,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="thread: time each step by the CPU time of the main thread (needs --threads 1; "
                          "robust on a busy machine, since time spent preempted does not count)")
     ap.add_argument("--no-replay", action="store_true", help="skip the replay-at-scale section")
-    ap.add_argument("--only", choices=("replay", "run"), default=None,
+    ap.add_argument("--only", choices=("replay", "run", "warn"), default=None,
                     help="replay: run only the replay-at-scale section (replay + bisection on N blocks and GPT-2, "
                          "memory, op-level cost on GPT-2); run: what `nanhunt run` costs a clean run (a plain "
-                         "loop, a transformers.Trainer, a Lightning Trainer: scripts/bench_callbacks.py --via run)")
+                         "loop, a transformers.Trainer, a Lightning Trainer: scripts/bench_callbacks.py --via run); "
+                         "warn: the Guard's warnings before the NaN on failing and healthy runs "
+                         "(scripts/bench_warn.py)")
     ap.add_argument("--scale-cap-s", type=float, default=None,
                     help="seconds for the replay-at-scale cases; a case that does not fit is skipped and says so "
                          "(default 420, quick 60)")
@@ -1120,6 +1123,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_callbacks.main(["--via", "run", *(["--threads", str(args.threads)] if args.threads else []),
                                      *(["--rounds", "3"] if args.quick else [])])
+    if args.only == "warn":
+        import bench_warn
+
+        return bench_warn.main([*(["--threads", str(args.threads)] if args.threads else []),
+                                *(["--steps", "300"] if args.quick else [])])
     if args.scale_case:
         if args.threads:
             torch.set_num_threads(args.threads)

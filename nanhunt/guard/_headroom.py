@@ -4,8 +4,8 @@ that forecast an overflow while the run can still be saved.
 On a sampled step (one in ``every``) a forward hook on every module, and a tensor hook on each output, reduce
 the output and its gradient to their largest magnitude on the device; at the step's end the step's maxima
 (a max over a module's calls) go into one row of a preallocated device buffer. The buffer is read back once
-it is full (one host read per ``READ_STEPS`` steps, or per sample when sampling is sparser), with the largest magnitude of every
-parameter and optimizer state tensor. The loss, the gradient norm and the GradScaler's scale come every step
+it is full (one host read per ``READ_STEPS`` steps, or per sample when sampling is sparser), with the largest
+magnitude of every parameter and optimizer state tensor. The loss, the gradient norm and the GradScaler's scale come every step
 as host numbers the Guard read anyway. Nothing is hooked on an unsampled step.
 
 What is judged on the host: per module, a Theil-Sen line through log2(max) against the step over the last
@@ -231,13 +231,17 @@ class Headroom:
             for i in range(n):
                 for cond, v in (("output", data[r * 2 * n + i]), ("output gradient", data[r * 2 * n + n + i])):
                     if cond == "output gradient" and scale:
-                        v /= scale  # the loss scale is the GradScaler's business: judge the true gradient
+                        v /= scale  # the true gradient, whatever the loss scale
                     if v > 0 and math.isfinite(v) and math.isfinite(limits[i]):
                         h = self.history.setdefault((cond, i), deque(maxlen=HISTORY))
                         h.append((step, math.log2(v), limits[i]))
-        # the nearest overflow first
-        findings = sorted((f for key in self.history if (f := self._trend(*key)) is not None),
-                          key=lambda f: f.forecast_step or 0)
+        # the nearest overflow first; of modules sharing an output (a container and its last child), the innermost
+        # With a GradScaler the scale keeps the gradients in range, however they grow: its steady fall is the
+        # warning then, not a gradient's trend (its history is kept, unscaled).
+        scaled = rows[-1][1] is not None
+        findings = sorted((f for key in self.history
+                           if not (scaled and key[0] == "output gradient") and (f := self._trend(*key)) is not None),
+                          key=lambda f: (f.forecast_step or 0, -_depth(f.module)))
         offset = len(rows) * 2 * n
         for k, (what, t) in enumerate(states):
             f = self._state(what, t.dtype, data[offset + k])
@@ -337,6 +341,10 @@ class Headroom:
 
     def close(self) -> None:
         self.discard()
+
+
+def _depth(name: str | None) -> int:
+    return -1 if name in (None, "(model)") else (name or "").count(".")
 
 
 def _tensors(obj: Any, depth: int) -> Iterator[torch.Tensor]:

@@ -205,8 +205,10 @@ class Guard:
     state tensor. The loss, the gradient norm (``check_grads(grad_norm=...)``) and the GradScaler's
     scale come every step from the read :meth:`check_grads` does anyway. A module whose values are within 1024x
     of their dtype's limit (float16 65504; under autocast the autocast dtype's) and whose robust trend meets it
-    within ``warn_horizon`` steps, the scale falling 16x within 200 steps, a loss or gradient-norm spike (robust
-    z-score of 8 over the last 100 steps), weights or optimizer state within 16x of their limit: each is a
+    within ``warn_horizon`` steps (gradients without a GradScaler only: with one, the scale keeps them in
+    range), the GradScaler's scale backing off 4 times more than it grew within 200 steps, a loss or
+    gradient-norm spike (robust z-score of 8 over the last 100 steps), weights or optimizer state within 16x of
+    their limit: each is a
     :class:`HeadroomWarning` once per module and condition, naming what was measured and the usual fixes, and
     an event of kind ``"warning"`` in ``events`` and ``dump_dir/rollbacks.jsonl``. ``on_warn="capture"`` also
     writes a capture of the warned step (the first warning's; it does not count towards ``max_captures``),
