@@ -288,7 +288,7 @@ class Headroom:
         at = int(x[-1] + max(left, 0.0))
         value = 2.0 ** float(y[-1])
         detail = (f"{name} {cond}: max {_num(value)} (headroom {_num(limit / value)}x to {_limit_name(limit)}), "
-                  f"growing {2.0 ** (slope * 100):.2g}x per 100 steps: overflow expected near step {at:,}; "
+                  f"growing {_num(2.0 ** (slope * 100))}x per 100 steps: overflow expected near step {at:,}; "
                   f"{_FIX_GROWTH}")
         return Finding(cond, name, detail, value, limit, at)
 

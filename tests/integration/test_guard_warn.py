@@ -285,3 +285,25 @@ def test_callbacks_take_the_warning_options(tmp_path: Path) -> None:
     options = {"on_warn": "capture", "headroom_every": 4, "warn_horizon": 500}
     for make in (TrainerCallback, LightningCallback):
         assert make(dump_dir=tmp_path, **options).guard_options == options
+
+
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["no-scaler", "gradscaler"])
+def test_growing_gradients_are_warned_only_without_a_gradscaler(scale: float | None) -> None:
+    # GIVEN a float16 layer whose output gradient grows 5% a step, every step sampled
+    model = nn.Linear(2, 2).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    watch = Headroom(model, opt, every=1, horizon=1000, device_type="cpu")
+    found = []
+    for step in range(watch.rows):
+        watch.begin(step)
+        out = model(torch.ones(1, 2, dtype=torch.float16))
+        out.backward(torch.full_like(out, 100.0 * 1.05 ** step))
+        found += watch.end(step, scale)
+    # THEN without a GradScaler the gradient's trend is warned; with one (the scale keeps it in range) it is not
+    grads = [f for f in found if f.condition == "output gradient"]
+    if scale is None:
+        assert [f.module for f in grads] == ["(model)"]
+        assert grads[0].detail.startswith("(model) output gradient: max 2,160 (headroom 30.3x to float16), growing "
+                                          "132x per 100 steps: overflow expected near step 132; usual fixes: ")
+    else:
+        assert grads == []
