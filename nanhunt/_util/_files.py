@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from ._errors import CommandError
 
-__all__ = ["check_target", "check_directory", "new_file", "write_file"]
+__all__ = ["check_target", "check_directory", "new_file", "write_file", "check_readable"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
     | getattr(os, "O_BINARY", 0)
@@ -115,3 +115,31 @@ def write_file(path: str, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` through a new file (:func:`new_file`)."""
     with new_file(path) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def check_readable(path: str, name: str) -> int:
+    """The size of the file ``path`` (``name``: how errors call it), which exists, is readable and not empty; a
+    directory is refused, saying what kind it is and what to give instead."""
+    if not os.path.exists(path):
+        raise CommandError(f"{name} does not exist; check the path")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "manifest.json")):
+            raise CommandError(f"{name} is a nanhunt capture directory (written by the Guard under FSDP2), not a "
+                               f"file; replay it alone: nanhunt replay {path} [--rank R]")
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            raise CommandError(f"{name} is a torch.distributed.checkpoint (DCP) directory, not a file; the Guard's "
+                               "capture directory holds one beside its batches (nanhunt replay DIR), or convert it "
+                               "with python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR model.pt "
+                               "and give that file with --model (it unpickles the directory's metadata: only "
+                               "for one you trust)")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise CommandError(f"{name} is a transformers checkpoint directory, not a file; replay it with the batch "
+                               f"of its next step (nanhunt replay {path} batch.pt), or give one of its files (its "
+                               "model.safetensors)")
+        raise CommandError(f"{name} is a directory; give the .pt file")
+    if not os.access(path, os.R_OK):
+        raise CommandError(f"{name} is not readable; check its permissions")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
+    return size

@@ -10,7 +10,7 @@ a damaged file, or a valid pickle naming globals that only a full (code-running)
 What loads is checked for what later code could not handle: containers nested deeper than any real
 batch, and tensors that are not dense data on the CPU or whose strides make them far larger than
 the bytes they hold (a stride-0 view of 2**40 elements). A JSON file (a report, an acceptance rule)
-is read bounded in size and depth by :func:`read_json`.
+is read bounded in size and depth by :func:`._json.read_json`; a ``.safetensors`` file by :mod:`._safetensors`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import _compat_pickle
 import contextlib
 import importlib.util
 import io
-import json
-import math
 import os
 import pickle
 import pickletools
@@ -30,30 +28,26 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
 
 from ._errors import CommandError, first_line as _first_line
+from ._files import check_readable
+from ._safetensors import is_safetensors, read_safetensors
 from ._text import escaped, few
 
-__all__ = ["load_file", "check_bytes", "read_json", "parse_json", "safetensors_header", "load_safetensors"]
+__all__ = ["load_file", "check_bytes"]
 
 MAX_DEPTH = 64  # containers inside containers; real checkpoints and batches nest a handful
 MAX_ITEMS = 10_000_000  # values visited, shared references counted each time they are reached
 MAX_VIEW_BYTES = 1 << 30  # a view may span at most this much more than the bytes it holds
 MAX_OPS = 2_000_000  # pickle opcodes: some 40,000 tensors; unpickled, the worst (empty sets) take 0.5 GiB
 # torch.save's data.pkl of MAX_OPS opcodes is some 7 MiB; JSON text in it (a model's config) is a few kB and,
-# parsed, stays under half a GiB at this size (see MAX_JSON_BYTES)
+# parsed, stays under half a GiB at this size (see _json.MAX_JSON_BYTES)
 MAX_PICKLE_BYTES = 16 << 20
 MAX_RATIO = 64  # a deflated member growing more than this is mostly zeros: real weights deflate by some 10%
 MAX_INFLATED = 64 << 20  # what such members may hold together: zero biases and masks of a re-packed archive
-# A JSON file nanhunt reads is a report or an acceptance rule: tens of kB (a report with its timeline is some
-# 20 kB). Parsed, JSON takes up to ~27 bytes a byte ('[[],[],...]': a list object each 3 bytes), so 16 MiB
-# of it stays under half a GiB; a 99 MB report took 2.45 GB.
-MAX_JSON_BYTES = 16 << 20
-MAX_JSON_DEPTH = 64  # a report nests 6 levels; json itself raises RecursionError near 1000
 _CHUNK = 8 << 20  # CRC-32 is computed in chunks: bounded memory on any file size
 _PICKLE_BUFFER = 1 << 20  # data.pkl is scanned through a buffer: one read(1) an opcode costs a call into zipfile
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a local file header; an empty archive's end record
@@ -65,9 +59,9 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False, safe_globals:
     as what it is (:func:`load_safetensors`). ``safe_globals``: classes and functions the weights-only unpickler
     may also build for this file (NumPy's array reconstruction for an RNG state)."""
     name = f"{what} {path!r}"
-    size = _check_path(path, name)
-    if _is_safetensors(path, size):
-        return _read_safetensors(path, name, size)
+    size = check_readable(path, name)
+    if is_safetensors(path, size):
+        return read_safetensors(path, name, size)
     is_zip = _check_format(path, name, size)
     try:
         with torch.serialization.safe_globals(list(safe_globals)) if safe_globals else contextlib.nullcontext():
@@ -89,32 +83,6 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False, safe_globals:
 
 
 # ------------------------------------------------------------ before torch
-def _check_path(path: str, name: str) -> int:
-    if not os.path.exists(path):
-        raise CommandError(f"{name} does not exist; check the path")
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "manifest.json")):
-            raise CommandError(f"{name} is a nanhunt capture directory (written by the Guard under FSDP2), not a "
-                               f"file; replay it alone: nanhunt replay {path} [--rank R]")
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            raise CommandError(f"{name} is a torch.distributed.checkpoint (DCP) directory, not a file; the Guard's "
-                               "capture directory holds one beside its batches (nanhunt replay DIR), or convert it "
-                               "with python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR model.pt "
-                               "and give that file with --model (it unpickles the directory's metadata: only "
-                               "for one you trust)")
-        if os.path.isfile(os.path.join(path, "config.json")):
-            raise CommandError(f"{name} is a transformers checkpoint directory, not a file; replay it with the batch "
-                               f"of its next step (nanhunt replay {path} batch.pt), or give one of its files (its "
-                               "model.safetensors)")
-        raise CommandError(f"{name} is a directory; give the .pt file")
-    if not os.access(path, os.R_OK):
-        raise CommandError(f"{name} is not readable; check its permissions")
-    size = os.path.getsize(path)
-    if size == 0:
-        raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
-    return size
-
-
 def check_bytes(data: bytes, *, name: str) -> None:
     """The checks :func:`load_file` makes before torch reads a file, for a torch file held in memory (an entry
     of a DCP checkpoint, for ``torch.load(io.BytesIO(data))``): its format, zip directory, CRCs and pickle."""
@@ -631,195 +599,3 @@ def _at(where: tuple[object, ...]) -> str:
 def _reason(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return s[0] if s else type(e).__name__
-
-
-
-
-# ------------------------------------------------------------- safetensors
-# A safetensors file is 8 bytes giving its header's length (little-endian), the header (JSON: each tensor's dtype,
-# shape and data_offsets into the bytes that follow it, and an optional "__metadata__" of strings), then the
-# tensors' raw little-endian bytes. nanhunt reads it itself: nothing is unpickled, nothing beyond torch is needed,
-# and no tensor is allocated before the whole header has been checked against the file's size.
-MAX_SAFETENSORS_HEADER = MAX_JSON_BYTES  # a header spends some 100 bytes a tensor: 16 MiB lists 150,000 of them
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_SAFETENSORS_NAME_CHARS = 200  # of a tensor's name shown in an error
-
-
-@dataclass(frozen=True)
-class _Span:
-    """One tensor of a safetensors header: its dtype, shape and bytes (offsets into the data after the header)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def safetensors_header(path: str, *, what: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Each tensor's dtype and shape in a ``.safetensors`` file, from its header alone, checked as
-    :func:`load_safetensors` checks it: what a model is compared with before anything is allocated."""
-    name = f"{what} {path!r}"
-    size = _check_path(path, name)
-    with open(path, "rb") as f:
-        spans = _safetensors_spans(f, name, size)
-    return {k: (s.dtype, s.shape) for k, s in spans.items()}
-
-
-def load_safetensors(path: str, *, what: str) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file, on the CPU, each allocated once its header has been checked."""
-    name = f"{what} {path!r}"
-    return _read_safetensors(path, name, _check_path(path, name))
-
-
-def _is_safetensors(path: str, size: int) -> bool:
-    """Named ``.safetensors``, or beginning as one: a header length the file can hold, then the header's ``{``
-    (a torch file begins with a zip or a pickle signature, neither of which has one there)."""
-    if path.endswith(".safetensors"):
-        return True
-    with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8
-
-
-def _read_safetensors(path: str, name: str, size: int) -> dict[str, torch.Tensor]:
-    if sys.byteorder != "little":
-        raise CommandError(f"{name} is a safetensors file, whose little-endian bytes nanhunt reads only on a "
-                           "little-endian machine")
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
-        spans = _safetensors_spans(f, name, size)
-        data = f.tell()
-        for key, s in spans.items():
-            buf = bytearray(s.end - s.begin)
-            f.seek(data + s.begin)
-            if f.readinto(buf) != len(buf):
-                raise CommandError(f"{name} is truncated: it ended while its tensor {_key(key)} was read (did it "
-                                   "change while nanhunt read it?)")
-            t = torch.frombuffer(buf, dtype=s.dtype) if buf else torch.empty(0, dtype=s.dtype)
-            out[key] = t.reshape(s.shape)
-    return out
-
-
-def _safetensors_spans(f: IO[bytes], name: str, size: int) -> dict[str, _Span]:
-    """The header of an open safetensors file, every entry checked, the file left where the data begins."""
-    head = f.read(8)
-    if len(head) < 8:
-        raise CommandError(f"{name} is a truncated safetensors file: it ends inside its first 8 bytes (the "
-                           "header's length)")
-    n = int.from_bytes(head, "little")
-    if n > size - 8:
-        raise CommandError(f"{name} is not a readable safetensors file (corrupt or truncated): its header claims "
-                           f"{n:,} bytes, and the file holds {size - 8:,} after the header's length")
-    if n > MAX_SAFETENSORS_HEADER:
-        raise CommandError(f"{name} has a safetensors header of {n / 2**20:,.1f} MiB; a header spends some 100 bytes "
-                           f"a tensor, and nanhunt reads at most {MAX_SAFETENSORS_HEADER >> 20} MiB of one")
-    try:
-        header = parse_json(f.read(n), what="JSON", max_bytes=MAX_SAFETENSORS_HEADER)
-    except ValueError as e:
-        raise CommandError(f"{name} is not a readable safetensors file: its header {e}") from e
-    if not isinstance(header, dict):
-        raise CommandError(f"{name} is not a readable safetensors file: its header is a JSON "
-                           f"{type(header).__name__}, not an object")
-    meta = header.pop("__metadata__", {})
-    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise CommandError(f"{name} is not a readable safetensors file: its __metadata__ is not a map of strings")
-    spans = {k: _span(k, v, name, size - 8 - n) for k, v in header.items()}
-    order = sorted((s.begin, s.end, k) for k, s in spans.items())
-    for (_, end, first), (begin, _, second) in zip(order, order[1:]):
-        if begin < end:
-            raise CommandError(f"{name} is not a valid safetensors file: its tensors {_key(first)} and "
-                               f"{_key(second)} share bytes")
-    return spans
-
-
-def _span(key: str, v: Any, name: str, held: int) -> _Span:
-    """One header entry checked: a dtype nanhunt reads, a shape of sizes, and offsets spanning exactly the
-    tensor's bytes inside the ``held`` bytes of data the file has."""
-    bad = f"{name} is not a readable safetensors file: its tensor {_key(key)}"
-    if not isinstance(v, dict):
-        raise CommandError(f"{bad} is a JSON {type(v).__name__}, not its dtype, shape and data_offsets")
-    named = v.get("dtype")
-    dtype = _SAFETENSORS_DTYPES.get(named) if isinstance(named, str) else None
-    if dtype is None:
-        raise CommandError(f"{bad} has dtype {named!r}, none of the ones nanhunt reads "
-                           f"({', '.join(_SAFETENSORS_DTYPES)})")
-    shape, offsets = v.get("shape"), v.get("data_offsets")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise CommandError(f"{bad} has no shape (a list of sizes)")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise CommandError(f"{bad} has no data_offsets (a begin and an end, in order)")
-    begin, end = offsets
-    need = math.prod(shape) * dtype.itemsize
-    what = f"({str(dtype).replace('torch.', '')} of shape {tuple(shape)}, {need:,} bytes)"
-    if end - begin != need:
-        raise CommandError(f"{bad} {what} has data_offsets spanning {end - begin:,} bytes")
-    if end > held:
-        raise CommandError(f"{bad} {what} claims bytes {begin:,} to {end:,} of the data, and the file holds "
-                           f"{held:,}: it is truncated or hostile; nanhunt allocates nothing for it")
-    return _Span(dtype, tuple(shape), begin, end)
-
-
-def _key(key: str) -> str:
-    """A tensor's name from a file, shortened and quoted (control characters escaped)."""
-    return repr(key if len(key) <= _SAFETENSORS_NAME_CHARS else key[:_SAFETENSORS_NAME_CHARS - 3] + "...")
-
-
-# -------------------------------------------------------------------- JSON
-def read_json(path: str, *, what: str, fix: str, label: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in ``path``, read bounded (:func:`parse_json`); :class:`CommandError` otherwise, one line:
-    ``{label} is not {what} (...); {fix}`` (``label`` defaults to the quoted path)."""
-    label = label or repr(path)
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size  # a regular file's: refused unread; a pipe's is 0, read past the cap
-            data = f.read(max_bytes + 1) if size <= max_bytes else b""
-    except OSError as e:
-        raise CommandError(f"cannot read {label}: {e.strerror or e}") from e
-    try:
-        if size > max_bytes:
-            raise _too_big(size, what, max_bytes)
-        return parse_json(data, what=what, max_bytes=max_bytes)
-    except ValueError as e:
-        raise CommandError(f"{label} {e}; {fix}") from e
-
-
-def parse_json(data: str | bytes, *, what: str = "JSON", max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """JSON text (or its UTF-8 bytes) parsed, at most ``max_bytes`` long and nested at most ``MAX_JSON_DEPTH``
-    deep; ValueError says why not, in words that follow a file's name ("is not JSON (...)")."""
-    if len(data) > max_bytes:
-        raise _too_big(len(data), what, max_bytes)
-    try:
-        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"is not {what}: it is not UTF-8 text") from e
-    except RecursionError as e:
-        raise ValueError(f"is not {what}: it nests more than {MAX_JSON_DEPTH} levels deep") from e
-    except ValueError as e:
-        raise ValueError(f"is not {what} ({_first_line(e)})") from e
-    _check_json_depth(value, what)
-    return value
-
-
-def _too_big(size: int, what: str, max_bytes: int) -> ValueError:
-    return ValueError(f"holds {size / 2**20:,.1f} MiB, more than nanhunt reads of {what} ({max_bytes / 2**20:g} MiB)")
-
-
-def _check_json_depth(value: Any, what: str) -> None:
-    """Walked depth first, one open container a level (as :func:`_check_loaded`)."""
-    levels: list[Iterator[Any]] = []
-    if isinstance(value, (dict, list)):
-        levels.append(iter(value.values() if isinstance(value, dict) else value))
-    while levels:
-        for v in levels[-1]:
-            if isinstance(v, (dict, list)):
-                if len(levels) >= MAX_JSON_DEPTH:
-                    raise ValueError(f"is not {what}: it nests more than {MAX_JSON_DEPTH} levels deep")
-                levels.append(iter(v.values() if isinstance(v, dict) else v))
-                break
-        else:
-            levels.pop()

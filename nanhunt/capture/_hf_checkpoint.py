@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from .._util._errors import CommandError, first_line as _first_line
-from .._util._safeload import load_file, load_safetensors, read_json, safetensors_header
+from .._util._json import read_json
+from .._util._safeload import load_file
+from .._util._safetensors import load_safetensors, safetensors_header
 from ._build import _build, _check_dtypes, _Loaded, _take_dtypes
 from ._hf import _hf_model
 from ._resolve import callable_path

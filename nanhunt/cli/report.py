@@ -21,7 +21,7 @@ class ReportCommand:
         p.add_argument("-o", "--output", metavar="PATH", help="write here instead of stdout (beside an .html: its .png)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from .._util._safeload import read_json
+        from .._util._json import read_json
         from ..records import Report
         from ..report import FORMATS, render_for_format, write
         from ..report.console import render

@@ -43,7 +43,7 @@ def rule_given(path: str | None, flags: Mapping[str, Any], *, task: str | None, 
     """The acceptance rule from the JSON file ``path`` or from ``flags`` (clauses given one by one as
     ``--rtol`` ...; not both); ``task`` and ``metric`` fill in what the file leaves out. ``metric`` also confirms a
     metric function the file names."""
-    from .._util._safeload import read_json
+    from .._util._json import read_json
 
     if path is None:
         d: dict[str, Any] = {**flags, "task": task or "none"}

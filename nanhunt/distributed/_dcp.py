@@ -38,7 +38,8 @@ from torch import nn
 
 from .._util._errors import CommandError, first_line as _first_line
 from .._util import _dispatch
-from .._util._safeload import check_bytes, parse_json
+from .._util._json import parse_json
+from .._util._safeload import check_bytes
 from .._util._text import dtype_name
 from ._dcp_metadata import _check_budget, _lists, _load, _read_metadata, _read_tensor, _set_nested, _storage_index, not_linked
 from ._dcp_metadata import _few as _few, _short as _short  # re-exported: the torchrun replay words its errors so
