@@ -1,23 +1,18 @@
-"""Make ``tests/models.py`` (the fixture models) importable as ``models``; fixtures shared by every test directory."""
+"""Fixtures shared by every test directory; the suite's own packages trusted as a team trusts its own."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-
-# The suite's own packages (tests/models.py as ``models``, ``fixtures``, ``tests``) are trusted as a team trusts its
-# own: captures of their classes replay without --model (subprocesses inherit it). tests/security/test_names.py
-# removes it to test the rule as a user meets it.
-os.environ["NANHUNT_TRUST_NAMES"] = "models,fixtures,tests"
+# The suite's own packages (``fixtures``, ``tests``) are trusted as a team trusts its own: captures of their
+# classes replay without --model (subprocesses inherit it). tests/security/test_names.py removes it to test the
+# rule as a user meets it.
+os.environ["NANHUNT_TRUST_NAMES"] = "fixtures,tests"
 
 
 class ProcessWatch:

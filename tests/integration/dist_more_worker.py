@@ -28,7 +28,7 @@ from torch import nn
 
 import nanhunt
 from fixtures.models import MLP
-from tests.helpers_dist import finish_rank, rank_results, run_ranks
+from tests._support.dist import finish_rank, rank_results, run_ranks
 from tests.integration.fsdp_guard_worker import guarded_step
 
 

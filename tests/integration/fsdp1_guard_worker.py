@@ -22,7 +22,7 @@ from torch import nn
 import nanhunt
 from fixtures.models import MLP
 from tests.integration.fsdp_guard_worker import D_IN, batch, guarded_step
-from tests.helpers_dist import finish_rank, meet_again
+from tests._support.dist import finish_rank, meet_again
 
 BIG_F16 = 6e4
 

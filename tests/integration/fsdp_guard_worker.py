@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from tests.helpers_dist import finish_rank, meet_again
+from tests._support.dist import finish_rank, meet_again
 
 D_IN = 64
 BIG = 3e38

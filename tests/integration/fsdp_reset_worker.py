@@ -19,7 +19,7 @@ import nanhunt
 from fixtures.models import MLP
 from nanhunt.step.step import Step
 from nanhunt.tracing.tracer import Trace
-from tests.helpers_dist import finish_rank
+from tests._support.dist import finish_rank
 
 D_IN = 64
 

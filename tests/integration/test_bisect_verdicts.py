@@ -12,7 +12,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt import Phase
-from tests.helpers_bisect import LOSS, step_finite, verdict_of
+from tests._support.bisection import LOSS, step_finite, verdict_of
 
 D = 8
 
@@ -285,7 +285,7 @@ def test_bisection_honours_train_flag() -> None:
 
 
 def test_bisect_ordinary_float16_overflow_answer_unchanged() -> None:
-    from tests.models import fp16_overflow_mlp
+    from tests._support.models import fp16_overflow_mlp
 
     m = fp16_overflow_mlp()
     rep = nanhunt.replay(m, (torch.full((2, 4), 100.0), torch.zeros(2, 3)), loss_fn=F.mse_loss, bisect=True)
@@ -565,7 +565,7 @@ class SqrtGate(nn.Module):
 
 
 def test_a_fix_that_cannot_remove_every_origin_says_which_remain() -> None:
-    from tests._golden import render
+    from tests._support.golden import render
 
     # GIVEN down_proj's overflow reaching the loss (as above, no soft-capped attention) and, before it, a NaN
     # that float32 does not prevent, absorbed

@@ -211,7 +211,7 @@ def test_mismatched_keys_listed(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     ("nosuchpkg.models:Net", "cannot import"),
     ("fixtures.models:Nope", "has no attribute"),
     ("fixtures.models", "package.module:callable"),
-    ("tests.helpers_cli:raising_factory", "raised"),
+    ("tests._support.cli:raising_factory", "raised"),
 ])
 def test_bad_factory(factory: str, text: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from fixtures.models import MLP
@@ -264,14 +264,14 @@ def test_a_failure_inside_nanhunt_is_not_blamed_on_the_batch(monkeypatch: pytest
 
 def test_model_returning_loss_with_dict_batch(tmp_path: Path) -> None:
     # GIVEN an HF-style model taking keyword arguments and returning {"loss": ...}
-    from tests.helpers_cli import DictLossModel
+    from tests._support.cli import DictLossModel
 
     torch.manual_seed(0)
     m = DictLossModel()
     files = _plain(tmp_path, m.state_dict(), {"x": torch.randn(4, 16), "labels": torch.zeros(4, 4)})
-    assert main(["replay", *files, "--model", "tests.helpers_cli:DictLossModel", "--dtype", "float32"]) == 0
+    assert main(["replay", *files, "--model", "tests._support.cli:DictLossModel", "--dtype", "float32"]) == 0
     files = _plain(tmp_path, m.state_dict(), {"x": torch.full((4, 16), float("nan")), "labels": torch.zeros(4, 4)})
-    assert main(["replay", *files, "--model", "tests.helpers_cli:DictLossModel", "--dtype", "float32"]) == 1
+    assert main(["replay", *files, "--model", "tests._support.cli:DictLossModel", "--dtype", "float32"]) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

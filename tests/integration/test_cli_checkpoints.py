@@ -17,8 +17,8 @@ from torch import nn
 import nanhunt
 from nanhunt.records import Report
 
-from tests.helpers_bisect import step_finite, verdict_of
-from tests.helpers_cli import FrozenBN, HotNet, Net, averaged
+from tests._support.bisection import step_finite, verdict_of
+from tests._support.cli import FrozenBN, HotNet, Net, averaged
 
 pytestmark = pytest.mark.subprocess
 
@@ -51,8 +51,8 @@ def test_capture_of_a_model_with_a_frozen_batchnorm_replays_it_frozen(tmp_path: 
     api = verdict_of(nanhunt.replay(m, (x, y), loss_fn=F.mse_loss, bisect=True))
     assert (api.kind, api.culprits) == ("precision", ("fc",))
     nanhunt.save_capture(tmp_path / "ck.pt", tmp_path / "batch.pt", model=m, batch=(x, y), loss_fn=F.mse_loss,
-                         model_factory="tests.helpers_cli:FrozenBN")
-    code, err, rep = _cli(tmp_path, None, None, "--model", "tests.helpers_cli:FrozenBN")
+                         model_factory="tests._support.cli:FrozenBN")
+    code, err, rep = _cli(tmp_path, None, None, "--model", "tests._support.cli:FrozenBN")
     assert rep is not None, err
     assert code == 1 and rep.status == "nonfinite", (code, rep.status)
     assert rep.verdict is not None and (rep.verdict.kind, rep.verdict.culprits) == ("precision", ("fc",))
@@ -65,8 +65,8 @@ def test_state_dict_of_a_model_with_a_child_named_module(wrap: str, tmp_path: Pa
     assert "module.fc1.weight" in sd
     if wrap == "ddp":
         sd = {f"module.{k}": v for k, v in sd.items()}
-    code, err, rep = _cli(tmp_path, sd, (torch.randn(4, D), torch.randn(4, D)), "--model", "tests.helpers_cli:averaged",
-                          "--loss", "torch.nn.functional:mse_loss", "--dtype", "float32")
+    code, err, rep = _cli(tmp_path, sd, (torch.randn(4, D), torch.randn(4, D)), "--model",
+                          "tests._support.cli:averaged", "--loss", "torch.nn.functional:mse_loss", "--dtype", "float32")
     assert code == 0, err
     assert rep is not None and rep.status == "clean"
 
@@ -77,7 +77,7 @@ def test_lightning_state_dict_with_a_loss_buffer(tmp_path: Path) -> None:
     lightning = {"state_dict": {**{f"model.{k}": v for k, v in sd.items()}, "criterion.pos_weight": torch.ones(D)},
                  "epoch": 3}
     code, err, _ = _cli(tmp_path, lightning, (torch.randn(4, D), torch.randn(4, D)), "--model",
-                        "tests.helpers_cli:Net", "--loss", "torch.nn.functional:mse_loss", "--dtype", "float32")
+                        "tests._support.cli:Net", "--loss", "torch.nn.functional:mse_loss", "--dtype", "float32")
     # replayed, the loss's buffer ignored with a warning that names it (the model's keys all load)
     assert code == 0, err
     assert "ignored" in err and "criterion.pos_weight" in err, err
@@ -104,10 +104,10 @@ def test_cli_batch_shapes_and_bf16_weights_give_the_known_culprit(case: str, tmp
     assert torch.equal(_hot_sd(torch.bfloat16)["fc2.weight"].float(), _hot_sd()["fc2.weight"])
     mse = ["--loss", "torch.nn.functional:mse_loss"]
     ck, batch, args = {
-        "kwargs-dot-loss": ({"model": _hot_sd()}, {"x": x, "labels": y}, ["--model", "tests.helpers_cli:HotKwargs"]),
-        "tensor-scalar-loss": (_hot_sd(), x, ["--model", "tests.helpers_cli:HotScalar"]),
-        "inputs-targets-dict": (_hot_sd(), {"inputs": x, "targets": y}, ["--model", "tests.helpers_cli:HotNet", *mse]),
-        "bf16-weights": (_hot_sd(torch.bfloat16), (x, y), ["--model", "tests.helpers_cli:HotNet", *mse]),
+        "kwargs-dot-loss": ({"model": _hot_sd()}, {"x": x, "labels": y}, ["--model", "tests._support.cli:HotKwargs"]),
+        "tensor-scalar-loss": (_hot_sd(), x, ["--model", "tests._support.cli:HotScalar"]),
+        "inputs-targets-dict": (_hot_sd(), {"inputs": x, "targets": y}, ["--model", "tests._support.cli:HotNet", *mse]),
+        "bf16-weights": (_hot_sd(torch.bfloat16), (x, y), ["--model", "tests._support.cli:HotNet", *mse]),
     }[case]
     code, err, rep = _cli(tmp_path, ck, batch, *args)
     assert rep is not None, err

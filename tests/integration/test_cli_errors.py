@@ -24,7 +24,7 @@ CLEAN = [str(FIX / "clean" / "checkpoint.pt"), str(FIX / "clean" / "batch.pt")]
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Model factories named as fixtures.models:... / tests.helpers_cli:... import from the repository root.
+    # Model factories named as fixtures.models:... / tests._support.cli:... import from the repository root.
     monkeypatch.chdir(ROOT)
 
 
@@ -264,7 +264,7 @@ def test_ctrl_c_in_cli_replay_exits_130_and_leaves_files(tmp_path: Path, capsys:
     torch.save(MLP().state_dict(), ck)
     torch.save((torch.randn(4, 16), torch.randn(4, 4)), b)
     before = _files_state([str(ck), str(b)])
-    code, out, err = _cli(["replay", str(ck), str(b), "--model", "tests.helpers_cli:InterruptingMLP",
+    code, out, err = _cli(["replay", str(ck), str(b), "--model", "tests._support.cli:InterruptingMLP",
                            "--loss", "torch.nn.functional:mse_loss", "--report", str(tmp_path / "r.json")], capsys)
     # THEN exit 130, one line saying so, no traceback, no report, files unchanged
     assert code == 130

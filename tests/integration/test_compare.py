@@ -17,18 +17,18 @@ from nanhunt.comparison.engine import TIE_RULE, top_two
 from nanhunt.records import Comparison, Report
 from nanhunt.report.console import render_text
 
-from .. import helpers_compare
-from ..helpers_compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Absorbed, Carried, Exploding, Flip, Net, Overflow,
-                              Scalar, Underflow)
+import tests._support.compare as compare_models
+from tests._support.compare import (CARRIED_X, CARRIED_Y, FLIP_X, FLIP_Y, Absorbed, Carried, Exploding, Flip, Net,
+                                    Overflow, Scalar, Underflow)
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPERS = "tests.helpers_compare"
+HELPERS = "tests._support.compare"
 CE = "torch.nn.functional:cross_entropy"
 
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)  # --model tests.helpers_compare:... imports from the repository root
+    monkeypatch.chdir(ROOT)  # --model tests._support.compare:... imports from the repository root
 
 
 def _cmp(report: Report) -> Comparison:
@@ -136,7 +136,7 @@ def test_overflow_absorbed_under_float16_is_listed_though_the_run_stays_finite()
     c = _cmp(rep)
     # THEN the autocast run is finite and the rule holds, but the overflow is listed: op, module, source line
     assert rep.status == "clean" and c.accepted and c.amp_finite is True
-    file = helpers_compare.__file__
+    file = compare_models.__file__
     line = next(i for i, t in enumerate(Path(file).read_text().splitlines(), 1) if t.endswith("# SQUARE"))
     assert c.absorbed == (f"autocast float16: Inf born in phase forward, module norm (RMSNorm, call 0), op aten::pow, "
                           f"at {file}:{line} in forward: return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) "

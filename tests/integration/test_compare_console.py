@@ -23,8 +23,8 @@ from torch import nn
 from nanhunt import compare
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report
-from tests._golden import check_golden, fixed_environment, render
-from tests.helpers_compare import FLIP_SCORES, FLIP_X, FLIP_Y, Flip
+from tests._support.golden import check_golden, fixed_environment, render
+from tests._support.compare import FLIP_SCORES, FLIP_X, FLIP_Y, Flip
 
 ROOT = Path(__file__).resolve().parents[2]
 CE = "torch.nn.functional:cross_entropy"

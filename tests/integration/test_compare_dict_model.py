@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nanhunt
-from tests.models import DictModel
+from tests._support.models import DictModel
 
 ROOT = Path(__file__).resolve().parents[2]
 

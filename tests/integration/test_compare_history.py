@@ -16,8 +16,8 @@ import torch
 from nanhunt.cli import main
 from nanhunt.comparison.engine import HISTORY_FILE, History
 from nanhunt.records import Report
-from tests._golden import render
-from tests.helpers_compare import FLIP_X, FLIP_Y, Flip
+from tests._support.golden import render
+from tests._support.compare import FLIP_X, FLIP_Y, Flip
 
 ROOT = Path(__file__).resolve().parents[2]
 CE = "torch.nn.functional:cross_entropy"
@@ -27,7 +27,7 @@ WARNING = re.compile(r"the rule changed after a failing run \(was ([0-9a-f]{12})
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)  # --model tests.helpers_compare:Flip imports from the repository root
+    monkeypatch.chdir(ROOT)  # --model tests._support.compare:Flip imports from the repository root
 
 
 def _files(tmp_path: Path, name: str = "checkpoint.pt", scale: float = 1.0) -> list[str]:
@@ -45,7 +45,7 @@ def _run(files: list[str], tmp_path: Path, max_flips: int, report: str) -> tuple
     rule = tmp_path / "rule.json"
     rule.write_text(json.dumps({"task": "classify", "max_flips": max_flips}))
     out = tmp_path / report
-    code = main(["compare", *files, "--model", "tests.helpers_compare:Flip", "--loss", CE, "--rule", str(rule),
+    code = main(["compare", *files, "--model", "tests._support.compare:Flip", "--loss", CE, "--rule", str(rule),
                  "--report", str(out)])
     return code, Report.from_json(out.read_text()) if out.suffix == ".json" else Report(status="", first=None)
 

@@ -22,7 +22,7 @@ from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report, Rule
 
-from ..helpers_compare import Net, Overflow
+from tests._support.compare import Net, Overflow
 from .set_models import RAMP_SET, SET, Boundary, Ramp, agreement, squared_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +212,7 @@ def test_cli_directory_of_a_clean_model_exits_0(tmp_path: Path, capsys: pytest.C
 
     monkeypatch.setattr(cmp_mod, "compare", spy)
     out = tmp_path / "r.json"
-    code = main(["compare", str(ck), str(d), "--model", "tests.helpers_compare:Net", "--loss", CE, "--task",
+    code = main(["compare", str(ck), str(d), "--model", "tests._support.compare:Net", "--loss", CE, "--task",
                  "classify", "--report", str(out)])
     assert code == 0
     assert "rule (fixed before the run): {" in seen[0] and "rule sha256: " in seen[0]
@@ -290,7 +290,7 @@ def test_cli_input_errors(set_files: dict[str, Any], tmp_path: Path) -> None:
 
 
 def test_every_format_shows_the_rule_its_hash_and_the_failed_clause(tmp_path: Path) -> None:
-    from tests._golden import render
+    from tests._support.golden import render
 
     rep = compare(Boundary(), batches=SET, loss_fn=F.cross_entropy, dtype="float16,bfloat16", rule=ALLOW_BIG,
                   speed=1)

@@ -20,7 +20,7 @@ from nanhunt.cli import main
 from nanhunt.records import Report
 
 from .fsdp_guard_worker import batch, run
-from tests.helpers_dist import rank_results, run_ranks
+from tests._support.dist import rank_results, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120

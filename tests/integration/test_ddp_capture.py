@@ -24,7 +24,7 @@ from nanhunt.cli import main
 from nanhunt.records import Report
 
 from .fsdp_guard_worker import batch, run
-from tests.helpers_dist import rank_results, run_ranks, torchrun
+from tests._support.dist import rank_results, run_ranks, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD_RANK, BAD_STEP = 1, 2

@@ -15,7 +15,7 @@ import pytest
 from nanhunt.cli import main
 from nanhunt.records import Report
 
-from tests.helpers_dist import torchrun
+from tests._support.dist import torchrun
 
 from .test_dcp_capture import ROOT, fsdp_run  # noqa: F401  the capture directory, written by two FSDP2 ranks
 

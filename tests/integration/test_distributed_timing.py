@@ -23,7 +23,7 @@ from torch import nn
 import nanhunt
 
 from .dist_more_worker import two_ranks
-from tests.helpers_dist import finish_rank
+from tests._support.dist import finish_rank
 
 TIMEOUT_S = 60
 

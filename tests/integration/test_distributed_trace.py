@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from .dist_trace_worker import run
-from tests.helpers_dist import rank_results, run_ranks
+from tests._support.dist import rank_results, run_ranks
 
 TIMEOUT_S = 60
 

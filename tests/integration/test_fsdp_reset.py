@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.helpers_dist import rank_results, run_ranks
+from tests._support.dist import rank_results, run_ranks
 
 from .fsdp_reset_worker import run
 

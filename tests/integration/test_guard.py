@@ -16,7 +16,7 @@ import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 
-from helpers_guard import batch, guard_for, mlp_setup, train_step
+from tests._support.guard import batch, guard_for, mlp_setup, train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 

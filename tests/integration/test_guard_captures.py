@@ -14,8 +14,8 @@ import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 
-from helpers_guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup, train_step
-from tests.models import DictModel
+from tests._support.guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup, train_step
+from tests._support.models import DictModel
 
 ROOT = Path(__file__).resolve().parents[2]
 

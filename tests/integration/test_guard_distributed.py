@@ -12,8 +12,8 @@ import torch.distributed as dist
 import nanhunt
 from nanhunt.capture.capture import load_step
 
-from helpers_guard import dist_worker
-from tests.helpers_dist import rank_results, run_ranks
+from tests._support.guard import dist_worker
+from tests._support.dist import rank_results, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90

@@ -21,7 +21,7 @@ from nanhunt.records import Report
 
 from .fsdp1_guard_worker import f16_batch, run
 from .fsdp_guard_worker import batch
-from tests.helpers_dist import rank_results, run_ranks
+from tests._support.dist import rank_results, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120  # about 10 s on an idle machine; several times that when the 2 cores are shared

@@ -23,9 +23,9 @@ from torch import nn
 import nanhunt
 from nanhunt.guard.guard import GuardWarning
 
-from helpers_guard import batch as mlp_batch
-from helpers_guard import guard_for, mlp_setup
-from tests.helpers_dist import meet_again
+from tests._support.guard import batch as mlp_batch
+from tests._support.guard import guard_for, mlp_setup
+from tests._support.dist import meet_again
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -456,7 +456,7 @@ def test_framework_callbacks_refuse_on_fail_rollback(tmp_path: Path, framework: 
 
 # ------------------------------------------------------------------ torch.distributed
 def _mlp_amp_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, b: Batch) -> None:
-    """helpers_guard.train_step's numerics, unguarded."""
+    """tests._support.guard.train_step's numerics, unguarded."""
     x, y = b
     opt.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -476,7 +476,7 @@ def rollback_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: st
 
     import torch.distributed as dist
 
-    from helpers_guard import train_step
+    from tests._support.guard import train_step
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)

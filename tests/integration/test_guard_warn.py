@@ -19,7 +19,7 @@ from nanhunt.guard._headroom import HISTORY, READ_STEPS, Headroom
 from nanhunt.guard.guard import HeadroomWarning
 from nanhunt.records import GuardEvent
 
-from helpers_guard import batch, guard_for, mlp_setup
+from tests._support.guard import batch, guard_for, mlp_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 GROWTH = 1.03  # fc1's weight grows 3% a step: its float16 output overflows at step 351 (seed 0)

@@ -24,7 +24,7 @@ from nanhunt import Phase
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main
 from nanhunt.records import Report
-from tests.helpers_cli import HotNet, Output
+from tests._support.cli import HotNet, Output
 from tests.real import builders as B
 from tests.real.builders import where
 
@@ -266,7 +266,7 @@ def test_an_rng_state_that_cannot_be_used_is_said_and_left_out(
     step = load_step(str(ck), str(batch))
     # THEN the step has no RNG state of its own, and a note says why
     assert step.rng is None
-    why = ("holds pickled Python objects (tests.helpers_cli.Output), which run code when loaded; if you trust its "
+    why = ("holds pickled Python objects (tests._support.cli.Output), which run code when loaded; if you trust its "
            "source, rerun with --trust-pickle" if case == "pickled objects" else
            "holds no torch generator state ('cpu')")
     assert any(why in n and n.endswith("not used: the step starts from nanhunt's own generator state")
@@ -397,7 +397,7 @@ def test_a_safetensors_file_is_read_as_one(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.chdir(ROOT)
     # WHEN it is replayed with --model
     rc, rep = _replayed([str(tmp_path / "weights.safetensors"), str(tmp_path / "batch.pt"), "--model",
-                         "tests.helpers_cli:HotNet", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"],
+                         "tests._support.cli:HotNet", "--loss", "torch.nn.functional:mse_loss", "--no-bisect"],
                         tmp_path)
     # THEN its weights are replayed: fc2's addmm overflows
     assert rc == 1 and rep.first is not None and (rep.first.module, rep.first.op) == ("fc2", "aten::addmm")

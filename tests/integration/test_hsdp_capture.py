@@ -17,7 +17,7 @@ from nanhunt.cli import main
 from nanhunt.records import Report
 
 from .fsdp_guard_worker import run
-from tests.helpers_dist import rank_results, run_ranks, torchrun
+from tests._support.dist import rank_results, run_ranks, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD, BAD_RANK, BAD_STEP = 4, 3, 1

@@ -18,7 +18,7 @@ from nanhunt.cli import main
 from nanhunt.capture.inspect_ckpt import inspect_checkpoint
 from nanhunt.records import Inspection
 from nanhunt.report.console import render_inspection
-from tests._golden import WIDTH, check_golden
+from tests._support.golden import WIDTH, check_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 

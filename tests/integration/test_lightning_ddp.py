@@ -13,7 +13,7 @@ from nanhunt.cli import main as cli_main
 
 pytest.importorskip("lightning.pytorch")
 
-from tests.helpers_dist import torchrun  # noqa: E402
+from tests._support.dist import torchrun  # noqa: E402
 from tests.integration.test_lightning_callback import STEP  # noqa: E402
 
 pytestmark = pytest.mark.distributed

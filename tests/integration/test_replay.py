@@ -162,7 +162,7 @@ def test_save_capture_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_module_tree_status_summarises_the_subtree() -> None:
     # GIVEN an MLP whose activation (a child) overflows: neither the root nor fc1 makes a non-finite value itself
-    from ..models import exp_overflow_mlp
+    from tests._support.models import exp_overflow_mlp
 
     model = nn.Sequential(exp_overflow_mlp())
     x = torch.ones(2, 4)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _in_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Model factories named as fixtures.models:... / tests.helpers_cli:... import from the repository root.
+    # Model factories named as fixtures.models:... / tests._support.cli:... import from the repository root.
     monkeypatch.chdir(ROOT)
 
 

@@ -22,8 +22,8 @@ from nanhunt.report.console import render_text
 from nanhunt.report.html import render as render_html
 from nanhunt.report.markdown import render as render_md
 
-from helpers_guard import batch, guard_for, mlp_setup, train_step
-from tests._golden import GOLDEN, check_golden, render
+from tests._support.guard import batch, guard_for, mlp_setup, train_step
+from tests._support.golden import GOLDEN, check_golden, render
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_LINE = "return self.fc2(self.act(self.fc1(x)))"  # fixtures/models.py, MLP.forward: where fc1's addmm runs

@@ -13,7 +13,7 @@ from torch import nn
 import nanhunt
 from nanhunt.records import Report
 
-from tests._golden import render
+from tests._support.golden import render
 
 
 def _strict(text: str) -> Any:

@@ -144,7 +144,7 @@ def test_accelerate_loop_with_a_functional_loss(tmp_path: Path, elsewhere: Path)
 @pytest.mark.distributed
 def test_torchrun_ddp_loop_stops_every_rank_and_replays_under_torchrun(tmp_path: Path, elsewhere: Path) -> None:
     # GIVEN a DDP loop under torchrun (2 gloo ranks) whose rank 1 overflows exp at step 2
-    from tests.helpers_dist import torchrun
+    from tests._support.dist import torchrun
 
     done = torchrun(["-m", "nanhunt", "run", str(SCRIPTS / "ddp_loop.py"), "--bad-step", "2"], cwd=tmp_path)
     # THEN both ranks stop at step 2 (rank 1 saw it) and print the torchrun replay line

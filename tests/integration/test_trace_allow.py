@@ -8,7 +8,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt import Phase, Role
-from models import ExpActivation, where
+from tests._support.models import ExpActivation, where
 
 
 def exp_head(*, zero_weight: bool = False) -> nn.Sequential:

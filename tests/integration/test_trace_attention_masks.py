@@ -10,7 +10,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import where
+from tests._support.models import where
 
 
 # ---------------------------------------------------------------- masks next to real faults

@@ -6,7 +6,7 @@ import copy
 import math
 from typing import Any
 
-import models as M
+import tests._support.models as M
 import pytest
 import torch
 from torch import nn

@@ -11,7 +11,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import where
+from tests._support.models import where
 
 
 # ---------------------------------------------------------------- constants made in forward (lift_fresh)

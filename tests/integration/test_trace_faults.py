@@ -14,7 +14,7 @@ import math
 import traceback
 from collections.abc import Callable
 
-import models as M
+import tests._support.models as M
 import pytest
 import torch
 import torch.nn.functional as F

@@ -14,7 +14,7 @@ from nanhunt import Phase
 from nanhunt.cli import main
 from nanhunt.records import Report
 
-from ..models import where
+from tests._support.models import where
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from nanhunt.records import Record, Role
 from nanhunt.hunt.repro import make_repro
 from nanhunt.step.step import Step
 
-from models import batch, seeded, where
+from tests._support.models import batch, seeded, where
 
 INF, NAN_ = math.inf, math.nan
 NEG_INF = -INF

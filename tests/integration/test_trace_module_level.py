@@ -12,7 +12,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import FcThenNorm, where
+from tests._support.models import FcThenNorm, where
 
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")

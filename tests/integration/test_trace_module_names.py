@@ -9,7 +9,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import where
+from tests._support.models import where
 
 
 class Pow15(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import FcHead as MLP, where
+from tests._support.models import FcHead as MLP, where
 
 
 # ---------------------------------------------------------------- shared weights under autocast

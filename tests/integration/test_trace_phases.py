@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import nanhunt
 from nanhunt import Phase
 
-from models import FcHead as MLP, where
+from tests._support.models import FcHead as MLP, where
 
 
 pytestmark = pytest.mark.usefixtures("warm_tracer")

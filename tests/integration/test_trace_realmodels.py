@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import warnings
 
-import models as M
+import tests._support.models as M
 import pytest
 import torch
 import torch.nn.functional as F

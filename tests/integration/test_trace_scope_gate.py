@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import models as M
+import tests._support.models as M
 import pytest
 import torch
 from torch import nn

@@ -12,7 +12,7 @@ from torch import nn
 import nanhunt
 from nanhunt import Phase
 
-from models import where
+from tests._support.models import where
 
 
 # ------------------------------------------------------------------ trace(scope=...)

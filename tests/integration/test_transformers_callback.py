@@ -22,7 +22,7 @@ import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
-from tests.helpers_dist import torchrun
+from tests._support.dist import torchrun
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402

@@ -149,7 +149,7 @@ def _sizes(rng: random.Random) -> list[Case]:
 
 def _directories(rng: random.Random) -> list[Case]:
     """A capture directory whose files link outside it; a bundle directory of the user's own files."""
-    from tests.helpers_capture_dir import one_rank_capture
+    from tests._support.capture_dir import one_rank_capture
 
     cases = []
     secret = CORPUS / "outside" / "secret.json"

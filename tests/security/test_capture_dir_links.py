@@ -13,7 +13,7 @@ import pytest
 
 from nanhunt.cli import main
 from nanhunt.records import Report
-from tests.helpers_capture_dir import one_rank_capture
+from tests._support.capture_dir import one_rank_capture
 
 LINKED = ("is a symbolic link; nanhunt reads only the files a capture directory holds, never one a link points to: "
           "copy the real files into it")

@@ -18,8 +18,8 @@ import torch
 from nanhunt.distributed._dcp import load_state
 from nanhunt._util._errors import CommandError
 from nanhunt.cli import main
-from tests.helpers_capture_dir import one_rank_capture, read_metadata, write_metadata
-from tests.helpers_peak import run_nanhunt
+from tests._support.capture_dir import one_rank_capture, read_metadata, write_metadata
+from tests._support.peak import run_nanhunt
 
 GIB = 1 << 30
 

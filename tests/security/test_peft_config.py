@@ -263,7 +263,7 @@ def test_module_names_and_suffixes_are_not_patterns(tmp_path: Path) -> None:
 
 @pytest.mark.subprocess
 def test_a_rank_of_four_million_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
-    from tests.helpers_peak import run_nanhunt
+    from tests._support.peak import run_nanhunt
 
     # GIVEN a capture whose LoRA rank is 4,000,000 on a layer of 16 x 48 (built, it took 4.4 GB)
     ck, bt = _capture(tmp_path)

@@ -12,8 +12,8 @@ import nanhunt
 from nanhunt._util._errors import CommandError
 from nanhunt.capture.capture import load_step, map_state_dict
 
-from tests.helpers_cli import FrozenBNNet
-from tests.models import clean_mlp
+from tests._support.cli import FrozenBNNet
+from tests._support.models import clean_mlp
 
 
 @pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod.", "module._orig_mod."])
@@ -32,7 +32,7 @@ def test_load_step_per_module_flags(train: bool | None, tmp_path: Path) -> None:
     m.bn.eval()
     x, y = torch.randn(4, 4), torch.zeros(4, 4)
     nanhunt.save_capture(tmp_path / "ck.pt", tmp_path / "b.pt", model=m, batch=(x, y), loss_fn=F.mse_loss,
-                         model_factory="tests.helpers_cli:FrozenBNNet")
+                         model_factory="tests._support.cli:FrozenBNNet")
     step = load_step(str(tmp_path / "ck.pt"), str(tmp_path / "b.pt"), train=train)
     flags = {n: mod.training for n, mod in step.model.named_modules()}
     if train is False:

@@ -17,7 +17,7 @@ import nanhunt
 from nanhunt._util._errors import CommandError
 from nanhunt.capture.capture import load_step
 
-from tests.models import ExpActivation
+from tests._support.models import ExpActivation
 
 FACTORY = "pass model_factory='package.module:factory'"
 
@@ -65,7 +65,7 @@ def test_guard_and_save_capture_refuse_a_sequential_they_cannot_rebuild(tmp_path
     with pytest.raises(ValueError) as info:
         _save(tmp_path, model, torch.randn(2, 4))
     assert str(info.value) == message
-    nanhunt.Guard(model, opt, dump_dir=tmp_path, model_factory="tests.models:clean_mlp")  # a factory: accepted
+    nanhunt.Guard(model, opt, dump_dir=tmp_path, model_factory="tests._support.models:clean_mlp")  # a factory: accepted
 
 
 def test_model_kwargs_that_do_not_rebuild_a_torch_model_are_refused(tmp_path: Path) -> None:
@@ -84,8 +84,8 @@ def _many(n: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("spec", "why"), [
-    ({"class": "tests.models:ExpActivation", "args": {}},
-     "names 'tests.models:ExpActivation', not one of torch.nn's classes"),
+    ({"class": "tests._support.models:ExpActivation", "args": {}},
+     "names 'tests._support.models:ExpActivation', not one of torch.nn's classes"),
     ({"class": "torch.nn.modules.linear:Linear", "args": {"in_features": 25000, "out_features": 25000}}, None),
     ({"class": "torch.nn.modules.linear:Linear", "args": {"in_features": {"x": 1}, "out_features": 2}},
      "gives 'torch.nn.modules.linear:Linear' an argument that is a dict, not a plain value"),

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests._golden import GOLDEN, check_golden, markdown_to_html, render
+from tests._support.golden import GOLDEN, check_golden, markdown_to_html, render
 from nanhunt.records import Comparison, Decision, Regression, Report, TensorDiff
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -483,7 +483,7 @@ def test_picture_puts_infinite_errors_in_their_own_column() -> None:
 @pytest.mark.subprocess
 def test_picture_leaves_no_pyplot_state() -> None:
     # A fresh interpreter: drawing must not import pyplot nor register a figure anywhere.
-    code = ("import sys, json; sys.path.insert(0, 'tests'); from tests.unit.test_compare_report import sample_comparison; "
+    code = ("import sys, json; from tests.unit.test_compare_report import sample_comparison; "
             "from nanhunt.report.picture import png; b = png(sample_comparison()); "
             "print(json.dumps([b[:4] == b'\\x89PNG', 'matplotlib.pyplot' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -512,13 +512,13 @@ def test_write_puts_the_picture_beside_the_page(tmp_path: Path) -> None:
 def flip_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     import torch
 
-    from ..helpers_compare import FLIP_X, FLIP_Y, Flip
+    from tests._support.compare import FLIP_X, FLIP_Y, Flip
 
-    monkeypatch.chdir(ROOT)  # --model tests.helpers_compare:Flip imports from the repository root
+    monkeypatch.chdir(ROOT)  # --model tests._support.compare:Flip imports from the repository root
     ck, bt = tmp_path / "checkpoint.pt", tmp_path / "batch.pt"
     torch.save(Flip().state_dict(), ck)
     torch.save((FLIP_X, FLIP_Y), bt)
-    return [str(ck), str(bt), "--model", "tests.helpers_compare:Flip", "--loss", "torch.nn.functional:cross_entropy",
+    return [str(ck), str(bt), "--model", "tests._support.compare:Flip", "--loss", "torch.nn.functional:cross_entropy",
             "--task", "classify"]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests._golden import GOLDEN, check_golden, markdown_to_html, render
+from tests._support.golden import GOLDEN, check_golden, markdown_to_html, render
 from nanhunt.records import FullStats, Occurrence, Phase, Record, Report, Repro, Role, Verdict
 
 

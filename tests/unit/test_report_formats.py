@@ -9,7 +9,7 @@ from typing import Any
 
 from nanhunt.records import Report
 
-from tests._golden import render
+from tests._support.golden import render
 from tests.unit.test_report import sample_report
 
 

@@ -23,7 +23,7 @@ from nanhunt.cli import main
 from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Phase
 from nanhunt.step.step import Step, StepState
-from tests.models import fp16_overflow_mlp, where
+from tests._support.models import fp16_overflow_mlp, where
 
 MIB = 1 << 20
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (maps, status)")

@@ -6,7 +6,7 @@ import dataclasses
 
 from nanhunt.hunt._ranks import received_note
 from nanhunt.records import GuardEvent, Report
-from tests._golden import GOLDEN
+from tests._support.golden import GOLDEN
 
 
 def _clean(event: GuardEvent | None) -> Report:

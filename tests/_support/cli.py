@@ -1,4 +1,4 @@
-"""Importable helpers for CLI tests (factories named as tests.helpers_cli:...)."""
+"""Importable helpers for CLI tests (factories named as tests._support.cli:...)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class FrozenBN(nn.Module):
         return self.fc(self.bn(x)) * 1e-4
 
 
-# Importable by the CLI as --model tests.helpers_cli:InterruptingMLP
+# Importable by the CLI as --model tests._support.cli:InterruptingMLP
 class InterruptingMLP(nn.Module):
     """fixtures.models.MLP's layout; its forward is Ctrl-C'd (as if the user pressed it mid-replay)."""
 

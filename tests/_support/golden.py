@@ -10,7 +10,7 @@ import pytest
 
 from nanhunt.records import Report
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 UPDATE = os.environ.get("NANHUNT_UPDATE_GOLDEN") == "1"
 WIDTH = 100  # fixed console width of every golden text
 # The environment section of a golden made from a real run: the machine's own (kernel, CPU, versions) would

@@ -1,4 +1,4 @@
-"""Fixture models for ``nanhunt compare`` (importable by name, e.g. ``tests.helpers_compare:Flip``).
+"""Fixture models for ``nanhunt compare`` (importable by name, e.g. ``tests._support.compare:Flip``).
 
 Every weight that matters is set by hand, so what float16 does to it is known exactly:
 float16 has 10 fraction bits, so near 1.0 its spacing is 2**-10 ~ 0.000977 and near 1000 it is 0.5.

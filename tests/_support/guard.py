@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from tests.helpers_dist import meet_again
+from tests._support.dist import meet_again
 
 D_IN = 64
 BIG_INPUT = 6e4  # finite in float16, but 64 of them summed by fc1 overflow its float16 output
