@@ -393,7 +393,7 @@ def test_rollback_is_refused_inside_a_step_and_on_fail_is_checked(tmp_path: Path
 # ------------------------------------------------------------------ Ctrl-C
 def test_rollback_holds_sigint_at_every_line_it_runs(tmp_path: Path) -> None:
     # GIVEN a step that failed (NaN loss, on_fail="dump") after a clean one, made afresh for every interrupt
-    from security.test_interrupts import _inject_everywhere, _Inject, _sigint, _traced
+    from tests.security.test_interrupts import _inject_everywhere, _Inject, _sigint, _traced
 
     def failed() -> tuple[nanhunt.Guard, nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, dict[str, Any]]:
         model, opt, scaler = _net()
