@@ -672,8 +672,7 @@ class Guard:
         ``propagate=False``: never raise (another exception is propagating)."""
         cur.tripped = True
         self._bad_at = cur.index
-        if self.bad_since is None:
-            self.bad_since = cur.index
+        self.bad_since = cur.index if self.bad_since is None else self.bad_since  # one line: one path either way
         began = live  # the live weights are this step's starting weights, its buffers the entry copies
         bad_update = cur.index  # the step whose update the capture should hold the state before
         if live and kind != "params":
