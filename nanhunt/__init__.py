@@ -41,7 +41,7 @@ import types as _types
 import typing as _typing
 
 from ._util import _last
-from ._util._errors import GuardError, NanhuntError, NonFiniteError, Stop
+from ._util._errors import GuardError, InputError, NanhuntError, NonFiniteError, Stop
 from ._util._version import __version__
 
 if _typing.TYPE_CHECKING:
@@ -62,6 +62,7 @@ __all__ = [
     "Guard",
     "GuardEvent",
     "GuardError",
+    "InputError",
     "Report",
     "Verdict",
     "keep_fp32",

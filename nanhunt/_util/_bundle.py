@@ -16,7 +16,7 @@ import secrets
 import shutil
 import stat
 
-from ._errors import CommandError
+from ._errors import InputError
 from ._files import check_target, write_file
 from ._interrupt import atomic
 from ._text import few
@@ -55,26 +55,26 @@ def _marked(directory: str) -> bool:
 
 def earlier_bundle(directory: str) -> list[str]:
     """The files of an earlier bundle in ``directory``: none when it is absent or empty. Raises a one-line
-    :class:`CommandError` when it holds anything nanhunt did not write: a file at a bundle's name that is not a
+    :class:`InputError` when it holds anything nanhunt did not write: a file at a bundle's name that is not a
     regular one (a link is never written through nor removed), no marker, or a name no bundle has."""
     try:
         entries = sorted(os.listdir(directory))
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise CommandError(f"cannot read the bundle directory {directory!r}: {e.strerror}; give another "
+        raise InputError(f"cannot read the bundle directory {directory!r}: {e.strerror}; give another "
                            "directory") from e
     names = _names()
     for name in entries:
         if name in names:
             check_target(os.path.join(directory, name))
     if entries and not _marked(directory):
-        raise CommandError(f"refusing to write a bundle into {directory!r}: it holds files nanhunt did not write "
+        raise InputError(f"refusing to write a bundle into {directory!r}: it holds files nanhunt did not write "
                            f"({few(entries)}), which the bundle would replace or delete; give a new or empty "
                            "directory, or remove them")
     foreign = [e for e in entries if e not in names and e != MARKER]
     if foreign:
-        raise CommandError(f"refusing to replace the bundle in {directory!r}: it also holds files nanhunt did not "
+        raise InputError(f"refusing to replace the bundle in {directory!r}: it also holds files nanhunt did not "
                            f"write ({few(foreign)}), which replacing it would delete; move them out, or give "
                            "another directory")
     return [n for n in names if n in entries]
@@ -86,7 +86,7 @@ def claim(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise CommandError(f"cannot create {directory!r}: {e.strerror}") from e
+        raise InputError(f"cannot create {directory!r}: {e.strerror}") from e
     earlier_bundle(directory)
     if not _marked(directory):
         write_file(os.path.join(directory, MARKER), _MARK)
@@ -110,10 +110,10 @@ class Staging:
         one holding the current directory, or one in a directory nanhunt cannot write into."""
         if os.path.isdir(self.target):
             if os.path.ismount(self.target):
-                raise CommandError(f"cannot use {self.directory!r} as the bundle directory: it is a mount point, "
+                raise InputError(f"cannot use {self.directory!r} as the bundle directory: it is a mount point, "
                                    "which nanhunt cannot swap for the new bundle; give a directory inside it")
             if os.path.commonpath([os.path.realpath(os.getcwd()), self.target]) == self.target:
-                raise CommandError(f"cannot use {self.directory!r} as the bundle directory: it holds the current "
+                raise InputError(f"cannot use {self.directory!r} as the bundle directory: it holds the current "
                                    "directory, and nanhunt swaps the bundle directory whole; give another directory")
         home = os.path.dirname(self.target)
         while not os.path.isdir(home):  # the parents missing are made at the swap
@@ -125,12 +125,12 @@ class Staging:
             except FileExistsError:
                 continue
             except OSError as e:
-                raise CommandError(f"cannot write the bundle beside {self.directory!r} (in {home!r}): {e.strerror}; "
+                raise InputError(f"cannot write the bundle beside {self.directory!r} (in {home!r}): {e.strerror}; "
                                    "give another directory") from e
             self.path = path
             write_file(os.path.join(path, MARKER), _MARK)  # a bundle from the start: every writer may add to it
             return
-        raise CommandError(f"no free name for the new bundle in {home!r}; give another directory")
+        raise InputError(f"no free name for the new bundle in {home!r}; give another directory")
 
     def _hidden(self, home: str, what: str) -> str:
         """A hidden name in ``home`` for the new or the earlier bundle, random: none other has it."""
@@ -158,7 +158,7 @@ class Staging:
                 os.rename(aside, self.target)
                 raise
         except OSError as e:
-            raise CommandError(f"cannot put the bundle in place at {self.directory!r}: {e.strerror}; give "
+            raise InputError(f"cannot put the bundle in place at {self.directory!r}: {e.strerror}; give "
                                "another directory") from e
         self.path, self.earlier = "", earlier
         for name in (*earlier, MARKER):

@@ -1,4 +1,5 @@
-"""Exceptions. ``CommandError`` carries the CLI exit code. ``visible`` makes text read from a file safe to show."""
+"""Exceptions. ``InputError`` (bad input, one line) carries the exit code the command line gives it.
+``visible`` makes text read from a file safe to show."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
     from ..records import GuardEvent, Occurrence, Record
 
-__all__ = ["NanhuntError", "NonFiniteError", "Stop", "GuardError", "TraceStateError", "CommandError", "visible"]
+__all__ = ["NanhuntError", "NonFiniteError", "Stop", "GuardError", "TraceStateError", "InputError", "visible"]
 
 # C0, DEL, C1, the Unicode line and paragraph separators and the bidi controls (Trojan Source): a name read
 # from a file holding one could end a line, forge a second one, recolour a terminal or reorder what it shows.
@@ -160,8 +161,10 @@ class GuardError(NanhuntError, FloatingPointError):
         self.event = event
 
 
-class CommandError(NanhuntError):
-    """A user-facing failure of the command line: one line and an exit code."""
+class InputError(NanhuntError):
+    """Bad input: a file, a name or an option nanhunt cannot use. Its message is one line naming the problem and
+    the fix; the command line prints it and exits with ``exit_code`` (2, or 3 for a step that does not
+    reproduce)."""
 
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from ._errors import CommandError
+from ._errors import InputError
 
 __all__ = ["check_target", "check_directory", "new_file", "write_file", "check_readable"]
 
@@ -26,7 +26,7 @@ _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | g
 
 
 def check_target(path: str) -> bool:
-    """Raise :class:`CommandError` unless ``path`` can be replaced by a new file: it is absent or a regular
+    """Raise :class:`InputError` unless ``path`` can be replaced by a new file: it is absent or a regular
     file (then True: it will be replaced). A symbolic link there is refused, not followed nor replaced:
     nanhunt did not make it, and whoever did either means to redirect the write (hostile) or expects the
     link to survive; either way the user decides."""
@@ -35,34 +35,34 @@ def check_target(path: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        raise CommandError(f"cannot write {path!r}: {e.strerror}") from e
+        raise InputError(f"cannot write {path!r}: {e.strerror}") from e
     if stat.S_ISLNK(st.st_mode):
         try:
             target = os.readlink(path)
         except OSError:
             target = "?"
-        raise CommandError(f"refusing to write {path!r}: it is a symbolic link (to {target!r}) and nanhunt never "
+        raise InputError(f"refusing to write {path!r}: it is a symbolic link (to {target!r}) and nanhunt never "
                            "writes through a link; remove it or give another path")
     if stat.S_ISDIR(st.st_mode):
-        raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
+        raise InputError(f"cannot write {path!r}: it is a directory; give a file name")
     if not stat.S_ISREG(st.st_mode):
-        raise CommandError(f"cannot write {path!r}: it is not a regular file; give another path")
+        raise InputError(f"cannot write {path!r}: it is not a regular file; give another path")
     return True
 
 
 def check_directory(directory: str, *, what: str = "") -> None:
-    """Raise :class:`CommandError` unless files can be created in ``directory``, or it can be made (its nearest
+    """Raise :class:`InputError` unless files can be created in ``directory``, or it can be made (its nearest
     existing ancestor is a writable directory). An existing directory is probed with a file created and removed
     at once: permission bits do not stop root, a read-only or immutable file system does."""
     label = f"{what} {directory!r}" if what else repr(directory)
     if os.path.lexists(directory) and not os.path.isdir(directory):
         kind = "a symbolic link to nothing" if os.path.islink(directory) else "a file, not a directory"
-        raise CommandError(f"cannot write into {label}: it is {kind}; give a directory (made if missing)")
+        raise InputError(f"cannot write into {label}: it is {kind}; give a directory (made if missing)")
     if os.path.isdir(directory):
         try:
             fd, tmp = _create_beside(os.path.join(directory, "probe"))
         except OSError as e:
-            raise CommandError(f"cannot write into {label}: {e.strerror}; give another directory") from e
+            raise InputError(f"cannot write into {label}: {e.strerror}; give another directory") from e
         os.close(fd)
         os.unlink(tmp)
         return
@@ -70,9 +70,9 @@ def check_directory(directory: str, *, what: str = "") -> None:
     while not os.path.lexists(parent) and parent != os.path.dirname(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise CommandError(f"cannot create {label}: {parent!r} is a file, not a directory; give another path")
+        raise InputError(f"cannot create {label}: {parent!r} is a file, not a directory; give another path")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise CommandError(f"cannot create {label}: the directory {parent!r} is not writable; give another path")
+        raise InputError(f"cannot create {label}: the directory {parent!r} is not writable; give another path")
 
 
 def _create_beside(path: str) -> tuple[int, str]:
@@ -90,12 +90,12 @@ def _create_beside(path: str) -> tuple[int, str]:
 @contextmanager
 def new_file(path: str) -> Iterator[BinaryIO]:
     """A binary file to write ``path``'s new content into; on success it replaces ``path``, on any error it is
-    removed and ``path`` is left as it was. OSErrors become one-line :class:`CommandError`\\ s."""
+    removed and ``path`` is left as it was. OSErrors become one-line :class:`InputError`\\ s."""
     check_target(path)
     try:
         fd, tmp = _create_beside(path)
     except OSError as e:
-        raise CommandError(f"cannot write {path!r}: {e.strerror or e}") from e
+        raise InputError(f"cannot write {path!r}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -107,7 +107,7 @@ def new_file(path: str) -> Iterator[BinaryIO]:
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise CommandError(f"cannot write {path!r}: {e.strerror or e}") from e
+            raise InputError(f"cannot write {path!r}: {e.strerror or e}") from e
         raise
 
 
@@ -121,25 +121,25 @@ def check_readable(path: str, name: str) -> int:
     """The size of the file ``path`` (``name``: how errors call it), which exists, is readable and not empty; a
     directory is refused, saying what kind it is and what to give instead."""
     if not os.path.exists(path):
-        raise CommandError(f"{name} does not exist; check the path")
+        raise InputError(f"{name} does not exist; check the path")
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "manifest.json")):
-            raise CommandError(f"{name} is a nanhunt capture directory (written by the Guard under FSDP2), not a "
+            raise InputError(f"{name} is a nanhunt capture directory (written by the Guard under FSDP2), not a "
                                f"file; replay it alone: nanhunt replay {path} [--rank R]")
         if os.path.isfile(os.path.join(path, ".metadata")):
-            raise CommandError(f"{name} is a torch.distributed.checkpoint (DCP) directory, not a file; the Guard's "
+            raise InputError(f"{name} is a torch.distributed.checkpoint (DCP) directory, not a file; the Guard's "
                                "capture directory holds one beside its batches (nanhunt replay DIR), or convert it "
                                "with python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR model.pt "
                                "and give that file with --model (it unpickles the directory's metadata: only "
                                "for one you trust)")
         if os.path.isfile(os.path.join(path, "config.json")):
-            raise CommandError(f"{name} is a transformers checkpoint directory, not a file; replay it with the batch "
+            raise InputError(f"{name} is a transformers checkpoint directory, not a file; replay it with the batch "
                                f"of its next step (nanhunt replay {path} batch.pt), or give one of its files (its "
                                "model.safetensors)")
-        raise CommandError(f"{name} is a directory; give the .pt file")
+        raise InputError(f"{name} is a directory; give the .pt file")
     if not os.access(path, os.R_OK):
-        raise CommandError(f"{name} is not readable; check its permissions")
+        raise InputError(f"{name} is not readable; check its permissions")
     size = os.path.getsize(path)
     if size == 0:
-        raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
+        raise InputError(f"{name} is empty; the job that wrote it probably died while saving")
     return size

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ._errors import CommandError, first_line as _first_line
+from ._errors import InputError, first_line as _first_line
 
 __all__ = ["read_json", "parse_json", "MAX_JSON_BYTES", "MAX_JSON_DEPTH"]
 
@@ -20,7 +20,7 @@ MAX_JSON_DEPTH = 64  # a report nests 6 levels; json itself raises RecursionErro
 
 
 def read_json(path: str, *, what: str, fix: str, label: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in ``path``, read bounded (:func:`parse_json`); :class:`CommandError` otherwise, one line:
+    """The JSON value in ``path``, read bounded (:func:`parse_json`); :class:`InputError` otherwise, one line:
     ``{label} is not {what} (...); {fix}`` (``label`` defaults to the quoted path)."""
     label = label or repr(path)
     try:
@@ -28,13 +28,13 @@ def read_json(path: str, *, what: str, fix: str, label: str | None = None, max_b
             size = os.fstat(f.fileno()).st_size  # a regular file's: refused unread; a pipe's is 0, read past the cap
             data = f.read(max_bytes + 1) if size <= max_bytes else b""
     except OSError as e:
-        raise CommandError(f"cannot read {label}: {e.strerror or e}") from e
+        raise InputError(f"cannot read {label}: {e.strerror or e}") from e
     try:
         if size > max_bytes:
             raise _too_big(size, what, max_bytes)
         return parse_json(data, what=what, max_bytes=max_bytes)
     except ValueError as e:
-        raise CommandError(f"{label} {e}; {fix}") from e
+        raise InputError(f"{label} {e}; {fix}") from e
 
 
 def parse_json(data: str | bytes, *, what: str = "JSON", max_bytes: int = MAX_JSON_BYTES) -> Any:

@@ -32,7 +32,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from ._errors import CommandError, first_line as _first_line
+from ._errors import InputError, first_line as _first_line
 from ._files import check_readable
 from ._safetensors import is_safetensors, read_safetensors
 from ._text import escaped, few
@@ -69,15 +69,15 @@ def load_file(path: str, *, what: str, trust_pickle: bool = False, safe_globals:
     except Exception as e:  # the weights-only unpickler runs no code from the file: any error means a bad file
         dtensor = _dtensor_line(path, name, is_zip, e)
         if dtensor is not None:  # one rank's shards: no flag loads them into something a replay can use
-            raise CommandError(dtensor) from e
+            raise InputError(dtensor) from e
         if not (trust_pickle and _pickled_objects(path, is_zip, e)):
-            raise CommandError(_explain(path, name, is_zip, e)) from e
+            raise InputError(_explain(path, name, is_zip, e)) from e
         warnings.warn(f"nanhunt: loading {path} with weights_only=False (--trust-pickle): this runs code from "
                       "the file", stacklevel=2)
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e2:
-            raise CommandError(f"{name} could not be unpickled: {_first_line(e2)}") from e2
+            raise InputError(f"{name} could not be unpickled: {_first_line(e2)}") from e2
     _check_loaded(obj, name)
     return obj
 
@@ -87,7 +87,7 @@ def check_bytes(data: bytes, *, name: str) -> None:
     """The checks :func:`load_file` makes before torch reads a file, for a torch file held in memory (an entry
     of a DCP checkpoint, for ``torch.load(io.BytesIO(data))``): its format, zip directory, CRCs and pickle."""
     if not data:
-        raise CommandError(f"{name} is empty; the job that wrote it probably died while saving")
+        raise InputError(f"{name} is empty; the job that wrote it probably died while saving")
     _check_stream(io.BytesIO(data), name, len(data))
 
 
@@ -108,13 +108,13 @@ def _check_stream(f: io.BufferedIOBase, name: str, size: int) -> bool:
         f.seek(0)
         _scan_pickle(f)
     except _PickleTooBig as e:
-        raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
+        raise InputError(f"{name} {e}; nanhunt refuses it unread") from e
     except Exception as e:  # the scan builds nothing: any error means no valid pickle
         if head[:1] == b"\x80":  # pickle protocol 2+, which torch's legacy format starts with
-            raise CommandError(f"{name} is a corrupt or truncated pickle, not a readable torch file "
+            raise InputError(f"{name} is a corrupt or truncated pickle, not a readable torch file "
                                f"({_reason(e)})") from e
         kind = "text" if _is_text(head) else "binary data"
-        raise CommandError(f"{name} is not a torch file: it holds {kind}, neither a zip archive (torch.save) "
+        raise InputError(f"{name} is not a torch file: it holds {kind}, neither a zip archive (torch.save) "
                            "nor a pickle (older torch.save)") from e
     f.seek(0)
     if not _legacy_magic(f):
@@ -122,7 +122,7 @@ def _check_stream(f: io.BufferedIOBase, name: str, size: int) -> bool:
         f.seek(0)
         bad = _forbidden(_scan_pickle(f))
         runs = f" (it names {few(bad, show=escaped)}, which would run code if unpickled)" if bad else ""
-        raise CommandError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
+        raise InputError(f"{name} is a pickle that torch.save did not write (pickle.dump?), not a torch "
                            f"file{runs}; save it with torch.save")
     _check_pickles(f, name, legacy=True)
     return False
@@ -153,21 +153,21 @@ def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
     try:
         infos = zipfile.ZipFile(f).infolist()
     except Exception as e:  # zipfile parses the bytes, running nothing: any error means a damaged archive
-        raise CommandError(f"{name} is a damaged zip archive (corrupt or truncated): {_first_line(e)}") from e
+        raise InputError(f"{name} is a damaged zip archive (corrupt or truncated): {_first_line(e)}") from e
     if not infos:
-        raise CommandError(f"{name} is an empty zip archive, not a torch file")
+        raise InputError(f"{name} is an empty zip archive, not a torch file")
     seen: set[str] = set()
     for info in infos:  # which of two a reader takes is its own choice: the one checked may not be the one read
         if info.filename in seen:
-            raise CommandError(f"{name} is not a valid zip archive: it lists two members named {info.filename!r}")
+            raise InputError(f"{name} is not a valid zip archive: it lists two members named {info.filename!r}")
         seen.add(info.filename)
     pkl = _torch_pickle(infos)
     if pkl is None:
-        raise CommandError(f"{name} is a zip archive but not a torch file: it has no data.pkl")
+        raise InputError(f"{name} is a zip archive but not a torch file: it has no data.pkl")
     starts: dict[zipfile.ZipInfo, int] = {}
     for info in infos:
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise CommandError(f"{name} is not a torch file: its member {info.filename!r} uses compression method "
+            raise InputError(f"{name} is not a torch file: its member {info.filename!r} uses compression method "
                                f"{info.compress_type}, which torch does not read")
         try:
             start = _member_start(f, info, size)
@@ -187,7 +187,7 @@ def _check_zip(f: io.BufferedIOBase, name: str, size: int) -> None:
         if crc is None:
             raise _cut_short(name, info)
         if crc != info.CRC:
-            raise CommandError(f"{name} is corrupt: its member {info.filename!r} fails its CRC-32 check (the "
+            raise InputError(f"{name} is corrupt: its member {info.filename!r} fails its CRC-32 check (the "
                                "file changed after it was written); copy it again from its source")
     f.seek(starts[pkl])
     data = f.read(pkl.compress_size)  # at most MAX_PICKLE_BYTES, inflated: torch reads it whole too
@@ -202,8 +202,8 @@ def _torch_pickle(infos: list[zipfile.ZipInfo]) -> zipfile.ZipInfo | None:
     return next((i for i in infos if i.filename == want), None)
 
 
-def _cut_short(name: str, info: zipfile.ZipInfo) -> CommandError:
-    return CommandError(f"{name} is corrupt or truncated: its member {info.filename!r} is cut short or damaged")
+def _cut_short(name: str, info: zipfile.ZipInfo) -> InputError:
+    return InputError(f"{name} is corrupt or truncated: its member {info.filename!r} is cut short or damaged")
 
 
 def _check_sizes(infos: list[zipfile.ZipInfo], pkl: zipfile.ZipInfo, name: str) -> None:
@@ -217,13 +217,13 @@ def _check_sizes(infos: list[zipfile.ZipInfo], pkl: zipfile.ZipInfo, name: str) 
     inflated = 0
     for info in infos:
         if info is pkl and info.file_size > MAX_PICKLE_BYTES:
-            raise CommandError(f"{name} holds a pickle ({info.filename!r}) of {info.file_size / 2**20:,.1f} MiB; "
+            raise InputError(f"{name} holds a pickle ({info.filename!r}) of {info.file_size / 2**20:,.1f} MiB; "
                                f"torch.save writes some 100 bytes a tensor, and nanhunt reads at most "
                                f"{MAX_PICKLE_BYTES >> 20} MiB")
         if info.compress_type == zipfile.ZIP_DEFLATED and info.file_size > MAX_RATIO * info.compress_size:
             inflated += info.file_size
             if inflated > MAX_INFLATED:
-                raise CommandError(f"{name} is not as torch.save writes it: its member {info.filename!r} inflates "
+                raise InputError(f"{name} is not as torch.save writes it: its member {info.filename!r} inflates "
                                    f"{info.compress_size:,} bytes to {info.file_size / 2**20:,.1f} MiB, and "
                                    f"nanhunt reads at most {MAX_INFLATED >> 20} MiB of members deflated over "
                                    f"{MAX_RATIO}-fold; save it again with torch.save, which stores them as they are")
@@ -251,7 +251,7 @@ def _check_overlap(starts: Mapping[zipfile.ZipInfo, int], name: str) -> None:
                    for info, start in starts.items())
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise CommandError(f"{name} is not a valid zip archive: its members {first!r} and {second!r} overlap "
+            raise InputError(f"{name} is not a valid zip archive: its members {first!r} and {second!r} overlap "
                                "(a zip bomb's trick: nanhunt would inflate the same bytes once for each)")
 
 
@@ -475,11 +475,11 @@ def _check_pickles(f: io.BufferedIOBase, name: str, *, legacy: bool) -> None:
             _scan_pickle(f)
             damaged = None
     except _PickleTooBig as e:
-        raise CommandError(f"{name} {e}; nanhunt refuses it unread") from e
+        raise InputError(f"{name} {e}; nanhunt refuses it unread") from e
     except ValueError as e:
         damaged = _reason(e)
     if damaged is not None:
-        raise CommandError(f"{name} is corrupt: its pickle is damaged ({damaged})")
+        raise InputError(f"{name} is corrupt: its pickle is damaged ({damaged})")
 
 
 def _pickled_objects(path: str, is_zip: bool, e: Exception) -> bool:
@@ -547,7 +547,7 @@ def _check_loaded(obj: Any, name: str) -> None:
         for k, v in items:
             seen += 1
             if seen > MAX_ITEMS:
-                raise CommandError(f"{name} holds more than {MAX_ITEMS:,} values (counting each shared one every "
+                raise InputError(f"{name} holds more than {MAX_ITEMS:,} values (counting each shared one every "
                                    "time it is reached); nanhunt refuses it")
             depth = len(levels)  # of v
             at = (*where, k) if depth <= 8 else where if depth > 9 else (*where, ...)
@@ -558,7 +558,7 @@ def _check_loaded(obj: Any, name: str) -> None:
             if inner is None:
                 continue
             if depth >= MAX_DEPTH:
-                raise CommandError(f"{name} nests containers more than {MAX_DEPTH} levels deep (at {_at(at)}); "
+                raise InputError(f"{name} nests containers more than {MAX_DEPTH} levels deep (at {_at(at)}); "
                                    "a real checkpoint or batch nests a few: nanhunt refuses it")
             levels.append((inner, at))
             break
@@ -577,16 +577,16 @@ def _children(o: Any) -> Iterator[tuple[object, Any]] | None:
 
 def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None:
     if type(t).__module__.startswith("torch.distributed."):  # a DTensor: torch loads it weights-only once
-        raise CommandError(_dtensor_message(name))  # torch.distributed.tensor is imported
+        raise InputError(_dtensor_message(name))  # torch.distributed.tensor is imported
     if t.is_meta or t.layout != torch.strided or t.is_nested:
         kind = "a meta tensor (no data)" if t.is_meta else f"a {t.layout} tensor".replace("torch.", "")
-        raise CommandError(f"{name} holds {kind} at {_at(where)}; nanhunt reads dense tensors only")
+        raise InputError(f"{name} holds {kind} at {_at(where)}; nanhunt reads dense tensors only")
     if t.is_quantized:
         return
     logical = t.numel() * t.element_size()
     held = t.untyped_storage().nbytes()
     if logical > held + MAX_VIEW_BYTES:
-        raise CommandError(f"{name} holds a tensor at {_at(where)} of shape {tuple(t.shape)} whose strides "
+        raise InputError(f"{name} holds a tensor at {_at(where)} of shape {tuple(t.shape)} whose strides "
                            f"{t.stride()} repeat {held:,} bytes of data as {logical:,}; nanhunt refuses views more "
                            f"than {MAX_VIEW_BYTES >> 30} GiB larger than their data")
 

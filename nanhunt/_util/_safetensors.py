@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import torch
 
-from ._errors import CommandError
+from ._errors import InputError
 from ._json import MAX_JSON_BYTES, parse_json
 from ._files import check_readable
 
@@ -67,7 +67,7 @@ def is_safetensors(path: str, size: int) -> bool:
 
 def read_safetensors(path: str, name: str, size: int) -> dict[str, torch.Tensor]:
     if sys.byteorder != "little":
-        raise CommandError(f"{name} is a safetensors file, whose little-endian bytes nanhunt reads only on a "
+        raise InputError(f"{name} is a safetensors file, whose little-endian bytes nanhunt reads only on a "
                            "little-endian machine")
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
@@ -77,7 +77,7 @@ def read_safetensors(path: str, name: str, size: int) -> dict[str, torch.Tensor]
             buf = bytearray(s.end - s.begin)
             f.seek(data + s.begin)
             if f.readinto(buf) != len(buf):
-                raise CommandError(f"{name} is truncated: it ended while its tensor {_key(key)} was read (did it "
+                raise InputError(f"{name} is truncated: it ended while its tensor {_key(key)} was read (did it "
                                    "change while nanhunt read it?)")
             t = torch.frombuffer(buf, dtype=s.dtype) if buf else torch.empty(0, dtype=s.dtype)
             out[key] = t.reshape(s.shape)
@@ -88,30 +88,30 @@ def _safetensors_spans(f: IO[bytes], name: str, size: int) -> dict[str, _Span]:
     """The header of an open safetensors file, every entry checked, the file left where the data begins."""
     head = f.read(8)
     if len(head) < 8:
-        raise CommandError(f"{name} is a truncated safetensors file: it ends inside its first 8 bytes (the "
+        raise InputError(f"{name} is a truncated safetensors file: it ends inside its first 8 bytes (the "
                            "header's length)")
     n = int.from_bytes(head, "little")
     if n > size - 8:
-        raise CommandError(f"{name} is not a readable safetensors file (corrupt or truncated): its header claims "
+        raise InputError(f"{name} is not a readable safetensors file (corrupt or truncated): its header claims "
                            f"{n:,} bytes, and the file holds {size - 8:,} after the header's length")
     if n > MAX_SAFETENSORS_HEADER:
-        raise CommandError(f"{name} has a safetensors header of {n / 2**20:,.1f} MiB; a header spends some 100 bytes "
+        raise InputError(f"{name} has a safetensors header of {n / 2**20:,.1f} MiB; a header spends some 100 bytes "
                            f"a tensor, and nanhunt reads at most {MAX_SAFETENSORS_HEADER >> 20} MiB of one")
     try:
         header = parse_json(f.read(n), what="JSON", max_bytes=MAX_SAFETENSORS_HEADER)
     except ValueError as e:
-        raise CommandError(f"{name} is not a readable safetensors file: its header {e}") from e
+        raise InputError(f"{name} is not a readable safetensors file: its header {e}") from e
     if not isinstance(header, dict):
-        raise CommandError(f"{name} is not a readable safetensors file: its header is a JSON "
+        raise InputError(f"{name} is not a readable safetensors file: its header is a JSON "
                            f"{type(header).__name__}, not an object")
     meta = header.pop("__metadata__", {})
     if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise CommandError(f"{name} is not a readable safetensors file: its __metadata__ is not a map of strings")
+        raise InputError(f"{name} is not a readable safetensors file: its __metadata__ is not a map of strings")
     spans = {k: _span(k, v, name, size - 8 - n) for k, v in header.items()}
     order = sorted((s.begin, s.end, k) for k, s in spans.items())
     for (_, end, first), (begin, _, second) in zip(order, order[1:]):
         if begin < end:
-            raise CommandError(f"{name} is not a valid safetensors file: its tensors {_key(first)} and "
+            raise InputError(f"{name} is not a valid safetensors file: its tensors {_key(first)} and "
                                f"{_key(second)} share bytes")
     return spans
 
@@ -121,25 +121,25 @@ def _span(key: str, v: Any, name: str, held: int) -> _Span:
     tensor's bytes inside the ``held`` bytes of data the file has."""
     bad = f"{name} is not a readable safetensors file: its tensor {_key(key)}"
     if not isinstance(v, dict):
-        raise CommandError(f"{bad} is a JSON {type(v).__name__}, not its dtype, shape and data_offsets")
+        raise InputError(f"{bad} is a JSON {type(v).__name__}, not its dtype, shape and data_offsets")
     named = v.get("dtype")
     dtype = _SAFETENSORS_DTYPES.get(named) if isinstance(named, str) else None
     if dtype is None:
-        raise CommandError(f"{bad} has dtype {named!r}, none of the ones nanhunt reads "
+        raise InputError(f"{bad} has dtype {named!r}, none of the ones nanhunt reads "
                            f"({', '.join(_SAFETENSORS_DTYPES)})")
     shape, offsets = v.get("shape"), v.get("data_offsets")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise CommandError(f"{bad} has no shape (a list of sizes)")
+        raise InputError(f"{bad} has no shape (a list of sizes)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
-        raise CommandError(f"{bad} has no data_offsets (a begin and an end, in order)")
+        raise InputError(f"{bad} has no data_offsets (a begin and an end, in order)")
     begin, end = offsets
     need = math.prod(shape) * dtype.itemsize
     what = f"({str(dtype).replace('torch.', '')} of shape {tuple(shape)}, {need:,} bytes)"
     if end - begin != need:
-        raise CommandError(f"{bad} {what} has data_offsets spanning {end - begin:,} bytes")
+        raise InputError(f"{bad} {what} has data_offsets spanning {end - begin:,} bytes")
     if end > held:
-        raise CommandError(f"{bad} {what} claims bytes {begin:,} to {end:,} of the data, and the file holds "
+        raise InputError(f"{bad} {what} claims bytes {begin:,} to {end:,} of the data, and the file holds "
                            f"{held:,}: it is truncated or hostile; nanhunt allocates nothing for it")
     return _Span(dtype, tuple(shape), begin, end)
 

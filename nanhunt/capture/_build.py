@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import _names
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util._text import dtype_name, few
 from ._hf import _through_training_step
 from ._resolve import resolve
@@ -64,7 +64,7 @@ def _read_plain_checkpoint(ck: Mapping[str, Any], loss: str | None) -> _Loaded:
         got.sd = ck
     else:
         keys = ", ".join(list(map(str, ck))[:5])
-        raise CommandError(f"checkpoint holds keys {keys}; expected a state_dict, {{'model': ...}} or {{'state_dict': ...}}")
+        raise InputError(f"checkpoint holds keys {keys}; expected a state_dict, {{'model': ...}} or {{'state_dict': ...}}")
     o = ck.get("optimizer")
     got.opt_sd = o if isinstance(o, Mapping) else None
     s = ck.get("scaler")
@@ -80,7 +80,7 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
     if model_factory is not None:
         model = _build(model_factory, got.saved_kwargs, trusted=True)
     if model is None:
-        raise CommandError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
+        raise InputError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if got.step_call == "training_step":
         _through_training_step(model)
     if got.sd is not None and shard is None:
@@ -106,7 +106,7 @@ def _loss_fn(loss_path: str, *, trusted: bool, trust: Sequence[str] = ()) -> Cal
         try:
             obj = obj()
         except Exception as e:
-            raise CommandError(f"loss {loss_path!r} is a class that must be constructible with no arguments, "
+            raise InputError(f"loss {loss_path!r} is a class that must be constructible with no arguments, "
                                f"but {_first_line(e)}; pass a function (package.module:fn) or a class whose "
                                "arguments have defaults") from e
     return cast("Callable[..., Any]", obj)  # resolve() checked obj is callable
@@ -121,7 +121,7 @@ def _scaler(scaler_sd: Mapping[str, Any], dev: torch.device, notes: list[str]) -
     try:
         scaler.load_state_dict(dict(scaler_sd))
     except Exception as e:
-        raise CommandError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
+        raise InputError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
                            "pass --no-scaler to replay without it") from e
     return scaler
 
@@ -130,15 +130,15 @@ def _parse_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise CommandError(f"--device {device!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+        raise InputError(f"--device {device!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CommandError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
+        raise InputError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
     if dev.type == "meta":
-        raise CommandError("--device meta holds no values to replay; use --device cpu or cuda")
+        raise InputError("--device meta holds no values to replay; use --device cpu or cuda")
     try:
         torch.empty(0, device=dev)  # a known type may still be missing here (mps on Linux, cuda:7 of 2 GPUs)
     except Exception as e:
-        raise CommandError(f"--device {device} was given but no such device is available here; use --device cpu") from e
+        raise InputError(f"--device {device} was given but no such device is available here; use --device cpu") from e
     return dev
 
 
@@ -155,7 +155,7 @@ def _capture_field(d: Mapping[str, Any], name: str, types: type, expected: str, 
     if isinstance(value, types):
         return value
     what = "is missing" if name not in d else f"is of type {type(value).__name__}"
-    raise CommandError(f"{where} is not a valid nanhunt capture: field {name!r} {what}, expected {expected}; {fix}")
+    raise InputError(f"{where} is not a valid nanhunt capture: field {name!r} {what}, expected {expected}; {fix}")
 
 
 def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
@@ -169,7 +169,7 @@ def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
     cuda = out.get("cuda", [])
     if (t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8)) or not (
             isinstance(cuda, (list, tuple)) and all(isinstance(c, torch.Tensor) for c in cuda)):
-        raise CommandError(f"batch {path!r} is not a valid nanhunt capture: field 'rng' does not hold generator "
+        raise InputError(f"batch {path!r} is not a valid nanhunt capture: field 'rng' does not hold generator "
                            "states (uint8 tensors); save the capture again (nanhunt.save_capture)")
     return out
 
@@ -184,9 +184,9 @@ def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool, trust: Sequen
     try:
         model = factory(**kwargs)
     except Exception as e:
-        raise CommandError(f"model factory {path!r} raised {_first_line(e)}") from e
+        raise InputError(f"model factory {path!r} raised {_first_line(e)}") from e
     if not isinstance(model, nn.Module):
-        raise CommandError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
+        raise InputError(f"model factory {path!r} returned a {type(model).__name__}, not an nn.Module")
     return model
 
 
@@ -198,14 +198,14 @@ def _check_on_meta(path: str, factory: Any, kwargs: Mapping[str, Any], sd: Mappi
         with torch.device("meta"):
             probe = factory(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
     except Exception as e:
-        raise CommandError(f"model factory {path!r} raised {_first_line(e)}") from e
+        raise InputError(f"model factory {path!r} raised {_first_line(e)}") from e
     if not isinstance(probe, nn.Module):
-        raise CommandError(f"model factory {path!r} returned a {type(probe).__name__}, not an nn.Module")
+        raise InputError(f"model factory {path!r} returned a {type(probe).__name__}, not an nn.Module")
     map_state_dict(sd, probe)  # every key and shape, one error line
     held = sum(t.numel() for t in [*probe.parameters(), *probe.buffers()])
     given = sum(t.numel() for t in sd.values() if isinstance(t, torch.Tensor))
     if held > given:  # tensors outside the state dict (non-persistent buffers) the file cannot size
-        raise CommandError(f"model factory {path!r} with the file's model_kwargs holds {held} values, more than the "
+        raise InputError(f"model factory {path!r} with the file's model_kwargs holds {held} values, more than the "
                            f"file's {given}; the file may be hostile; pass --model package.module:factory")
 
 
@@ -227,7 +227,7 @@ def _check_dtypes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
            for k, v in sd.items() if k in own and v.dtype != own[k].dtype
            and not (v.is_floating_point() and own[k].is_floating_point())]
     if bad:
-        raise CommandError(f"checkpoint dtypes don't match the model: {few(bad)}; nanhunt converts only between "
+        raise InputError(f"checkpoint dtypes don't match the model: {few(bad)}; nanhunt converts only between "
                            "floating dtypes — is --model the factory that built this checkpoint?")
 
 
@@ -265,14 +265,14 @@ def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | No
         if not (isinstance(saved_groups, (list, tuple)) and len(names) == len(saved_groups) and all(
                 isinstance(g, list) and isinstance(sg, Mapping) and isinstance(sg.get("params"), (list, tuple))
                 and len(g) == len(sg["params"]) for g, sg in zip(names, saved_groups))):
-            raise CommandError("the checkpoint's optimizer_params do not match its optimizer's param_groups; "
+            raise InputError("the checkpoint's optimizer_params do not match its optimizer's param_groups; "
                                "save the capture again")
         unknown = [n for g in names for n in g if not isinstance(n, str) or n not in by_name]
         if unknown:
-            raise CommandError(f"the checkpoint's optimizer holds parameters the model does not have: {unknown[:3]!r}; "
+            raise InputError(f"the checkpoint's optimizer holds parameters the model does not have: {unknown[:3]!r}; "
                                "is --model the factory that built this checkpoint?")
         if len({n for g in names for n in g}) != sum(len(g) for g in names):
-            raise CommandError("the checkpoint's optimizer names one parameter twice; save the capture again")
+            raise InputError("the checkpoint's optimizer names one parameter twice; save the capture again")
     # the state is keyed by these numbers: each must be one of the saved parameters, once
     _check_param_indices(sd, len(params) if names is None else sum(len(g) for g in names))
     groups = []
@@ -284,7 +284,7 @@ def _build_optimizer(model: nn.Module, sd: Mapping[str, Any], cls_path: str | No
         opt = cls(groups)
         opt.load_state_dict(dict(sd))
     except Exception as e:
-        raise CommandError(f"cannot rebuild the optimizer {cls_path}: {_first_line(e)}") from e
+        raise InputError(f"cannot rebuild the optimizer {cls_path}: {_first_line(e)}") from e
     return opt  # type: ignore[no-any-return]
 
 
@@ -298,13 +298,13 @@ def _check_param_indices(sd: Mapping[str, Any], n: int) -> None:
     for g, group in enumerate(groups):
         ids = group.get("params") if isinstance(group, Mapping) else None
         if not isinstance(ids, (list, tuple)):
-            raise CommandError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] has no list of "
+            raise InputError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] has no list of "
                                "parameter indices; save the capture again")
         for i in ids:
             why = ("is not an index" if type(i) is not int else "is repeated" if i in used else
                    "is out of range" if not 0 <= i < n else None)
             if why:
-                raise CommandError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] names parameter "
+                raise InputError(f"the checkpoint's optimizer state is invalid: param_groups[{g}] names parameter "
                                    f"{i!r}, which {why} (the model has {n} parameters, 0..{n - 1}, each in one group); "
                                    "is --model the factory that built this checkpoint?")
             used.add(i)

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from . import _peft
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util._wrappers import user_class
 from ._resolve import _refused, callable_path, resolve
 
@@ -51,7 +51,7 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
     fix = "pass --model package.module:factory"
     path, text, attn = spec.get("class"), spec.get("config"), spec.get("attn_implementation")
     if not isinstance(path, str) or not isinstance(text, str) or not (attn is None or isinstance(attn, str)):
-        raise CommandError(f"{where} is not a valid nanhunt capture: field 'hf_model' holds no class name and JSON "
+        raise InputError(f"{where} is not a valid nanhunt capture: field 'hf_model' holds no class name and JSON "
                            f"config; {fix}")
     if path.partition(":")[0].partition(".")[0] != "transformers":
         raise _refused(path, "model factory", "it is not a class of the transformers package")
@@ -64,7 +64,7 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
         raise _refused(path, "model factory", "it is not a transformers PreTrainedModel class")
     config = _peft.json_object(text)
     if config is None:
-        raise CommandError(f"{where} is not a valid nanhunt capture: the config of {path!r} is not a JSON "
+        raise InputError(f"{where} is not a valid nanhunt capture: the config of {path!r} is not a JSON "
                            f"object; {fix}")
     fetching = _fetching(config)
     if fetching:
@@ -78,9 +78,9 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
         cfg._attn_implementation = attn  # what the run used, set on every sub-config: never what the JSON says
         model = cls(cfg)
     except Exception as e:
-        raise CommandError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
+        raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
     if not isinstance(model, nn.Module):
-        raise CommandError(f"{path} built a {type(model).__name__}, not an nn.Module; {fix}")
+        raise InputError(f"{path} built a {type(model).__name__}, not an nn.Module; {fix}")
     return _peft.rebuild(model, spec.get("peft"), where, notes)  # a PEFT model's adapters, from their JSON configs
 
 
@@ -108,7 +108,7 @@ def _through_training_step(model: nn.Module) -> None:
     its own calls of the model inside run the real forward. Set on the instance: the Step calls ``model(*inputs)``."""
     training_step = getattr(model, "training_step", None)
     if not callable(training_step):
-        raise CommandError(f"the capture replays the step through training_step, which {type(model).__name__} does "
+        raise InputError(f"the capture replays the step through training_step, which {type(model).__name__} does "
                            "not have; is --model the LightningModule that wrote it?")
     forward = model.forward
     inside = False
@@ -125,7 +125,7 @@ def _through_training_step(model: nn.Module) -> None:
         finally:
             inside = False
         if out is None:
-            raise CommandError("training_step returned None for the captured batch (it skipped the step)")
+            raise InputError("training_step returned None for the captured batch (it skipped the step)")
         return out
 
     setattr(model, "forward", step)

@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util._json import read_json
 from .._util._safeload import load_file
 from .._util._safetensors import load_safetensors, safetensors_header
@@ -66,7 +66,7 @@ def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: 
         held = safetensors_header(file, what=f"{where}: its weights")
         missing = [k for k in keys if k not in held]
         if missing:
-            raise CommandError(f"{where}: its {INDEX} puts {_few([_quoted(k) for k in missing])} in "
+            raise InputError(f"{where}: its {INDEX} puts {_few([_quoted(k) for k in missing])} in "
                                f"{_quoted(os.path.basename(file))}, which does not hold it; the checkpoint is "
                                "incomplete or damaged")
         header.update((k, held[k]) for k in (keys or held))
@@ -119,38 +119,38 @@ def _weight_files(path: str, where: str) -> dict[str, list[str]]:
     index = _file(path, INDEX, where)
     if index is None:
         if any(os.path.lexists(os.path.join(path, p)) for p in _PICKLED_WEIGHTS):
-            raise CommandError(f"{where} holds its weights as pytorch_model.bin (a pickle), not {WEIGHTS}; save the "
+            raise InputError(f"{where} holds its weights as pytorch_model.bin (a pickle), not {WEIGHTS}; save the "
                                "model again with save_pretrained (safetensors, its default), or give that file as "
                                "the checkpoint with --model package.module:factory")
         if os.path.isdir(os.path.join(path, _FSDP_SHARDS)):
-            raise CommandError(f"{where} holds its weights as FSDP shards ({_FSDP_SHARDS}/), not {WEIGHTS}; merge "
+            raise InputError(f"{where} holds its weights as FSDP shards ({_FSDP_SHARDS}/), not {WEIGHTS}; merge "
                                f"them into one with accelerate merge-weights {os.path.join(path, _FSDP_SHARDS)} {path} "
                                "(it unpickles the shards' metadata: only for a checkpoint you trust), or save with "
                                "fsdp_state_dict_type FULL_STATE_DICT")
         if glob.glob(os.path.join(glob.escape(path), "global_step*")):
-            raise CommandError(f"{where} holds its weights as DeepSpeed ZeRO partitions (global_step*/), not "
+            raise InputError(f"{where} holds its weights as DeepSpeed ZeRO partitions (global_step*/), not "
                                f"{WEIGHTS}; gather them into one with python -m deepspeed.utils.zero_to_fp32 {path} "
                                f"{path} --safe_serialization (it unpickles the partitions: only for a checkpoint you "
                                "trust), or set stage3_gather_16bit_weights_on_model_save")
-        raise CommandError(f"{where} holds no {WEIGHTS} nor {INDEX}; is the checkpoint complete?")
+        raise InputError(f"{where} holds no {WEIGHTS} nor {INDEX}; is the checkpoint complete?")
     fix = f"the checkpoint is damaged; save it again (save_pretrained writes {INDEX} with its shards)"
     doc = read_json(index, what=f"a safetensors index ({INDEX})", fix=fix, label=f"{where}: its {INDEX}")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
-        raise CommandError(f"{where}: its {INDEX} has no weight_map (each tensor's name -> its shard's file name); "
+        raise InputError(f"{where}: its {INDEX} has no weight_map (each tensor's name -> its shard's file name); "
                            f"{fix}")
     shards: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
         if (os.path.basename(shard) != shard or shard in (".", "..") or "\\" in shard or "\x00" in shard
                 or not shard.endswith(".safetensors")):
-            raise CommandError(f"{where}: its {INDEX} names {_quoted(shard)} as a shard, which is not the name of a "
+            raise InputError(f"{where}: its {INDEX} names {_quoted(shard)} as a shard, which is not the name of a "
                                ".safetensors file inside the checkpoint; nanhunt reads no other file")
         shards.setdefault(shard, []).append(key)
     out: dict[str, list[str]] = {}
     for shard, keys in shards.items():
         found = _file(path, shard, where)
         if found is None:
-            raise CommandError(f"{where}: its {INDEX} names the shard {_quoted(shard)}, which is not there; copy the "
+            raise InputError(f"{where}: its {INDEX} names the shard {_quoted(shard)}, which is not there; copy the "
                                "whole checkpoint directory")
         out[found] = keys
     return out
@@ -172,13 +172,13 @@ def _from_config(path: str, where: str, header: Mapping[str, tuple[torch.dtype, 
         ("shape mismatch", [f"{k} {tuple(meta[k].shape)} in the weights vs {tuple(t.shape)}" for k, t in want.items()
                             if k in meta and meta[k].shape != t.shape])) if found]
     if wrong:
-        raise CommandError(f"{where}: the model its {CONFIG} describes does not fit its weights "
+        raise InputError(f"{where}: the model its {CONFIG} describes does not fit its weights "
                            f"({'; '.join(f'{what} {_few(found)}' for what, found in wrong)}); the config does not "
                            "belong to them: pass --model package.module:factory")
     held = sum(t.numel() for t in {id(t): t for t in [*probe.parameters(), *probe.buffers()]}.values())
     given = sum(t.numel() for t in {id(t): t for t in meta.values()}.values())
     if held > given + _UNSAVED:
-        raise CommandError(f"{where}: the model its {CONFIG} describes holds {held:,} values, far more than its "
+        raise InputError(f"{where}: the model its {CONFIG} describes holds {held:,} values, far more than its "
                            f"weights' {given:,}; the config does not belong to these weights")
     del probe, meta
     return _hf_model(spec, where, notes)
@@ -192,16 +192,16 @@ def _spec(path: str, where: str) -> dict[str, Any]:
     archs = config.get("architectures") if isinstance(config, dict) else None
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)
             and _CLASS_NAME.fullmatch(archs[0])):
-        raise CommandError(f"{where}: its {CONFIG} names no model class (architectures: one transformers class "
+        raise InputError(f"{where}: its {CONFIG} names no model class (architectures: one transformers class "
                            f"name); {fix}")
     try:
         import transformers
     except ImportError as e:
-        raise CommandError(f"{where} is a transformers model: install transformers to rebuild it, or {fix}") from e
+        raise InputError(f"{where} is a transformers model: install transformers to rebuild it, or {fix}") from e
     try:
         cls = getattr(transformers, archs[0])  # the package's own export of that name, or none
     except Exception as e:
-        raise CommandError(f"{where}: its {CONFIG} names {archs[0]!r}, which transformers "
+        raise InputError(f"{where}: its {CONFIG} names {archs[0]!r}, which transformers "
                            f"{transformers.__version__} does not have ({_first_line(e)}); {fix}") from e
     return {"class": callable_path(cls), "config": json.dumps(config), "attn_implementation": None}
 
@@ -228,7 +228,7 @@ def _group_names(model: nn.Module, opt_sd: Mapping[str, Any], where: str, notes:
     groups = opt_sd.get("param_groups")
     if not (isinstance(groups, Sequence) and all(isinstance(g, Mapping) and isinstance(g.get("params"), Sequence)
                                                  for g in groups)):
-        raise CommandError(f"{where}: its {OPTIMIZER} is not an optimizer's state_dict (no param_groups with their "
+        raise InputError(f"{where}: its {OPTIMIZER} is not an optimizer's state_dict (no param_groups with their "
                            "params); pass the checkpoint without it")
     sizes = [len(g["params"]) for g in groups]
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -252,7 +252,7 @@ def _check_adamw(opt_sd: Mapping[str, Any], where: str) -> None:
         state, Mapping) else []
     if not isinstance(state, Mapping) or not all(isinstance(s, Mapping) and "exp_avg" in s and "exp_avg_sq" in s
                                                  for s in state.values()):
-        raise CommandError(f"{where}: its {OPTIMIZER} holds state ({', '.join(keys[:5]) or 'none'}) that is not "
+        raise InputError(f"{where}: its {OPTIMIZER} holds state ({', '.join(keys[:5]) or 'none'}) that is not "
                            "AdamW's, the Trainer's default; pass --optimizer package.module:Class naming the "
                            "optimizer the run used")
 
@@ -289,7 +289,7 @@ def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[st
     unused = "not used: the step starts from nanhunt's own generator state"
     try:
         state = load_file(file, what=f"{where}: its {RNG}", trust_pickle=trust_pickle, safe_globals=_numpy_state())
-    except CommandError as e:
+    except InputError as e:
         notes.append(f"{e}; {unused}")
         return None
     cpu = state.get("cpu") if isinstance(state, Mapping) else None
@@ -323,13 +323,13 @@ def _file(path: str, name: str, where: str) -> str | None:
     if not os.path.lexists(full):
         return None
     if not os.path.isfile(full):
-        raise CommandError(f"{where}: its {_quoted(name)} is not a regular file; copy the checkpoint's real files")
+        raise InputError(f"{where}: its {_quoted(name)} is not a regular file; copy the checkpoint's real files")
     return full
 
 
 def _mapping(obj: Any, name: str, expected: str, where: str) -> Mapping[str, Any]:
     if not isinstance(obj, Mapping):
-        raise CommandError(f"{where}: its {name} holds a {type(obj).__name__}, not {expected}; delete it to "
+        raise InputError(f"{where}: its {name} holds a {type(obj).__name__}, not {expected}; delete it to "
                            "replay without it")
     return obj
 

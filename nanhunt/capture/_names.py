@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._util._errors import CommandError, first_line
+from .._util._errors import InputError, first_line
 
 __all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
            "loaded_from", "torch_own", "is_main_module", "trusted_prefixes", "trusted_by", "FLAGS", "TRUST_ENV"]
@@ -84,7 +84,7 @@ _LOSS_NAMES = (
 )
 
 
-class NeedsConfirmation(CommandError):
+class NeedsConfirmation(InputError):
     """A name read from a file that nanhunt imports only when you pass it as ``flag`` (you trust it)."""
 
     def __init__(self, message: str, *, what: str, path: str) -> None:
@@ -132,7 +132,7 @@ def trusted_prefixes(given: Iterable[str] = ()) -> tuple[str, ...]:
                    "need no trust; confirm any other torch name with --model, --loss or --optimizer)"
                    if top == "torch" else None)
             if why:
-                raise CommandError(f"{source} {v!r} {why}; name your own package's prefix")
+                raise InputError(f"{source} {v!r} {why}; name your own package's prefix")
             out.append(v)
     return tuple(out)
 
@@ -462,7 +462,7 @@ def _read_run(ck: Any, where: str) -> ScriptRun | None:
           and (cwd is None or isinstance(cwd, str) and os.path.isabs(cwd) and "\0" not in cwd)
           and (digest is None or isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest) is not None))
     if not ok:
-        raise CommandError(f"{where} is not a valid nanhunt capture: field 'script' is not a script's absolute path, "
+        raise InputError(f"{where} is not a valid nanhunt capture: field 'script' is not a script's absolute path, "
                            "argv, working directory and sha256; save the capture again")
     assert isinstance(path, str) and isinstance(argv, list)
     return ScriptRun(path, tuple(argv), cwd, digest)
@@ -495,13 +495,13 @@ def load_script(file: str, name: str | None = None) -> types.ModuleType:
     cwd = run.cwd if run is not None else None
     key = "_nanhunt_script_" + hashlib.sha1(json.dumps([path, name, argv, cwd]).encode()).hexdigest()[:12]
     if not os.path.isfile(path):
-        raise CommandError(f"script {file!r} does not exist; run from where it was captured or pass the "
+        raise InputError(f"script {file!r} does not exist; run from where it was captured or pass the "
                            "name as package.module:name")
     try:
         with open(path, "rb") as f:
             text = f.read()
     except OSError as e:
-        raise CommandError(f"cannot read script {file!r} ({type(e).__name__}: {e})") from e
+        raise InputError(f"cannot read script {file!r} ({type(e).__name__}: {e})") from e
     changed = run is not None and run.sha256 is not None and hashlib.sha256(text).hexdigest() != run.sha256
     if changed and notes is not None:
         note = (f"script {path} changed since the capture (its sha256 differs): its definitions ran as they are "
@@ -536,7 +536,7 @@ def replay_problem(name: str, what: str) -> str | None:
             text = f.read()
         module, plan = _run(path, text, root, argv, None, "_nanhunt_check_" + root, said=said, changed=False,
                             keep=False)
-    except CommandError as e:
+    except InputError as e:
         return head + str(e)
     except OSError as e:
         return head + f"cannot read script {file!r} ({type(e).__name__}: {e})"
@@ -566,13 +566,13 @@ def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | N
     ``key`` while it runs (kept there with ``keep``): ``sys.argv`` is ``argv``, the directory ``cwd`` (where it
     still exists), the script's own directory first on the import path; what it prints goes to stderr (with
     ``keep``) or nowhere. All of these are put back. A failure, argparse's exit included, is one
-    :class:`CommandError` line."""
+    :class:`InputError` line."""
     try:
         tree = ast.parse(text, filename=path)
         plan = _slice(tree, name)
         code = compile(ast.Module(body=plan.body, type_ignores=[]), path, "exec")
     except (SyntaxError, ValueError) as e:
-        raise CommandError(f"cannot read script {path!r} ({type(e).__name__}: {e})") from e
+        raise InputError(f"cannot read script {path!r} ({type(e).__name__}: {e})") from e
     spec = importlib.util.spec_from_loader(key, loader=None, origin=path)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
@@ -595,7 +595,7 @@ def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | N
         sys.modules.pop(key, None)
         if isinstance(e, SystemExit):  # argparse's error (its usage printed above it) or --help
             last = next((line for line in reversed(printed.getvalue().splitlines()) if line.strip()), None)
-            raise CommandError(f"running the definitions of script {path!r} {said} exited: "
+            raise InputError(f"running the definitions of script {path!r} {said} exited: "
                                f"{last or f'exit code {e.code}'}{since}; make the script parse that argv, or "
                                f"{_ELSEWHERE}") from None
         if not isinstance(e, Exception):
@@ -603,7 +603,7 @@ def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | N
         fix = (f"the script assigns {e.name!r} {_where_set(tree, e.name)}; {_RUNS_ONLY}: assign {e.name} at the "
                f"module level, or {_ELSEWHERE}"
                if isinstance(e, NameError) and e.name else _ELSEWHERE)
-        raise CommandError(f"running the definitions of script {path!r} raised {first_line(e)}{since}; {fix}") from e
+        raise InputError(f"running the definitions of script {path!r} raised {first_line(e)}{since}; {fix}") from e
     finally:
         if moved:
             os.chdir(here)

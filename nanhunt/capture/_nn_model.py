@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util._wrappers import user_class
 from . import _names, _nn_structure
 from ._resolve import resolve
@@ -32,7 +32,7 @@ def nn_spec(model: nn.Module, model_factory: str | None,
             _same_on_meta(model, _nn_class(name), model_kwargs)
             return None
         return _nn_structure.structure(model, _nn_class)
-    except (ValueError, CommandError) as e:
+    except (ValueError, InputError) as e:
         raise ValueError(f"cannot rebuild the model from torch.nn's classes: {e}; "
                          "pass model_factory='package.module:factory'") from None
 
@@ -73,4 +73,4 @@ def nn_model(spec: Mapping[str, Any], where: str, sd: Mapping[str, Any] | None) 
                 raise ValueError(f"holds {held} values, more than the file's {given}")
         return _nn_structure.build(spec, _nn_class)
     except ValueError as e:
-        raise CommandError(f"{where}: its torch.nn model (field 'nn_model') {e}; {fix}") from None
+        raise InputError(f"{where}: its torch.nn model (field 'nn_model') {e}; {fix}") from None

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 
 __all__ = ["is_peft_model", "spec", "rebuild", "json_object"]
 
@@ -105,7 +105,7 @@ def rebuild(base: nn.Module, saved: Any, where: str, notes: list[str] | None = N
     try:
         peft: Any = importlib.import_module("peft")
     except ImportError:
-        raise CommandError(f"{where} holds a PEFT adapter, and peft is not installed here; install it (pip install "
+        raise InputError(f"{where} holds a PEFT adapter, and peft is not installed here; install it (pip install "
                            f"nanhunt[transformers]) or {_FIX}") from None
     built = [(name, _config(peft, name, text, where, notes)) for name, text in configs.items()]
     for name, cfg in built:
@@ -118,14 +118,14 @@ def rebuild(base: nn.Module, saved: Any, where: str, notes: list[str] | None = N
         if active != first:
             model.set_adapter(active)
     except Exception as e:
-        raise CommandError(f"cannot build the PEFT adapter from the capture's config: {_first_line(e)}; {_FIX}") \
+        raise InputError(f"cannot build the PEFT adapter from the capture's config: {_first_line(e)}; {_FIX}") \
             from e
     if not isinstance(model, nn.Module):
-        raise CommandError(f"peft built a {type(model).__name__}, not an nn.Module; {_FIX}")
+        raise InputError(f"peft built a {type(model).__name__}, not an nn.Module; {_FIX}")
     params = dict(model.named_parameters())
     unknown = [n for n in trainable if n not in params]
     if unknown:
-        raise CommandError(f"{where} is not a valid nanhunt capture: its trainable parameters "
+        raise InputError(f"{where} is not a valid nanhunt capture: its trainable parameters "
                            f"{', '.join(unknown[:3])} are not the rebuilt PEFT model's; save the capture again")
     wanted = set(trainable)
     for n, p in params.items():  # requires_grad as in the run (a base weight the user unfroze stays unfrozen)
@@ -142,7 +142,7 @@ def _fields(saved: Any, where: str) -> tuple[dict[str, str], str, list[str]]:
                                                               for k, v in configs.items())
             and isinstance(active, str) and active in configs
             and isinstance(trainable, list) and all(isinstance(n, str) for n in trainable)):
-        raise CommandError(f"{where} is not a valid nanhunt capture: field 'hf_model.peft' does not hold adapter "
+        raise InputError(f"{where} is not a valid nanhunt capture: field 'hf_model.peft' does not hold adapter "
                            f"configs (JSON text by adapter name), the active adapter and the trainable parameters' "
                            f"names; {_FIX}")
     return dict(configs), active, list(trainable)
@@ -161,7 +161,7 @@ def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> An
     """The config object of adapter ``name``: peft's own class for its ``peft_type``, built from checked JSON."""
     data = json_object(text)
     if data is None:
-        raise CommandError(f"{where} is not a valid nanhunt capture: adapter {name!r}'s config is not a JSON "
+        raise InputError(f"{where} is not a valid nanhunt capture: adapter {name!r}'s config is not a JSON "
                            f"object; {_FIX}")
     kind = data.get("peft_type")
     mapping = {_type_name(k): v for k, v in getattr(peft, "PEFT_TYPE_TO_CONFIG_MAPPING", {}).items()}
@@ -206,7 +206,7 @@ def _config(peft: Any, name: str, text: str, where: str, notes: list[str]) -> An
     try:
         return cls(**data)
     except Exception as e:
-        raise CommandError(f"cannot build adapter {name!r}'s {cls.__name__} from the capture: {_first_line(e)}; "
+        raise InputError(f"cannot build adapter {name!r}'s {cls.__name__} from the capture: {_first_line(e)}; "
                            f"{_FIX}") from e
 
 
@@ -214,7 +214,7 @@ def _check_names(name: str, data: Mapping[str, Any]) -> None:
     """The fields naming modules hold module names (``lm_head``, ``attn.c_attn``), not regular expressions: peft
     matches them as patterns against every module name, and a pattern from a file (``([\\w.]+)+Z``) can run for
     hours. ``target_modules="all-linear"`` is peft's own word for every linear layer."""
-    def pattern(what: str) -> CommandError:
+    def pattern(what: str) -> InputError:
         return _refused(name, f"{what} is a pattern, not a module name: nanhunt matches no pattern read from a file "
                               "(one can run for hours); build the adapter in your own factory")
 
@@ -337,7 +337,7 @@ def _type_text(tp: Any) -> str:
     return str(getattr(tp, "__name__", tp))
 
 
-def _refused(name: str, why: str) -> CommandError:
-    return CommandError(f"refusing to rebuild PEFT adapter {name!r} from the capture: {why}; {_FIX}")
+def _refused(name: str, why: str) -> InputError:
+    return InputError(f"refusing to rebuild PEFT adapter {name!r} from the capture: {why}; {_FIX}")
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _names
 from ._names import loaded_from as _loaded_from, recognised as _allowed
-from .._util._errors import CommandError
+from .._util._errors import InputError
 
 
 # ------------------------------------------------------------ callable paths
@@ -44,18 +44,18 @@ def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -
     passing through another module; any other name raises :class:`_names.NeedsConfirmation`. No
     standard-library module, no dunder attribute, and never a ``__main__`` module, even trusted."""
     if not isinstance(path, str):
-        raise CommandError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
+        raise InputError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
     if _names.is_script(path):
         return _from_script(path, what=what, trusted=trusted)
     flag = _FLAGS.get(what, "--model")
     if _names.is_session(path):
-        raise CommandError(f"{what} {path!r} was defined in a notebook or interactive session, which cannot be "
+        raise InputError(f"{what} {path!r} was defined in a notebook or interactive session, which cannot be "
                            f"imported; put it in a module and pass {flag} package.module:{path.partition(':')[2]}")
     mod_name, sep, qual = path.partition(":")
     if not sep or not _dotted(mod_name) or not _dotted(qual):
-        raise CommandError(f"{what} {path!r} is not of the form package.module:callable")
+        raise InputError(f"{what} {path!r} is not of the form package.module:callable")
     if _names.is_main_module(mod_name):
-        raise CommandError(f"{what} {path!r} is in {mod_name!r}, a program's __main__ module: importing it runs that "
+        raise InputError(f"{what} {path!r} is in {mod_name!r}, a program's __main__ module: importing it runs that "
                            f"program, so nanhunt never does; pass {flag} package.module:{_placeholder(flag)} naming "
                            "the module that defines it")
     prefix = False
@@ -73,12 +73,12 @@ def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise CommandError(f"{what} {path!r}: module {mod_name!r} has no attribute {part!r}") from e
+            raise InputError(f"{what} {path!r}: module {mod_name!r} has no attribute {part!r}") from e
         if not trusted and isinstance(obj, types.ModuleType):
             # torch.os, torch.builtins: a path through another module reaches anything
             raise _refused(path, what, f"{part!r} is another module ({obj.__name__!r}), not something of {mod_name!r}")
     if not callable(obj):
-        raise CommandError(f"{what} {path!r} is not callable")
+        raise InputError(f"{what} {path!r} is not callable")
     if trusted or _allowed(obj, what) or (
             prefix and inspect.isfunction(obj) and _names.trusted_by(getattr(obj, "__module__", None) or "", trust)):
         return obj
@@ -93,7 +93,7 @@ def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -
                f"unconfirmed; {fix}")
     if own and what in _FLAGS:
         raise _names.NeedsConfirmation(message, what=what, path=path)
-    raise CommandError(message)
+    raise InputError(message)
 
 
 # what a file's name may choose unconfirmed, in words
@@ -115,15 +115,15 @@ def _from_script(path: str, *, what: str, trusted: bool) -> Any:
             f"definitions (never its loops or main block) only if you trust it; pass {flag} {path} to confirm",
             what=what, path=path)
     if not _dotted(qual):
-        raise CommandError(f"{what} {path!r} is not of the form /path/script.py:name")
+        raise InputError(f"{what} {path!r} is not of the form /path/script.py:name")
     obj: Any = _names.load_script(file, qual.partition(".")[0])  # what this name needs of the script
     for part in qual.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise CommandError(f"{what} {path!r}: script {file!r} defines no {part!r} at its top level") from e
+            raise InputError(f"{what} {path!r}: script {file!r} defines no {part!r} at its top level") from e
     if not callable(obj):
-        raise CommandError(f"{what} {path!r} is not callable")
+        raise InputError(f"{what} {path!r} is not callable")
     return obj
 
 
@@ -140,10 +140,10 @@ def _kind(what: str) -> str:
         what, "neither an nn.Module class nor one of torch.nn.functional's losses")
 
 
-def _refused(path: str, what: str, why: str) -> CommandError:
+def _refused(path: str, what: str, why: str) -> InputError:
     flag = _FLAGS.get(what)
     fix = f"pass {flag} package.module:{_placeholder(flag)} with your own" if flag else "rebuild it yourself"
-    return CommandError(f"the file names {what} {path!r}, which nanhunt refuses: {why}; the file may be "
+    return InputError(f"the file names {what} {path!r}, which nanhunt refuses: {why}; the file may be "
                         f"hostile; {fix}")
 
 
@@ -221,7 +221,7 @@ def _import(mod_name: str, path: str, *, what: str, trusted: bool) -> Any:
             raise refused from e
         fix = "run from the project directory or install its package" if trusted else \
             "install its package or put it on PYTHONPATH"
-        raise CommandError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); {fix}") from e
+        raise InputError(f"cannot import {what} module {mod_name!r} ({type(e).__name__}: {e}); {fix}") from e
     finally:
         if not trusted:
             sys.path[:] = saved

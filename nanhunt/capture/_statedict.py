@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .._util._text import dtype_name, few as _few
 
 
@@ -55,7 +55,7 @@ def map_state_dict(sd: Mapping[str, Any], model: nn.Module, *,
         elif mine > theirs:
             source[target] = k
     if ambiguous:
-        raise CommandError(f"checkpoint keys fit the model in more than one way: {_few(ambiguous)}; "
+        raise InputError(f"checkpoint keys fit the model in more than one way: {_few(ambiguous)}; "
                            "save the model's own state_dict (model.state_dict())")
     out = {target: sd[k] for target, k in source.items()}
     duplicates = [k for k in fits if source[fits[k][2]] != k]
@@ -76,7 +76,7 @@ def map_state_dict(sd: Mapping[str, Any], model: nn.Module, *,
             parts.append(f"unexpected {_few(unexpected)}")
         if shapes:
             parts.append(f"shape mismatch {_few(shapes)}")
-        raise CommandError("checkpoint keys don't match the model: " + "; ".join(parts)
+        raise InputError("checkpoint keys don't match the model: " + "; ".join(parts)
                            + " — is --model the factory that built this checkpoint?")
     return out
 
@@ -100,4 +100,4 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[dtype_name(name)]
     except KeyError:
-        raise CommandError(f"unknown dtype {name!r}; use float16, bfloat16 or float32") from None
+        raise InputError(f"unknown dtype {name!r}; use float16, bfloat16 or float32") from None

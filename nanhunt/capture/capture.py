@@ -26,7 +26,7 @@ from torch import nn
 from ..distributed import _dcp
 from . import _hf_checkpoint, _names
 from .._util._compiled import CompileSpec, read_record
-from .._util._errors import CommandError, visible
+from .._util._errors import InputError, visible
 from .._util._safeload import load_file
 from ..step.step import Step, rng_state, set_rng_state, split_batch
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
@@ -133,11 +133,11 @@ def load_capture_dir(
     both (``_dcp.load_sharded``)."""
     path = os.fspath(path)
     if _hf_checkpoint.is_checkpoint_dir(path):
-        raise CommandError(f"{path!r} is a Trainer checkpoint directory, which replays with the batch of the step to "
+        raise InputError(f"{path!r} is a Trainer checkpoint directory, which replays with the batch of the step to "
                            "replay: nanhunt replay DIR batch.pt (a .pt of the model's keyword arguments, labels "
                            "included)")
     if not os.path.isdir(path):
-        raise CommandError(f"{path!r} is not a capture directory" + (
+        raise InputError(f"{path!r} is not a capture directory" + (
             "; a checkpoint file needs its batch file too: nanhunt replay CHECKPOINT BATCH" if os.path.isfile(path)
             else ": it does not exist; check the path"))
     man = _dcp.read_manifest(path)
@@ -149,7 +149,7 @@ def load_capture_dir(
     state = _dcp.load_state(os.path.join(path, _dcp.STATE), tensors=shard is None)
     model_sd = {} if shard is not None else state.get("model")
     if not isinstance(model_sd, dict) or not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
-        raise CommandError(f"{where}: its state holds no model state_dict; the capture is damaged")
+        raise InputError(f"{where}: its state holds no model state_dict; the capture is damaged")
     ck: dict[str, Any] = {k: v for k, v in man.items() if k not in ("model", "optimizer", "optimizer_params")}
     ck.update(nanhunt_capture=CAPTURE_FORMAT, model=model_sd, optimizer=None, optimizer_params=None)
     if state.get("optimizer") is not None:
@@ -189,14 +189,14 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
     elif isinstance(ck, Mapping):
         got = _read_plain_checkpoint(ck, loss)
     else:
-        raise CommandError(f"checkpoint holds a {type(ck).__name__}; expected a state_dict or a dict with 'model'")
+        raise InputError(f"checkpoint holds a {type(ck).__name__}; expected a state_dict or a dict with 'model'")
 
     if dev is None:
         dev = torch.device("cpu")
     model = _ready_model(got, ck, dev, model_factory=model_factory, train=train, notes=notes, shard=shard)
 
     if isinstance(bt, nn.Module):
-        raise CommandError("the batch file holds a model, not a batch")
+        raise InputError("the batch file holds a model, not a batch")
     inputs, targets = split_batch(bt)
     rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
@@ -222,7 +222,7 @@ def _compiled(ck: Mapping[str, Any], checkpoint: str, notes: list[str]) -> Compi
     try:
         got = read_record(ck.get("compile"))
     except ValueError as e:
-        raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: {e}; save the capture "
+        raise InputError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: {e}; save the capture "
                            "again (nanhunt.save_capture)") from e
     if isinstance(got, str):
         notes.append(f"the step ran compiled by backend {visible(got)!r}, a name from the file: it is replayed "
@@ -259,24 +259,24 @@ def _confirm_all(ck: Mapping[str, Any], names: _Names) -> None:
                 resolve(name, what=what, trusted=False, trust=names.trust)
             except _names.NeedsConfirmation as e:
                 pending.append(e)
-            except CommandError:
+            except InputError:
                 pass  # refused outright, or not importable: said when the step is built
     if len(pending) == 1:
         raise pending[0]
     if pending:
         listed = " and ".join(f"{e.what} {e.path!r}" for e in pending)
         flags = " ".join(f"{e.flag} {e.path}" for e in pending)
-        raise CommandError(f"the file names {listed}, which nanhunt imports and calls only if you confirm them "
+        raise InputError(f"the file names {listed}, which nanhunt imports and calls only if you confirm them "
                            f"(your own code or another library's, not torch's own); if you trust them, pass {flags}")
 
 
 def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
     """Refuse a nanhunt batch file given as the checkpoint (or the two files swapped)."""
     if _is_batch_file(ck) and isinstance(bt, Mapping) and "nanhunt_capture" in bt:
-        raise CommandError(f"these look swapped: {checkpoint!r} is a nanhunt batch and {batch!r} a checkpoint; "
+        raise InputError(f"these look swapped: {checkpoint!r} is a nanhunt batch and {batch!r} a checkpoint; "
                            f"give the checkpoint first: nanhunt replay {batch} {checkpoint}")
     if _is_batch_file(ck):
-        raise CommandError(f"checkpoint {checkpoint!r} is a nanhunt batch file, not a checkpoint; give the "
+        raise InputError(f"checkpoint {checkpoint!r} is a nanhunt batch file, not a checkpoint; give the "
                            "checkpoint.pt written beside it first")
 
 
@@ -302,7 +302,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev:
     saved_dev = str(ck.get("device", "cpu"))
     got.step_call = checked("step_call", str, "'training_step' or null", again)
     if got.step_call not in (None, "training_step"):
-        raise CommandError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: field 'step_call' is "
+        raise InputError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: field 'step_call' is "
                            f"{got.step_call!r}, expected 'training_step' or null; {again}")
     if model_factory is not None:  # a factory you named is called with the file's arguments if it is the file's
         kwargs = ck.get("model_kwargs")

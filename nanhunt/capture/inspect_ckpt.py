@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .._util._text import dtype_name
 from .capture import load_file
 from ..records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Inspection, TensorSummary
@@ -178,7 +178,7 @@ def inspect_checkpoint(path: str, *, trust_pickle: bool = False) -> Inspection:
     ck = load_file(path, what="checkpoint", trust_pickle=trust_pickle)
     why = _not_a_checkpoint(path, ck)
     if why is not None:
-        raise CommandError(why)
+        raise InputError(why)
     scaler: dict[str, Any] = {}
     if isinstance(ck, Mapping):
         s = ck.get("scaler")
@@ -186,7 +186,7 @@ def inspect_checkpoint(path: str, *, trust_pickle: bool = False) -> Inspection:
             scaler = {k: s[k] for k in _SCALER_KEYS if k in s}
     found = list(_walk("", ck))
     if not found:
-        raise CommandError(f"{path!r} holds no floating tensor, so no weights: is it a batch? give the checkpoint "
+        raise InputError(f"{path!r} holds no floating tensor, so no weights: is it a batch? give the checkpoint "
                            "(a state_dict, {'model': ...}, a nanhunt capture or Lightning's .ckpt)")
     summaries = [_summary(f) for f in found]
     flagged = sorted((s for s in summaries if s.nan or s.inf or s.absmax > NEAR_OVERFLOW),

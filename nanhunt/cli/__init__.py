@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._util._errors import CommandError, NanhuntError, visible
+from .._util._errors import InputError, NanhuntError, visible
 from .._util._interrupt import Terminated, terminate_raises
 from ._common import ARGV, EXIT_INPUT, WRITTEN, Command, interrupted
 from .compare import CompareCommand
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not debug and not getattr(args._cmd, "runs_user_code", False):  # a script's warnings stay its own
                 warnings.simplefilter("ignore", UserWarning)
             return int(args._cmd.run(args))
-    except CommandError as e:
+    except InputError as e:
         if debug:
             raise
         _error(e)

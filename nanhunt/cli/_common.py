@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._util._errors import CommandError, first_line, visible
+from .._util._errors import InputError, first_line, visible
 from .._util._interrupt import atomic
 
 EXIT_CLEAN, EXIT_NONFINITE, EXIT_INPUT, EXIT_NOT_REPRODUCIBLE = 0, 1, 2, 3
@@ -61,14 +61,14 @@ def check_writable(path: str, fmt: str | None = None) -> None:
 
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise CommandError(f"cannot write {path!r}: it is a directory; give a file name")
+        raise InputError(f"cannot write {path!r}: it is a directory; give a file name")
     if os.path.lexists(parent) and not os.path.isdir(parent):
-        raise CommandError(f"cannot write {path!r}: {parent!r} is not a directory; give a path in a directory")
+        raise InputError(f"cannot write {path!r}: {parent!r} is not a directory; give a path in a directory")
     if not os.path.isdir(parent):
         check_directory(parent, what="the report's directory")  # can be made: nothing is in it to check
         return
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise CommandError(f"cannot write {path!r}: the directory {parent!r} is not writable; give another path")
+        raise InputError(f"cannot write {path!r}: the directory {parent!r} is not writable; give another path")
     for p in targets(path, fmt):
         check_target(p)
 
@@ -103,13 +103,13 @@ def command_line(launcher: str = "") -> str:
     return f"cd {shlex.quote(os.getcwd())} && {command}" if relative else command
 
 
-def step_failed(what: str, e: Exception) -> CommandError:
+def step_failed(what: str, e: Exception) -> InputError:
     """The step raised: the user's code (model, loss) on this batch, or nanhunt's own, told by the last
     frame of the traceback outside torch and the standard library."""
     if _raised_by_nanhunt(e):
-        return CommandError(f"{what} failed inside nanhunt ({first_line(e)}): a nanhunt bug, not your model; "
+        return InputError(f"{what} failed inside nanhunt ({first_line(e)}): a nanhunt bug, not your model; "
                             "rerun with --debug and report the traceback")
-    return CommandError(f"{what} raised {first_line(e)} — does the batch fit the model?")
+    return InputError(f"{what} raised {first_line(e)} — does the batch fit the model?")
 
 
 # nanhunt's modules that run the user's step on its behalf (the model's ops under the tracer, the model, the

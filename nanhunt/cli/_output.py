@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._util._errors import CommandError, visible
+from .._util._errors import InputError, visible
 from ._common import EXIT_CLEAN, EXIT_NONFINITE, EXIT_NOT_REPRODUCIBLE, check_writable, print_rich, put
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def _check_bundle(directory: str, report: str | None) -> None:
     from .._util._files import check_directory
 
     if report is not None and os.path.realpath(os.path.dirname(os.path.abspath(report))) == os.path.realpath(directory):
-        raise CommandError(f"--report {report!r} is inside the bundle directory {directory!r}, which holds the reports "
+        raise InputError(f"--report {report!r} is inside the bundle directory {directory!r}, which holds the reports "
                            "already; leave --report out or give it a path outside")
     if os.path.isdir(directory):  # before the write probe: a directory of the user's own files is left untouched
         earlier_bundle(directory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._util._errors import CommandError, NanhuntError, visible
+from .._util._errors import InputError, NanhuntError, visible
 from .._util._text import dtype_name
 from ._common import (EXIT_CLEAN, EXIT_NONFINITE, check_writable, command_line, name_options, print_rich,
                       step_failed, warn_trust_pickle)
@@ -76,7 +76,7 @@ class CompareCommand:
             renderer_for(args.report)  # fail on a bad suffix or an unwritable path before the long part
             check_writable(args.report)
         if args.speed is not None and args.speed < 1:
-            raise CommandError("--speed needs at least 1 repetition")
+            raise InputError("--speed needs at least 1 repetition")
         files, is_set = batch_files(args.batch)
         flags = {k: getattr(args, k) for k in _RULE_FLAGS if getattr(args, k) is not None}
         if args.fail_on_tolerance:

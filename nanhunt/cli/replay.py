@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .._util._errors import CommandError, NanhuntError, visible
+from .._util._errors import InputError, NanhuntError, visible
 from ._common import command_line, name_options, step_failed, warn_trust_pickle
 from ._output import Progress, ReplayOutput
 
@@ -85,13 +85,13 @@ class ReplayCommand:
 
         directory = args.batch is None
         if torchrun and args.snapshot != "auto":
-            raise CommandError("--snapshot applies to a replay in one process; under torchrun leave it out")
+            raise InputError("--snapshot applies to a replay in one process; under torchrun leave it out")
         if args.repeat < 1:
-            raise CommandError(f"--repeat {args.repeat}: replay at least once (--repeat 1, the default)")
+            raise InputError(f"--repeat {args.repeat}: replay at least once (--repeat 1, the default)")
         if torchrun and args.repeat != 1:
-            raise CommandError("--repeat applies to a replay in one process; under torchrun leave it out")
+            raise InputError("--repeat applies to a replay in one process; under torchrun leave it out")
         if torchrun and args.compile is not None:
-            raise CommandError("--compile applies to a replay in one process; under torchrun leave it out")
+            raise InputError("--compile applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
                 with Progress() as progress:
@@ -106,7 +106,7 @@ class ReplayCommand:
         if directory:  # a capture directory; its first note says which rank's batch is replayed
             step = load_capture_dir(args.checkpoint, rank=args.rank, **options)
         elif args.rank is not None:
-            raise CommandError("--rank picks a batch of a capture directory; with a checkpoint and a batch file, "
+            raise InputError("--rank picks a batch of a capture directory; with a checkpoint and a batch file, "
                                "leave it out")
         else:
             step = load_step(args.checkpoint, args.batch, **options)

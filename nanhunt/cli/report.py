@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .._util._errors import CommandError, NanhuntError, first_line
+from .._util._errors import InputError, NanhuntError, first_line
 from ._common import EXIT_CLEAN, check_writable, print_rich
 
 
@@ -47,6 +47,6 @@ class ReportCommand:
         except NanhuntError:
             raise
         except Exception as e:
-            raise CommandError(f"{args.input!r} is not a nanhunt JSON report ({first_line(e)}); write it again "
+            raise InputError(f"{args.input!r} is not a nanhunt JSON report ({first_line(e)}); write it again "
                                "with nanhunt replay --report x.json") from e
         return EXIT_CLEAN

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from .._util._errors import CommandError, visible
+from .._util._errors import InputError, visible
 
 _HELP = ("run a training script unchanged, with nanhunt watching its steps; at the first non-finite loss, gradient "
          "or update, write a capture and print the command that replays it")
@@ -49,7 +49,7 @@ class RunCommand:
                                    "check_params": args.check_params}
         if args.snapshot_every is not None:
             if args.snapshot_every < 1:
-                raise CommandError("--snapshot-every must be at least 1")
+                raise InputError("--snapshot-every must be at least 1")
             options["snapshot_every"] = args.snapshot_every
         outcome = run_script(script, AttachOptions(os.path.abspath(args.dump_dir), args.on_fail, options))
         code, lines = summary(outcome, script)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Comparison, Decision, Quality, Regression, Rule, TensorDiff
 from ._defaults import _Rule, _WORST
 from ._measure import _classify, _compare_modules, _measure, _regress
@@ -74,7 +74,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
     nonfinite = tuple(_nonfinite_rows(ref.output, amp.output, task)) if usable else ()
     if task != "none":
         if not usable:
-            raise CommandError(f"--task {task} needs the model to return its scores or predictions as a tensor with "
+            raise InputError(f"--task {task} needs the model to return its scores or predictions as a tensor with "
                                "a sample dimension (or a dict with 'logits'); this model returned none")
         assert ref.output is not None and amp.output is not None
         if task == "classify":
@@ -93,7 +93,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
                 cand.outputs.append((ref.output, amp.output, targets))
             else:
                 scored = _score(rule.metric, ref.output, amp.output, targets)
-        except CommandError:
+        except InputError:
             if need_quality:
                 raise
     if metric_fn is None:
@@ -183,7 +183,7 @@ def _total_quality(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] |
             user = _user_metric(metric_fn, torch.cat([r for r, _, _ in cand.outputs]),
                                 torch.cat([a for _, a, _ in cand.outputs]),
                                 torch.cat([_targets_cpu(t) for _, _, t in cand.outputs]))
-        except (RuntimeError, CommandError):  # outputs that do not concatenate: the mean, weighted by samples
+        except (RuntimeError, InputError):  # outputs that do not concatenate: the mean, weighted by samples
             qs = [b.quality for b in done if b.quality is not None]
             n = sum(q.n for q in qs) or 1
             user = (sum(q.ref * q.n for q in qs) / n, sum(q.amp * q.n for q in qs) / n, sum(q.n for q in qs))

@@ -6,7 +6,7 @@ from typing import TypedDict
 
 import torch
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .._util._text import dtype_name
 
 
@@ -39,5 +39,5 @@ def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     found = getattr(torch, dtype_name(dtype), None) if isinstance(dtype, str) else dtype
     if not isinstance(found, torch.dtype) or found not in _RTOL:
-        raise CommandError(f"compare needs an autocast dtype of float16 or bfloat16, not {dtype}")
+        raise InputError(f"compare needs an autocast dtype of float16 or bfloat16, not {dtype}")
     return found

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Rule
 from ..step.step import Step
 from ._rule import rule_from
@@ -28,12 +28,12 @@ def batch_files(paths: Sequence[str]) -> tuple[list[tuple[str, str]], bool]:
             inside = sorted(f for f in os.listdir(p) if f.endswith(_BATCH_SUFFIXES) and not f.startswith("."))
             inside = [f for f in inside if os.path.isfile(os.path.join(p, f))]
             if not inside:
-                raise CommandError(f"the directory {p!r} holds no batch file (*.pt, *.pth)")
+                raise InputError(f"the directory {p!r} holds no batch file (*.pt, *.pth)")
             found += [os.path.join(p, f) for f in inside]
         else:
             found.append(p)
     if len(set(found)) != len(found):
-        raise CommandError("a batch file is named twice in the set")
+        raise InputError("a batch file is named twice in the set")
     base = [os.path.basename(f) for f in found]
     names = base if len(set(base)) == len(base) else found
     return list(zip(names, found)), len(found) > 1 or any(os.path.isdir(p) for p in paths)
@@ -52,19 +52,19 @@ def rule_given(path: str | None, flags: Mapping[str, Any], *, task: str | None, 
         return rule_from(d, where="the rule flags")
     if flags:
         given = ", ".join("--" + k.replace("_", "-") for k in flags)
-        raise CommandError(f"--rule fixes the acceptance rule; {given} would change it: put the clause in "
+        raise InputError(f"--rule fixes the acceptance rule; {given} would change it: put the clause in "
                            f"{path!r} or drop --rule")
     where = f"the rule {path!r}"
     d = read_json(path, what="an acceptance rule (JSON)", label=where,
                   fix="give a JSON object of the rule's clauses (task, metric, rtol, ...)")
     if not isinstance(d, dict):
-        raise CommandError(f"{where} is a JSON {type(d).__name__}, not an object of the rule's clauses")
+        raise InputError(f"{where} is a JSON {type(d).__name__}, not an object of the rule's clauses")
     for key, flag in (("task", task), ("metric", metric)):
         if flag is not None and d.get(key, flag) != flag:
-            raise CommandError(f"{where} says {key} {d[key]!r} but --{key} says {flag!r}; give one")
+            raise InputError(f"{where} says {key} {d[key]!r} but --{key} says {flag!r}; give one")
     named = d.get("metric")
     if isinstance(named, str) and ":" in named and metric != named:
-        raise CommandError(f"{where} names the metric function {named!r}, which nanhunt does not import "
+        raise InputError(f"{where} names the metric function {named!r}, which nanhunt does not import "
                            f"unconfirmed; if you trust it, pass --metric {named} to confirm")
     if task is not None:
         d.setdefault("task", task)
@@ -85,7 +85,7 @@ def load_set(files: Sequence[tuple[str, str]], step: Step, *, trust_pickle: bool
     for name, path in files[1:]:
         bt = load_file(path, what="batch", trust_pickle=trust_pickle)
         if isinstance(bt, nn.Module):
-            raise CommandError(f"the batch file {path!r} holds a model, not a batch")
+            raise InputError(f"the batch file {path!r} holds a model, not a batch")
         inputs, targets = split_batch(bt)
         out[name] = (inputs, targets) if device is None else (to_device(inputs, device), to_device(targets, device))
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Failure, Quality, Rule, TensorDiff
 from ._defaults import TASKS, _WORST
 from ._measure import _as_samples, top_two
@@ -27,15 +27,15 @@ def rule_from(d: Mapping[str, Any], *, where: str = "the rule") -> Rule:
     """A :class:`~nanhunt.records.Rule` from a JSON object (a ``--rule`` file), every key and value checked:
     an unknown key (a typo would silently drop a clause) or a value of the wrong type is an error."""
     if not isinstance(d, Mapping):
-        raise CommandError(f"{where} is a {type(d).__name__}, not a JSON object of the rule's clauses")
+        raise InputError(f"{where} is a {type(d).__name__}, not a JSON object of the rule's clauses")
     unknown = sorted(str(k) for k in d if k not in _RULE_KEYS)
     if unknown:
-        raise CommandError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a rule has "
+        raise InputError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a rule has "
                            f"{', '.join(_RULE_KEYS)}")
     kw: dict[str, Any] = {}
     for k, v in d.items():
-        def bad(expected: str) -> CommandError:
-            return CommandError(f"{where}: {k} is {v!r}, expected {expected}")
+        def bad(expected: str) -> InputError:
+            return InputError(f"{where}: {k} is {v!r}, expected {expected}")
 
         if v is None and k in ("metric", "higher_is_better", *_NUMBERS):
             kw[k] = None
@@ -78,7 +78,7 @@ def settle_rule(rule: Rule, metric: str | Callable[..., Any] | None = None
     if metric is not None:
         given = metric if isinstance(metric, str) else f"{metric.__module__}:{metric.__qualname__}"
         if name is not None and name != given:
-            raise CommandError(f"the rule measures {name!r} but the metric given is {given!r}; give one")
+            raise InputError(f"the rule measures {name!r} but the metric given is {given!r}; give one")
         name = given
         fn = None if isinstance(metric, str) else metric
     if name is None:
@@ -91,14 +91,14 @@ def settle_rule(rule: Rule, metric: str | Callable[..., Any] | None = None
     if name in _METRICS:
         natural = name == "accuracy"
         if hib is not None and hib != natural:
-            raise CommandError(f"{name} is {'higher' if natural else 'lower'} is better; the rule says otherwise")
+            raise InputError(f"{name} is {'higher' if natural else 'lower'} is better; the rule says otherwise")
         hib = natural
     elif name is None:
         hib = None
     elif hib is None:
         hib = bool(getattr(fn, "higher_is_better", True))
     if name is None and (rule.max_quality_drop is not None or rule.min_quality is not None):
-        raise CommandError("a quality clause (max_quality_drop, min_quality) needs a metric: --task classify "
+        raise InputError("a quality clause (max_quality_drop, min_quality) needs a metric: --task classify "
                            "(accuracy), --task regress (mse) or --metric package.module:fn")
     return dataclasses.replace(rule, metric=name, higher_is_better=hib), fn
 
@@ -121,7 +121,7 @@ class _Scored:
 
 def _targets_cpu(targets: Any) -> torch.Tensor:
     if not isinstance(targets, torch.Tensor):
-        raise CommandError("the quality metric needs the batch's targets as a tensor; this batch has "
+        raise InputError("the quality metric needs the batch's targets as a tensor; this batch has "
                            + ("none" if targets is None else f"a {type(targets).__name__}"))
     return targets.detach().cpu()
 
@@ -135,14 +135,14 @@ def _score(metric: str, ref: torch.Tensor, amp: torch.Tensor, targets: Any) -> _
         elif not t.is_floating_point() and t.numel() == r.shape[0]:
             labels = t.reshape(-1).long()
         else:
-            raise CommandError(f"accuracy needs targets as class indices ({r.shape[0]} of them) or scores shaped "
+            raise InputError(f"accuracy needs targets as class indices ({r.shape[0]} of them) or scores shaped "
                                f"like the output {list(ref.shape)}; the targets are {t.dtype} {list(t.shape)}")
         valid = labels >= 0  # -100 and the like: ignored, as cross_entropy's ignore_index
         count = valid.double()
         return _Scored(((top_two(r)[0] == labels) & valid).double(), ((top_two(a)[0] == labels) & valid).double(),
                        count)
     if t.numel() != ref.numel():
-        raise CommandError(f"mse needs targets with as many elements as the output {list(ref.shape)}; the targets "
+        raise InputError(f"mse needs targets with as many elements as the output {list(ref.shape)}; the targets "
                            f"are {list(t.shape)}")
     n = ref.shape[0] if ref.ndim else 1
     tt = t.double().reshape(n, -1)

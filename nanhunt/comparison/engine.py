@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Comparison, Report, Rule, Speed
 from .._util._env import environment
 from .._util._text import dtype_name
@@ -68,22 +68,22 @@ def _as_dtypes(dtype: torch.dtype | str | Sequence[torch.dtype | str]) -> list[t
         items = list(dtype)
     out = [_as_dtype(d) for d in items]
     if not out or len(set(out)) != len(out):
-        raise CommandError(f"compare needs one or more different autocast dtypes, not {dtype}")
+        raise InputError(f"compare needs one or more different autocast dtypes, not {dtype}")
     return out
 
 
 def _named(batch: Any, batches: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
     if (batch is None) == (batches is None):
-        raise CommandError("compare needs a batch, or a set of them (batches=[...]), not both")
+        raise InputError("compare needs a batch, or a set of them (batches=[...]), not both")
     if batches is None:
         return [("", batch)]
     named = list(batches.items()) if isinstance(batches, Mapping) else \
         [(f"batch{i}", b) for i, b in enumerate(batches)]
     if not named:
-        raise CommandError("the set of batches is empty")
+        raise InputError("the set of batches is empty")
     names = [str(n) for n, _ in named]
     if len(set(names)) != len(names) or not all(names):
-        raise CommandError("the batches of a set need different, non-empty names")
+        raise InputError("the batches of a set need different, non-empty names")
     return [(str(n), b) for n, b in named]
 
 
@@ -97,7 +97,7 @@ def _rule_of_args(rule: Rule | None, *, rtol: float | None, atol: float | None, 
         return rule_from({"task": task, "rtol": rtol, "atol": atol, "max_flips": max_flips,
                           "fail_on_tolerance": fail_on_tolerance}, where="compare's arguments")
     if (rtol, atol, task, max_flips, fail_on_tolerance) != (None, None, "none", 0, False):
-        raise CommandError("give the acceptance rule as rule=... or as rtol/atol/task/max_flips/fail_on_tolerance, "
+        raise InputError("give the acceptance rule as rule=... or as rtol/atol/task/max_flips/fail_on_tolerance, "
                            "not both")
     return rule
 
@@ -310,7 +310,7 @@ def compare(
                          fail_on_tolerance=fail_on_tolerance)
     rule, metric_fn = settle_rule(rule, metric)
     if speed < 0:
-        raise CommandError(f"speed must be >= 0 repetitions, not {speed}")
+        raise InputError(f"speed must be >= 0 repetitions, not {speed}")
     named = _named(batch, batches)
     # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
     step = Step.of(model, named[0][1], loss_fn=loss_fn, dtype=dts[0], device_type=device_type, scaler=scaler,

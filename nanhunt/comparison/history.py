@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Comparison, Report
 
 
@@ -31,7 +31,7 @@ def _file_sha256(path: str) -> str:
             for chunk in iter(functools.partial(f.read, 1 << 20), b""):
                 h.update(chunk)
     except OSError as e:
-        raise CommandError(f"cannot read {path!r} to identify it in the compare history: {e.strerror}") from e
+        raise InputError(f"cannot read {path!r} to identify it in the compare history: {e.strerror}") from e
     return h.hexdigest()
 
 
@@ -75,7 +75,7 @@ class History:
         except FileNotFoundError:
             return out
         except (OSError, UnicodeDecodeError) as e:
-            raise CommandError(f"cannot read the compare history {self.path!r}: {e}; move it away to start a new "
+            raise InputError(f"cannot read the compare history {self.path!r}: {e}; move it away to start a new "
                                "one") from e
         for line in lines:
             try:
@@ -123,5 +123,5 @@ class History:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(run, allow_nan=False) + "\n")
         except OSError as e:
-            raise CommandError(f"cannot append to the compare history {self.path!r}: {e.strerror}") from e
+            raise InputError(f"cannot append to the compare history {self.path!r}: {e.strerror}") from e
         return dataclasses.replace(report, comparison=dataclasses.replace(c, rule_warnings=warned))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util import _dispatch
 from .._util._json import parse_json
 from .._util._safeload import check_bytes
@@ -250,24 +250,24 @@ def read_manifest(path: str) -> dict[str, Any]:
     file = not_linked(os.path.join(path, MANIFEST), f"{where}: its {MANIFEST}")
     if not os.path.isfile(file):
         if os.path.isfile(os.path.join(path, STATE, ".metadata")):
-            raise CommandError(f"{where} has no {MANIFEST}: the job died while writing it, so the capture is not "
+            raise InputError(f"{where} has no {MANIFEST}: the job died while writing it, so the capture is not "
                                "whole; use an earlier capture")
-        raise CommandError(f"{where} is not a nanhunt capture directory (no {MANIFEST}); give a capture directory "
+        raise InputError(f"{where} is not a nanhunt capture directory (no {MANIFEST}); give a capture directory "
                            "the Guard wrote, or a checkpoint and a batch file")
     if os.path.getsize(file) > MAX_MANIFEST_BYTES:
-        raise CommandError(f"{where}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no capture "
+        raise InputError(f"{where}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, which no capture "
                            "writes; nanhunt refuses it")
     try:
         with open(file, "rb") as f:
             man = parse_json(f.read(MAX_MANIFEST_BYTES + 1), max_bytes=MAX_MANIFEST_BYTES)
     except ValueError as e:  # too deep, not UTF-8, not JSON: bounded before json recurses
-        raise CommandError(f"{where}: {MANIFEST} {_first_line(e)}; the capture is damaged") from e
+        raise InputError(f"{where}: {MANIFEST} {_first_line(e)}; the capture is damaged") from e
     if not isinstance(man, dict) or man.get("nanhunt_capture_dir") != FORMAT:
-        raise CommandError(f"{where}: {MANIFEST} is not a nanhunt manifest of format {FORMAT}; write the capture "
+        raise InputError(f"{where}: {MANIFEST} is not a nanhunt manifest of format {FORMAT}; write the capture "
                            "again with this nanhunt")
 
-    def bad(name: str, expected: str) -> CommandError:
-        return CommandError(f"{where} is not a valid nanhunt capture: {MANIFEST} field {name!r} is "
+    def bad(name: str, expected: str) -> InputError:
+        return InputError(f"{where} is not a valid nanhunt capture: {MANIFEST} field {name!r} is "
                             f"{_short(man.get(name))}, expected {expected}")
 
     world = man.get("world_size")
@@ -289,7 +289,7 @@ def pick_rank(man: Mapping[str, Any], rank: int | None, path: str) -> int:
     if rank is None:
         return min(man["ranks_seen"], default=0)
     if not 0 <= rank < world:
-        raise CommandError(f"--rank {rank} is out of range: capture directory {path!r} was written by {world} "
+        raise InputError(f"--rank {rank} is out of range: capture directory {path!r} was written by {world} "
                            f"rank(s), 0 to {world - 1}; pick one of them")
     return rank
 
@@ -326,12 +326,12 @@ def optimizer_by_index(osd: Any, where: str) -> tuple[dict[str, Any], list[list[
     if not isinstance(groups, list) or not isinstance(state, Mapping) or not all(
             isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
             and all(isinstance(n, str) for n in g["params"]) for g in groups):
-        raise CommandError(f"{where}: its optimizer state has no parameter groups naming their parameters; {fix}")
+        raise InputError(f"{where}: its optimizer state has no parameter groups naming their parameters; {fix}")
     names = [list(g["params"]) for g in groups]
     index = {n: i for i, n in enumerate(n for g in names for n in g)}
     unknown = [str(k) for k in state if k not in index]
     if unknown:
-        raise CommandError(f"{where}: its optimizer state names parameters no group holds ({_few(unknown)}); {fix}")
+        raise InputError(f"{where}: its optimizer state names parameters no group holds ({_few(unknown)}); {fix}")
     sd = {"state": {index[k]: v for k, v in state.items()},
           "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups]}
     return sd, names
@@ -358,11 +358,11 @@ def load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         load(state, storage_reader=reader, planner=planner)
     except CheckpointException as e:  # every rank raises it, naming each rank's own error
         failures = sorted(e.failures.items())
-        first = next((exc for _, (exc, _tb) in failures if isinstance(exc, CommandError)), None)
+        first = next((exc for _, (exc, _tb) in failures if isinstance(exc, InputError)), None)
         if first is not None:
-            raise CommandError(str(first)) from None
+            raise InputError(str(first)) from None
         rank, (exc, _tb) = failures[0] if failures else (-1, (e, None))
-        raise CommandError(f"the capture's state {path!r} cannot be loaded into the sharded model (rank {rank}: "
+        raise InputError(f"the capture's state {path!r} cannot be loaded into the sharded model (rank {rank}: "
                            f"{_first_line(exc)}); is --model the factory that built this capture?") from None
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
@@ -402,22 +402,22 @@ def safe_reader(path: str) -> tuple[Any, Any]:
                 off = None if req.storage_index.offset is None else tuple(int(i) for i in req.storage_index.offset)
                 info = self.checked.get((fqn, off))
                 if info is None:
-                    raise CommandError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
+                    raise InputError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
                 value = _load(path, info, where, fqn)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_object(req, value)
                     continue
                 if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.is_meta:
-                    raise CommandError(f"{where}: a chunk of {fqn!r} holds {type(value).__name__}, not a tensor; "
+                    raise InputError(f"{where}: a chunk of {fqn!r} holds {type(value).__name__}, not a tensor; "
                                        "the capture is damaged")
                 for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                     if not (0 <= start and start + n <= value.shape[dim]):
-                        raise CommandError(f"{where}: a chunk of {fqn!r} is smaller than its .metadata says; the "
+                        raise InputError(f"{where}: a chunk of {fqn!r} is smaller than its .metadata says; the "
                                            "capture is damaged")
                     value = value.narrow(dim, start, n)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != value.size():
-                    raise CommandError(f"{where}: {fqn!r} is {tuple(value.shape)} in the capture and "
+                    raise InputError(f"{where}: {fqn!r} is {tuple(value.shape)} in the capture and "
                                        f"{tuple(target.shape)} in this model; is --model the factory that built it?")
                 target.copy_(value)
                 planner.commit_tensor(req, target)

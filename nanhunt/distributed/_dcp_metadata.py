@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._util._errors import CommandError, first_line as _first_line
+from .._util._errors import InputError, first_line as _first_line
 from .._util import _dispatch
 from .._util._safeload import check_bytes
 from .._util._text import few
@@ -31,7 +31,7 @@ def not_linked(path: str, what: str) -> str:
     link: the Guard writes none, and one in a capture from someone else could put any file of this machine in
     the report, or make nanhunt read a device forever."""
     if os.path.islink(path):
-        raise CommandError(f"{what} is a symbolic link; nanhunt reads only the files a capture directory holds, "
+        raise InputError(f"{what} is a symbolic link; nanhunt reads only the files a capture directory holds, "
                            "never one a link points to: copy the real files into it")
     return path
 
@@ -170,9 +170,9 @@ def _scan_metadata(data: bytes, where: str) -> None:
                 break
             scan.step(op.name, arg)
     except ValueError as e:  # pickletools: a bad opcode or argument, no STOP
-        raise CommandError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
+        raise InputError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
     if scan.cost > MAX_METADATA_MEMORY:
-        raise CommandError(f"{where}: its .metadata would take more than {MAX_METADATA_MEMORY >> 20} MiB of memory "
+        raise InputError(f"{where}: its .metadata would take more than {MAX_METADATA_MEMORY >> 20} MiB of memory "
                            "to unpickle, which no DCP checkpoint nanhunt reads needs; nanhunt refuses it")
 
 
@@ -188,8 +188,8 @@ class _Scan:
         self.memo: list[_Made] = []
         self.cost = 0
 
-    def odd(self, why: str) -> CommandError:
-        return CommandError(f"{self.where}: its .metadata is not a pickle as pickle.dump writes it ({why}); nanhunt "
+    def odd(self, why: str) -> InputError:
+        return InputError(f"{self.where}: its .metadata is not a pickle as pickle.dump writes it ({why}); nanhunt "
                             "refuses it")
 
     def step(self, name: str, arg: Any) -> None:
@@ -255,7 +255,7 @@ class _Scan:
             made.depth = max(made.depth, depth + 1)
         self.stack.append(made)
         if made.depth > MAX_METADATA_DEPTH:
-            raise CommandError(f"{self.where}: its .metadata nests values more than {MAX_METADATA_DEPTH} deep (DCP's "
+            raise InputError(f"{self.where}: its .metadata nests values more than {MAX_METADATA_DEPTH} deep (DCP's "
                                "own nest 11); nanhunt refuses it")
 
 
@@ -265,10 +265,10 @@ def _read_metadata(path: str, where: str) -> Any:
     not_linked(path, where)
     file = not_linked(os.path.join(path, ".metadata"), f"{where}: its .metadata")
     if not os.path.isfile(file):
-        raise CommandError(f"{where} has no .metadata: it is not a whole torch.distributed.checkpoint; the capture "
+        raise InputError(f"{where} has no .metadata: it is not a whole torch.distributed.checkpoint; the capture "
                            "is damaged")
     if os.path.getsize(file) > MAX_METADATA_BYTES:
-        raise CommandError(f"{where}: its .metadata is {os.path.getsize(file)} bytes, more than the "
+        raise InputError(f"{where}: its .metadata is {os.path.getsize(file)} bytes, more than the "
                            f"{MAX_METADATA_BYTES} nanhunt reads (a few kB per tensor); the capture is damaged")
     with open(file, "rb") as f:
         data = f.read(MAX_METADATA_BYTES + 1)
@@ -276,12 +276,12 @@ def _read_metadata(path: str, where: str) -> Any:
     try:
         meta = _MetadataUnpickler(io.BytesIO(data)).load()
     except _Foreign as e:
-        raise CommandError(f"{where}: its .metadata names {_short(str(e))}, which is not part of a DCP checkpoint's "
+        raise InputError(f"{where}: its .metadata names {_short(str(e))}, which is not part of a DCP checkpoint's "
                            "metadata and would run code if unpickled; nanhunt refuses it") from e
     except Exception as e:  # the unpickler builds only dataclasses: any error means a damaged file
-        raise CommandError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
+        raise InputError(f"{where}: its .metadata is damaged ({_first_line(e)})") from e
     if not isinstance(meta, Metadata):
-        raise CommandError(f"{where}: its .metadata holds a {type(meta).__name__}, not DCP metadata")
+        raise InputError(f"{where}: its .metadata holds a {type(meta).__name__}, not DCP metadata")
     _check_metadata(meta, where)
     return meta
 
@@ -292,7 +292,7 @@ _MISSING = object()
 def _expect(ok: bool, value: Any, what: str, expected: str, where: str) -> None:
     """Refuse ``value`` (``_MISSING``: no such field), read from the file as ``what``, unless ``ok``."""
     if not ok:
-        raise CommandError(f"{where}: its .metadata is damaged: {what} is {_kind(value)}, expected {expected}")
+        raise InputError(f"{where}: its .metadata is damaged: {what} is {_kind(value)}, expected {expected}")
 
 
 def _field(obj: Any, name: str, test: Callable[[Any], bool], expected: str, owner: str, where: str) -> Any:
@@ -380,18 +380,18 @@ def _storage_index(meta: Any, path: str, where: str) -> dict[tuple[str, tuple[in
         off, n = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or not _SHARD_NAME.fullmatch(rel) \
                 or type(off) is not int or type(n) is not int or off < 0 or n <= 0:
-            raise CommandError(f"{where}: its .metadata places data at {_short(rel)}, which is not a shard file "
+            raise InputError(f"{where}: its .metadata places data at {_short(rel)}, which is not a shard file "
                                "of the checkpoint; nanhunt refuses it")
         if getattr(info, "transform_descriptors", None):
-            raise CommandError(f"{where}: its shards are stored transformed ({_short(info.transform_descriptors)}), "
+            raise InputError(f"{where}: its shards are stored transformed ({_short(info.transform_descriptors)}), "
                                "which nanhunt does not read; save without storage extensions")
         if rel not in sizes:
             file = not_linked(os.path.join(path, rel), f"{where}: its shard file {rel!r}")
             if not os.path.isfile(file):
-                raise CommandError(f"{where}: its shard file {rel!r} is missing; copy the whole capture directory")
+                raise InputError(f"{where}: its shard file {rel!r} is missing; copy the whole capture directory")
             sizes[rel] = os.path.getsize(file)
         if off + n > sizes[rel]:
-            raise CommandError(f"{where}: its shard file {rel!r} is truncated; copy the whole capture directory")
+            raise InputError(f"{where}: its shard file {rel!r} is truncated; copy the whole capture directory")
         offset = None if key.offset is None else tuple(int(i) for i in key.offset)
         out[(str(key.fqn), offset)] = info
     return out
@@ -408,31 +408,31 @@ def _check_budget(entries: Mapping[str, Any], storage: Mapping[Any, Any], path: 
     for rel, spans in ranges.items():
         spans.sort()
         if any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
-            raise CommandError(f"{where}: two entries of its .metadata claim the same bytes of {rel!r}; nanhunt "
+            raise InputError(f"{where}: two entries of its .metadata claim the same bytes of {rel!r}; nanhunt "
                                "refuses it")
     for fqn, md in entries.items():
         if not isinstance(md, TensorStorageMetadata):
             if (fqn, None) not in storage:
-                raise CommandError(f"{where}: the data of {fqn!r} is not stored; the capture is damaged")
+                raise InputError(f"{where}: the data of {fqn!r} is not stored; the capture is damaged")
             continue
         size = tuple(md.size)
         if len(md.chunks) > MAX_CHUNKS:
-            raise CommandError(f"{where}: {fqn!r} is stored in {len(md.chunks)} chunks (a capture of N ranks has "
+            raise InputError(f"{where}: {fqn!r} is stored in {len(md.chunks)} chunks (a capture of N ranks has "
                                f"about N); nanhunt reads at most {MAX_CHUNKS}")
         boxes = []
         for c in md.chunks:
             off, sz = tuple(c.offsets), tuple(c.sizes)
             if any(o + s > d for o, s, d in zip(off, sz, size)):
-                raise CommandError(f"{where}: a chunk of {fqn!r} lies outside its shape {size}")
+                raise InputError(f"{where}: a chunk of {fqn!r} lies outside its shape {size}")
             info = storage.get((fqn, off))
             if info is None:
-                raise CommandError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
+                raise InputError(f"{where}: a chunk of {fqn!r} at {off} is not stored; the capture is damaged")
             if math.prod(sz) * md.properties.dtype.itemsize > info.length:
-                raise CommandError(f"{where}: a chunk of {fqn!r} claims more bytes than are stored for it; "
+                raise InputError(f"{where}: a chunk of {fqn!r} claims more bytes than are stored for it; "
                                    "nanhunt refuses it")
             boxes.append((off, sz))
         if sum(math.prod(s) for _, s in boxes) != math.prod(size) or _overlap(boxes, size):
-            raise CommandError(f"{where}: the chunks of {fqn!r} do not tile its shape {size}; the capture "
+            raise InputError(f"{where}: the chunks of {fqn!r} do not tile its shape {size}; the capture "
                                "is damaged")
 
 
@@ -468,7 +468,7 @@ def _load(path: str, info: Any, where: str, fqn: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CommandError(f"{where}: the data of {fqn!r} cannot be read with weights_only=True "
+        raise InputError(f"{where}: the data of {fqn!r} cannot be read with weights_only=True "
                            f"({_first_line(e)}); the capture is damaged or hostile") from e
 
 
@@ -480,7 +480,7 @@ def _read_tensor(fqn: str, md: Any, storage: Mapping[Any, Any], path: str, where
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta or tuple(t.shape) != sz \
                 or t.dtype != full.dtype or t.untyped_storage().nbytes() < t.numel() * t.element_size():
             what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} {tuple(t.shape)}"
-            raise CommandError(f"{where}: a chunk of {fqn!r} holds {what}, not the {full.dtype} {sz} its .metadata "
+            raise InputError(f"{where}: a chunk of {fqn!r} holds {what}, not the {full.dtype} {sz} its .metadata "
                                "says; the capture is damaged")
         full[tuple(slice(o, o + s) for o, s in zip(off, sz))] = t
     return full
@@ -491,7 +491,7 @@ def _set_nested(out: dict[Any, Any], keys: tuple[Any, ...], value: Any, where: s
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise CommandError(f"{where} is damaged: two entries claim the same place in the state")
+            raise InputError(f"{where} is damaged: two entries claim the same place in the state")
     node[keys[-1]] = value
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._util._compiled import (TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module,
                                emulating_precision_casts, reset)
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..capture._resolve import resolve
 from ..records import GraphNode, Repro, Rung, Verdict
 from ..step.step import Step
@@ -140,6 +140,6 @@ def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:
     if name in TORCH_BACKENDS:
         return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic)
     if ":" not in name:
-        raise CommandError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
+        raise InputError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
                            "own as package.module:function")
     return CompileSpec(name, fn=resolve(name, what="compile backend", trusted=True))

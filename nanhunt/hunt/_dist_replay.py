@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import _dcp
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..capture.capture import load_capture_dir
 from .pipeline import hunt
 from ..records import Occurrence, Report, Repro
@@ -64,21 +64,21 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
     world, me = _env_int("WORLD_SIZE"), _env_int("RANK")
     local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else me
     if batch is not None:
-        raise CommandError("under torchrun, nanhunt replay takes a capture directory the Guard wrote under FSDP2 or DDP "
+        raise InputError("under torchrun, nanhunt replay takes a capture directory the Guard wrote under FSDP2 or DDP "
                            "(nanhunt replay DIR); replay a checkpoint and a batch file in one process, without "
                            "torchrun")
     if rank is not None:
-        raise CommandError("under torchrun every rank replays its own batch: leave --rank out (it picks one rank's "
+        raise InputError("under torchrun every rank replays its own batch: leave --rank out (it picks one rank's "
                            "batch for a replay in one process, without torchrun)")
     if not os.path.isdir(path):
-        raise CommandError(f"{path!r} is not a capture directory" + (
+        raise InputError(f"{path!r} is not a capture directory" + (
             "; under torchrun nanhunt replay takes the directory the Guard wrote under FSDP2 or DDP" if os.path.exists(path)
             else ": it does not exist; check the path"))
     man = _dcp.read_manifest(path)
     captured = int(man["world_size"])
     if captured != world:
         seen = _dcp.pick_rank(man, None, path)
-        raise CommandError(f"captured on {captured} ranks, run with --nproc-per-node {captured}, or without torchrun "
+        raise InputError(f"captured on {captured} ranks, run with --nproc-per-node {captured}, or without torchrun "
                            f"to replay rank {seen}'s batch in one process")
     layout = _layout(man, path)
     dev = _device(device, local)
@@ -89,7 +89,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=TIMEOUT)
     try:
         if dist.get_world_size() != world:
-            raise CommandError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
+            raise InputError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
                                "start the replay with torchrun alone")
         ranks = _Ranks(me, world, dev)
         options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, optimizer=optimizer,
@@ -121,7 +121,7 @@ def _env_int(name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise CommandError(f"the environment variable {name}={text!r} is not a number; start the replay with "
+        raise InputError(f"the environment variable {name}={text!r} is not a number; start the replay with "
                            "torchrun") from None
 
 
@@ -130,16 +130,16 @@ def _device(device: str | None, local: int) -> torch.device:
     dev = torch.device(device or "cpu")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise CommandError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
+            raise InputError(f"--device {device} was given but no CUDA device is available here; use --device cpu")
         if dev.index is not None:
-            raise CommandError(f"--device {device}: under torchrun each rank takes the GPU of its LOCAL_RANK; give "
+            raise InputError(f"--device {device}: under torchrun each rank takes the GPU of its LOCAL_RANK; give "
                                "--device cuda")
         if local >= torch.cuda.device_count():
-            raise CommandError(f"rank with LOCAL_RANK {local} has no GPU of its own ({torch.cuda.device_count()} "
+            raise InputError(f"rank with LOCAL_RANK {local} has no GPU of its own ({torch.cuda.device_count()} "
                                "here); run at most one rank per GPU")
         return torch.device("cuda", local)
     if dev.type != "cpu":
-        raise CommandError(f"--device {device}: the distributed replay runs on cpu (gloo) or cuda (nccl)")
+        raise InputError(f"--device {device}: the distributed replay runs on cpu (gloo) or cuda (nccl)")
     return dev
 
 
@@ -149,7 +149,7 @@ def _ddp_options(man: Mapping[str, Any], path: str) -> dict[str, bool]:
     got = man.get("ddp", {})
     keys = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph")
     if not isinstance(got, dict) or not all(isinstance(got.get(k, False), bool) for k in keys):
-        raise CommandError(f"capture directory {path!r} is not a valid nanhunt capture: manifest.json field 'ddp' is "
+        raise InputError(f"capture directory {path!r} is not a valid nanhunt capture: manifest.json field 'ddp' is "
                            f"{_dcp._short(got)}, expected the DDP options {', '.join(keys)} as true or false")
     return {k: bool(got.get(k, False)) for k in keys}
 
@@ -174,16 +174,16 @@ def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]] | None:
         _ddp_options(man, path)  # judged before any process group is made
         return None
     if man["wrapper"] != "fsdp2":
-        raise CommandError(f"{where} was written under {man['wrapper']}, which the distributed replay does not "
+        raise InputError(f"{where} was written under {man['wrapper']}, which the distributed replay does not "
                            "rebuild; replay it in one process, without torchrun")
     layout = man.get("fsdp")
     if layout is None:
-        raise CommandError(f"{where} does not record which modules fully_shard wrapped (written by an earlier "
+        raise InputError(f"{where} does not record which modules fully_shard wrapped (written by an earlier "
                            "nanhunt); replay it in one process, without torchrun, or capture it again")
     world = int(man["world_size"])
 
-    def bad(expected: str) -> CommandError:
-        return CommandError(f"{where} is not a valid nanhunt capture: manifest.json field 'fsdp' is "
+    def bad(expected: str) -> InputError:
+        return InputError(f"{where} is not a valid nanhunt capture: manifest.json field 'fsdp' is "
                             f"{_dcp._short(layout)}, expected {expected}")
 
     if not isinstance(layout, list) or not layout:
@@ -199,7 +199,7 @@ def _layout(man: Mapping[str, Any], path: str) -> list[dict[str, Any]] | None:
                                       and isinstance(mesh, list) and len(names) == len(mesh) == len(set(names))):
             raise bad("mesh dimension names (distinct strings, one per mesh dimension) or none")
         if mesh is not None and (len(mesh) > 2 or math.prod(mesh) != world):
-            raise CommandError(f"{where}: module {e['module']!r} was sharded on a device mesh of shape {mesh}; the "
+            raise InputError(f"{where}: module {e['module']!r} was sharded on a device mesh of shape {mesh}; the "
                                f"distributed replay rebuilds a 1-D (FSDP) or 2-D (HSDP) mesh of the {world} ranks "
                                "only; replay it in one process, without torchrun")
         if reshard is not None and not isinstance(reshard, bool):
@@ -222,7 +222,7 @@ def _wrap(model: nn.Module, layout: list[dict[str, Any]], device: torch.device) 
     named = dict(model.named_modules())
     missing = [e["module"] for e in layout if e["module"] not in named]
     if missing:
-        raise CommandError(f"the capture was sharded on module(s) {_dcp._few(missing)}, which this model does not "
+        raise InputError(f"the capture was sharded on module(s) {_dcp._few(missing)}, which this model does not "
                            "have; is --model the factory that built this capture?")
     meshes: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
     for e in layout:
@@ -277,7 +277,7 @@ class _Ranks:
         failed = [(r, s) for r, s in enumerate(said) if s is not None]
         if failed:
             r, s = failed[0]
-            raise CommandError(f"rank {r} could not load its part of the capture: {s}")
+            raise InputError(f"rank {r} could not load its part of the capture: {s}")
         return result  # type: ignore[no-any-return]
 
     # -------------------------------------------------- bisect.Team
@@ -334,7 +334,7 @@ class _Ranks:
             raise raised
         rp, error = got[maker]
         if error is not None:
-            raise CommandError(f"rank {maker} could not write the repro of its culprit op: {error}")
+            raise InputError(f"rank {maker} could not write the repro of its culprit op: {error}")
         if rp is not None and maker != 0:  # the files, from the maker to rank 0 only
             box: list[Any] = [files]
             if self.rank == maker:

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from .._util._dispatch import foreach_norm, local_tensor
 from .._util._wrappers import user_modules
 from ..step.precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from ..records import Occurrence, Phase, Verdict
 from ..step.step import Step
 from ..tracing.tracer import Trace
@@ -316,7 +316,7 @@ def _follow(trials: _Trials, team: Team, locate_fp32: Callable[[], Occurrence | 
             elif order[0] == "done":
                 verdict = order[1]
                 if not isinstance(verdict, Verdict):
-                    raise CommandError("rank 0's bisection failed (its error says why); the other ranks stopped")
+                    raise InputError("rank 0's bisection failed (its error says why); the other ranks stopped")
                 return verdict
 
 

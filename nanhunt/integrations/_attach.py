@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._util._errors import CommandError, GuardError, first_line, visible
+from .._util._errors import InputError, GuardError, first_line, visible
 from ..guard.guard import Guard
 from ._run import GuardedRun
 
@@ -107,7 +107,7 @@ class Attached:
 
     def __init__(self, options: AttachOptions) -> None:
         if options.on_fail not in ON_FAIL:
-            raise CommandError(f"--on-fail must be one of {', '.join(ON_FAIL)}, not {options.on_fail!r}")
+            raise InputError(f"--on-fail must be one of {', '.join(ON_FAIL)}, not {options.on_fail!r}")
         self.options = options
         self.framework: str | None = None  # the Trainer found, if any
         self.gave_up = ""  # why a framework run was not watched, or ""
@@ -203,7 +203,7 @@ class Attached:
 
     def _callback(self, kind: str) -> Any:
         if self.options.on_fail == "rollback":
-            raise CommandError(f"--on-fail rollback is for plain training loops: a {kind} owns its loop, so "
+            raise InputError(f"--on-fail rollback is for plain training loops: a {kind} owns its loop, so "
                                "nanhunt cannot skip a batch and go on; use --on-fail stop or continue")
         self.framework = kind
         self.loop.stand_down()

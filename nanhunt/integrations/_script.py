@@ -10,7 +10,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from .._util._errors import CommandError, GuardError
+from .._util._errors import InputError, GuardError
 from ._attach import Attached, AttachOptions
 
 __all__ = ["Script", "Outcome", "script_of", "run_script", "summary", "EXIT_STOPPED"]
@@ -43,9 +43,9 @@ def script_of(script: str | None, module: list[str] | None, argv: list[str]) -> 
     """The :class:`Script` of ``nanhunt run``'s arguments (``module``: ``-m``'s name and its arguments)."""
     if module is not None:
         if script is not None:
-            raise CommandError("give a script or -m MODULE, not both: nanhunt run [options] -m MODULE [ARGS]")
+            raise InputError("give a script or -m MODULE, not both: nanhunt run [options] -m MODULE [ARGS]")
         if not module:
-            raise CommandError("-m needs a module name: nanhunt run -m package.module [ARGS]")
+            raise InputError("-m needs a module name: nanhunt run -m package.module [ARGS]")
         name = module[0]
         saved = list(sys.path)
         sys.path.insert(0, os.getcwd())  # as `python -m` looks for it (python -m nanhunt left it out)
@@ -56,14 +56,14 @@ def script_of(script: str | None, module: list[str] | None, argv: list[str]) -> 
         finally:
             sys.path[:] = saved
         if spec is None:
-            raise CommandError(f"no module named {name!r} on the import path; run from the project's folder or "
+            raise InputError(f"no module named {name!r} on the import path; run from the project's folder or "
                                "install it")
         return Script(spec.origin or name, tuple(module[1:]), name)
     if script is None:
-        raise CommandError("nothing to run: nanhunt run [options] train.py [ARGS] (or -m MODULE)")
+        raise InputError("nothing to run: nanhunt run [options] train.py [ARGS] (or -m MODULE)")
     path = os.path.abspath(script)
     if not os.path.isfile(path):
-        raise CommandError(f"script {script!r} does not exist; give the path of the training script")
+        raise InputError(f"script {script!r} does not exist; give the path of the training script")
     return Script(path, tuple(argv))
 
 
@@ -91,7 +91,7 @@ def run_script(script: Script, options: AttachOptions) -> Outcome:
             if outcome.stopped is None:
                 if not isinstance(e, Exception):
                     raise  # Ctrl-C, SIGTERM: the CLI's own lines and exit codes
-                if isinstance(e, CommandError) and _ours(e):
+                if isinstance(e, InputError) and _ours(e):
                     raise
                 outcome.failure = e
     finally:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 
 from .._util._bundle import BUNDLE_FILES, claim
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .._util._files import write_file
 from ..records import Report
 
@@ -38,7 +38,7 @@ def render_for_format(fmt: str) -> Callable[[Report], str]:
         from .console import render_text
 
         return render_text
-    raise CommandError(f"unknown report format {fmt!r}; use json, md, html or console")
+    raise InputError(f"unknown report format {fmt!r}; use json, md, html or console")
 
 
 def renderer_for(path: str) -> Callable[[Report], str]:
@@ -46,7 +46,7 @@ def renderer_for(path: str) -> Callable[[Report], str]:
     fmt = FORMATS.get(suffix)
     if fmt is None:
         known = ", ".join(sorted(FORMATS))
-        raise CommandError(f"cannot tell the report format from {path!r}; use a file ending in {known}")
+        raise InputError(f"cannot tell the report format from {path!r}; use a file ending in {known}")
     return render_for_format(fmt)
 
 
@@ -68,7 +68,7 @@ def write(report: Report, path: str, fmt: str | None = None) -> list[str]:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise CommandError(f"cannot create {directory!r}: {e.strerror}") from e
+        raise InputError(f"cannot create {directory!r}: {e.strerror}") from e
     if len(paths) == 1:
         write_file(path, render(report))
         return paths

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 
 
 def rng_state(*, python_numpy: bool = False) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
             return batch[0], batch[1]
         if len(batch) == 1:
             return batch[0], None
-        raise CommandError(f"the batch is a sequence of {len(batch)} items; expected (inputs, targets)")
+        raise InputError(f"the batch is a sequence of {len(batch)} items; expected (inputs, targets)")
     if isinstance(batch, torch.Tensor):
         return batch, None
-    raise CommandError(f"the batch is a {type(batch).__name__}; expected a tensor, (inputs, targets) or a dict")
+    raise InputError(f"the batch is a {type(batch).__name__}; expected a tensor, (inputs, targets) or a dict")

@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .precision import float32_master, fp32_call
 
 
@@ -26,7 +26,7 @@ def _call_model(model: nn.Module, inputs: Any) -> Any:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as e:
         shape = "keyword arguments " + ", ".join(kwargs) if kwargs else f"{len(args)} positional argument(s)"
-        raise CommandError(f"the batch gives {shape}, which {type(model).__name__}.forward does not take ({e})") from e
+        raise InputError(f"the batch gives {shape}, which {type(model).__name__}.forward does not take ({e})") from e
     except ValueError:  # no signature available
         pass
     return model(*args, **kwargs)
@@ -43,7 +43,7 @@ def _loss_of(output: Any, targets: Any, loss_fn: Callable[..., Any] | None) -> t
             loss = output.loss
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = type(output).__name__ if not isinstance(output, torch.Tensor) else f"tensor of shape {tuple(output.shape)}"
-        raise CommandError(f"the model returned a {what}, not a loss; give a loss function (--loss package.module:fn)")
+        raise InputError(f"the model returned a {what}, not a loss; give a loss function (--loss package.module:fn)")
     return loss
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._util._dispatch import foreach_copy, fsdp_fresh_buffers, fsdp_modules
-from .._util._errors import CommandError
+from .._util._errors import InputError
 from .._util._interrupt import atomic, deferred_interrupts
 from ..tracing._tensors import storage_key
 from ._inputs import rng_state, set_rng_state
@@ -201,7 +201,7 @@ class StepState:
             if mode is None:
                 warnings.warn(f"nanhunt: {why}: kept in memory; set TMPDIR to a directory with room", stacklevel=4)
                 return {}
-            raise CommandError(f"{why}; set TMPDIR to a directory with room, or keep it in memory "
+            raise InputError(f"{why}; set TMPDIR to a directory with room, or keep it in memory "
                                "(--snapshot memory)") from e
         slots: dict[int, torch.Tensor] = {}
         at = 0

@@ -263,13 +263,13 @@ def test_json_round_trip_and_replay_reports_unchanged() -> None:
 
 
 def test_bad_arguments_are_input_errors() -> None:
-    from nanhunt._util._errors import CommandError
+    from nanhunt._util._errors import InputError
 
     batch: Any = (FLIP_X, FLIP_Y)
     for kw in ({"dtype": torch.float32}, {"task": "rank"}, {"rtol": -1.0}, {"max_flips": -1}):
-        with pytest.raises(CommandError):
+        with pytest.raises(InputError):
             compare(Flip(), batch, loss_fn=F.cross_entropy, **kw)
-    with pytest.raises(CommandError, match="--task classify"):
+    with pytest.raises(InputError, match="--task classify"):
         compare(Scalar(), torch.ones(2, 4), task="classify")
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from nanhunt import compare
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report, Rule
 
@@ -172,9 +172,9 @@ def test_bad_arguments_are_input_errors() -> None:
     for kw in ({"batches": SET}, {"rule": Rule(), "rtol": 1e-2}, {"rule": Rule(min_quality=0.5)},
                {"rule": Rule(task="regress", metric="accuracy", higher_is_better=False)},
                {"dtype": "float16,float16"}, {"speed": -1}):
-        with pytest.raises(CommandError):
+        with pytest.raises(InputError):
             compare(Boundary(), (x, y), loss_fn=F.cross_entropy, **kw)
-    with pytest.raises(CommandError):
+    with pytest.raises(InputError):
         compare(Boundary(), loss_fn=F.cross_entropy)
 
 

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 import nanhunt
 from nanhunt._util._compiled import CompileSpec, record_of
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.cli import main
 from nanhunt.hunt._compiled import given_spec
 from nanhunt.hunt.pipeline import hunt
@@ -176,7 +176,7 @@ def test_a_capture_of_a_compiled_step_records_its_backend_and_replays_compiled_w
 
 
 def test_compile_names_a_backend_or_a_function() -> None:
-    with pytest.raises(CommandError, match="^--compile inductr: name one of torch's backends "
+    with pytest.raises(InputError, match="^--compile inductr: name one of torch's backends "
                        r"\(inductor, aot_eager, eager\) or your own as package.module:function$"):
         given_spec("inductr", None)
     assert given_spec("aot_eager", None) == CompileSpec("aot_eager")

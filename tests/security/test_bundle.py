@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +152,7 @@ def test_a_link_planted_while_writing_is_never_written_through(tmp_path: Path) -
     victim = _victim(tmp_path)
     path = tmp_path / "report.md"
     # WHEN a link to the user's file appears at the name before the new file is renamed onto it
-    with pytest.raises(CommandError, match="symbolic link"):
+    with pytest.raises(InputError, match="symbolic link"):
         with new_file(str(path)) as f:
             path.symlink_to(victim)
             f.write(b"report")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanhunt.distributed._dcp import load_state
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.cli import main
 from tests._support.capture_dir import one_rank_capture, read_metadata, write_metadata
 from tests._support.peak import run_nanhunt
@@ -134,7 +134,7 @@ def test_a_tuple_of_itself_twice_nested_forty_deep_is_refused(tmp_path: Path) ->
     state = one_rank_capture(tmp_path / "cap") / "state"
     (state / ".metadata").write_bytes(b"\x80\x04)" + b"2\x86" * 40 + b".")
     # WHEN its state is read  THEN one line refuses it before it is unpickled
-    with pytest.raises(CommandError) as info:
+    with pytest.raises(InputError) as info:
         load_state(str(state))
     assert str(info.value) == (f"the capture's state '{state}': its .metadata nests values more than 32 deep (DCP's "
                                "own nest 11); nanhunt refuses it")
@@ -150,7 +150,7 @@ def test_a_pickle_pickle_dump_does_not_write_is_refused_before_unpickling(tmp_pa
     state = one_rank_capture(tmp_path / "cap") / "state"
     (state / ".metadata").write_bytes(data)
     # WHEN its state is read  THEN one line refuses it before it is unpickled
-    with pytest.raises(CommandError) as info:
+    with pytest.raises(InputError) as info:
         load_state(str(state))
     assert str(info.value) == (f"the capture's state '{state}': its .metadata is not a pickle as pickle.dump writes "
                                f"it ({said}); nanhunt refuses it")
@@ -212,7 +212,7 @@ def test_chunks_that_overlap_are_refused_exactly(tmp_path: Path, boxes: list[Any
     # GIVEN chunks whose volumes add up to the tensor's but two of which overlap (and some element is in none)
     state = _chunked(tmp_path, boxes, size)
     # WHEN its entries are read  THEN one line says the chunks do not tile it
-    with pytest.raises(CommandError) as info:
+    with pytest.raises(InputError) as info:
         load_state(str(state), tensors=False)
     assert str(info.value) == (f"the capture's state '{state}': the chunks of 'w' do not tile its shape {size}; the "
                                "capture is damaged")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import load_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,7 +66,7 @@ def test_a_class_that_is_no_transformers_model_is_refused(tmp_path: Path, name: 
     ck, bt = _capture(tmp_path)
     _tampered(ck, **{"class": name})
     # WHEN it is loaded  THEN it is refused, with the way out
-    with pytest.raises(CommandError, match="--model"):
+    with pytest.raises(InputError, match="--model"):
         load_step(ck, bt)
 
 
@@ -84,7 +84,7 @@ def test_a_config_that_asks_to_fetch_something_is_refused(tmp_path: Path, entry:
     config = json.loads(torch.load(ck, weights_only=True)["hf_model"]["config"])
     _tampered(ck, config=json.dumps({**config, **entry}))
     # WHEN it is loaded  THEN it is refused before anything is built
-    with pytest.raises(CommandError, match="fetch"):
+    with pytest.raises(InputError, match="fetch"):
         load_step(ck, bt)
 
 
@@ -93,7 +93,7 @@ def test_an_attention_kernel_from_the_hub_is_refused(tmp_path: Path) -> None:
     ck, bt = _capture(tmp_path)
     _tampered(ck, attn_implementation="kernels-community/flash-attn")
     # WHEN it is loaded  THEN it is refused
-    with pytest.raises(CommandError, match="attention kernel"):
+    with pytest.raises(InputError, match="attention kernel"):
         load_step(ck, bt)
 
 
@@ -112,5 +112,5 @@ def test_the_config_cannot_choose_the_attention_kernel(tmp_path: Path) -> None:
 def test_a_config_that_is_no_json_object_is_refused(tmp_path: Path, config: str) -> None:
     ck, bt = _capture(tmp_path)
     _tampered(ck, config=config)
-    with pytest.raises(CommandError, match="JSON object"):
+    with pytest.raises(InputError, match="JSON object"):
         load_step(ck, bt)

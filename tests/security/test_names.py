@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture._names import FLAGS, NeedsConfirmation
 from nanhunt.capture.capture import resolve
 from nanhunt.cli import main
@@ -62,7 +62,7 @@ HOSTILE_CLASSES = [
 @pytest.mark.parametrize("name", HOSTILE_LOSSES)
 def test_hostile_loss_names_are_refused(name: str) -> None:
     # GIVEN a loss name read from a capture  WHEN it is resolved untrusted  THEN it is refused
-    with pytest.raises(CommandError) as e:
+    with pytest.raises(InputError) as e:
         resolve(name, what="loss function", trusted=False)
     # AND the refusal never suggests confirming that name
     assert f"--loss {name}" not in str(e.value)
@@ -72,7 +72,7 @@ def test_hostile_loss_names_are_refused(name: str) -> None:
 @pytest.mark.parametrize("what", ["model factory", "optimizer class"])
 @pytest.mark.parametrize("name", HOSTILE_CLASSES)
 def test_hostile_class_names_are_refused(name: str, what: str) -> None:
-    with pytest.raises(CommandError) as e:
+    with pytest.raises(InputError) as e:
         resolve(name, what=what, trusted=False)
     assert f"--model {name}" not in str(e.value)
 
@@ -95,9 +95,9 @@ def test_what_a_capture_writes_still_resolves(name: str, what: str, expected: An
 def test_a_stdlib_module_is_refused_before_it_is_imported() -> None:
     # GIVEN a capture naming a class in a standard-library module that runs code when imported
     # (antigravity opens a web browser), not imported yet
-    code = ("import sys; from nanhunt.capture.capture import resolve; from nanhunt._util._errors import CommandError\n"
+    code = ("import sys; from nanhunt.capture.capture import resolve; from nanhunt._util._errors import InputError\n"
             "try:\n    resolve('antigravity:Net', what='model factory', trusted=False)\n"
-            "except CommandError as e:\n    print('refused', e)\n"
+            "except InputError as e:\n    print('refused', e)\n"
             "print('imported' if 'antigravity' in sys.modules or 'webbrowser' in sys.modules else 'not imported')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={**os.environ, "BROWSER": "true"}).stdout
@@ -116,7 +116,7 @@ def test_a_missing_module_is_found_missing_without_running_its_parent(tmp_path: 
     monkeypatch.setattr(sys, "path", [str(lib), *sys.path])
     monkeypatch.chdir(tmp_path)
     # WHEN it is resolved untrusted
-    with pytest.raises(CommandError, match="no module"):
+    with pytest.raises(InputError, match="no module"):
         resolve("nhsec_parent.missing:Net", what="model factory", trusted=False, trust=("nhsec_parent",))
     # THEN the package's __init__ never ran
     assert not marker.exists()
@@ -132,7 +132,7 @@ def test_a_users_own_loss_function_may_be_confirmed_by_name(tmp_path: Path, monk
     monkeypatch.setattr(sys, "path", [str(lib), *sys.path])
     monkeypatch.chdir(tmp_path)
     # WHEN a capture names it  THEN it is not called unconfirmed, and the message says how to confirm it
-    with pytest.raises(CommandError, match="--loss nhsec_proj.losses:focal"):
+    with pytest.raises(InputError, match="--loss nhsec_proj.losses:focal"):
         resolve("nhsec_proj.losses:focal", what="loss function", trusted=False)
     # AND confirmed on the command line, it resolves
     assert resolve("nhsec_proj.losses:focal", what="loss function", trusted=True).__name__ == "focal"
@@ -347,7 +347,7 @@ def test_a_main_module_is_never_imported(lib: Path, how: str) -> None:
     # GIVEN a name in a package's __main__ module (importing it runs that program: certifi, tqdm, numpy.f2py)
     name = "nhsec_lib.__main__:Net"
     # WHEN it is resolved, even trusted  THEN it is refused and the module never ran
-    with pytest.raises(CommandError, match="a program's __main__ module") as e:
+    with pytest.raises(InputError, match="a program's __main__ module") as e:
         resolve(name, what="model factory", trusted=how == "confirmed",
                 trust=("nhsec_lib",) if how == "trusted prefix" else ())
     assert _ran(lib) == [] and "nhsec_lib.__main__" not in sys.modules
@@ -359,7 +359,7 @@ def test_real_main_modules_are_never_imported(name: str) -> None:
     # GIVEN a capture naming an installed program's __main__ (tqdm's reads stdin; f2py's parses sys.argv)
     # WHEN it is resolved, confirmed or not  THEN it is refused before anything is imported
     for trusted in (False, True):
-        with pytest.raises(CommandError, match="a program's __main__ module"):
+        with pytest.raises(InputError, match="a program's __main__ module"):
             resolve(name, what="loss function", trusted=trusted)
     assert name.partition(":")[0] not in sys.modules
 

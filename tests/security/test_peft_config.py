@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import load_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,7 +67,7 @@ def _tampered(ck: str, **entries: Any) -> str:
 
 
 def _refusal(ck: str, bt: str) -> str:
-    with pytest.raises(CommandError) as info:
+    with pytest.raises(InputError) as info:
         load_step(ck, bt)
     msg = str(info.value)
     assert "\n" not in msg and msg.endswith("pass --model package.module:factory")
@@ -204,7 +204,7 @@ def test_trainable_names_the_rebuilt_model_lacks_are_refused(tmp_path: Path) -> 
     data["hf_model"]["peft"]["trainable"].append("base_model.model.evil.weight")
     torch.save(data, ck)
     # WHEN it is loaded  THEN it is refused, naming it
-    with pytest.raises(CommandError, match="trainable parameters base_model.model.evil.weight are not the rebuilt"):
+    with pytest.raises(InputError, match="trainable parameters base_model.model.evil.weight are not the rebuilt"):
         load_step(ck, bt)
 
 

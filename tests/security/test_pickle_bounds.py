@@ -84,7 +84,7 @@ def _legacy(pkl: bytes) -> bytes:
 
 # ------------------------------------------------------------------- depth
 def test_torch_bytes_in_memory_get_the_checks_of_a_file() -> None:
-    from nanhunt._util._errors import CommandError
+    from nanhunt._util._errors import InputError
     from nanhunt._util._safeload import check_bytes
 
     # GIVEN torch files held in memory, as a DCP checkpoint holds its entries: hostile, then a tensor torch.save wrote
@@ -93,7 +93,7 @@ def test_torch_bytes_in_memory_get_the_checks_of_a_file() -> None:
                      "'archive/data/0' and 'archive/data/1' overlap": hostile.overlapping_zip(2, mib=1)}
     for why, data in hostile_files.items():
         # WHEN checked THEN refused as the same file on disk would be
-        with pytest.raises(CommandError, match=f"^the data of 'w' .*{why}"):
+        with pytest.raises(InputError, match=f"^the data of 'w' .*{why}"):
             check_bytes(data, name="the data of 'w'")
     buf = io.BytesIO()
     torch.save({"w": torch.ones(3)}, buf)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import resolve
 
 # ====================================================================== capture.resolve
@@ -39,7 +39,7 @@ def test_untrusted_submodule_of_a_cwd_package_already_imported_is_refused(
     # WHEN `--loss nhtmp_proj.losses:mse` is confirmed (trusted) and the ticket's checkpoint names
     # optimizer_class 'nhtmp_proj.train:Opt' (load_step resolves the optimizer after the loss)
     resolve("nhtmp_proj.losses:mse", what="loss function", trusted=True)
-    with pytest.raises(CommandError):
+    with pytest.raises(InputError):
         resolve("nhtmp_proj.train:Opt", what="optimizer class", trusted=False)
     # THEN the project's train.py did not run: it is in the current directory, confirmed by nothing
     assert not marker.exists()
@@ -59,7 +59,7 @@ def test_relative_pythonpath_entry_does_not_admit_a_later_cwd(
     monkeypatch.setattr(sys, "path", ["", str(proj), *sys.path])
     monkeypatch.chdir(ticket)
     # WHEN the ticket's capture names model factory 'nhtmp_model:Net'
-    with pytest.raises(CommandError):
+    with pytest.raises(InputError):
         resolve("nhtmp_model:Net", what="model factory", trusted=False)
     # THEN it was not imported: the ticket directory is the current directory, not on PYTHONPATH (proj/ is)
     assert not marker.exists()
@@ -84,6 +84,6 @@ def test_untrusted_package_directory_in_cwd_is_refused_but_pythonpath_is_used(
     # THEN the package on PYTHONPATH is used, the current directory's never runs
     net = resolve("nhtmp_pkg.nets:Net", what="model factory", trusted=False, trust=trust)
     assert Path(sys.modules[net.__module__].__file__).parent.parent == lib  # type: ignore[arg-type]
-    with pytest.raises(CommandError, match="current directory"):
+    with pytest.raises(InputError, match="current directory"):
         resolve("nhtmp_other.x:Net", what="model factory", trusted=False, trust=trust)
     assert not marker.exists()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import load_step, map_state_dict
 
 from tests._support.cli import FrozenBNNet
@@ -22,7 +22,7 @@ def test_map_state_dict_ddp_and_compile_prefixes_and_one_error_for_a_missing_key
     sd = m.state_dict()
     out = map_state_dict({prefix + k: v for k, v in sd.items()}, m)
     assert sorted(out) == sorted(sd) and all(out[k] is sd[k] for k in sd)
-    with pytest.raises(CommandError, match="missing fc2.bias"):
+    with pytest.raises(InputError, match="missing fc2.bias"):
         map_state_dict({prefix + k: v for k, v in sd.items() if k != "fc2.bias"}, m)
 
 

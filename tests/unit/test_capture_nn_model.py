@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import load_step
 
 from tests._support.models import ExpActivation
@@ -99,7 +99,7 @@ def test_a_file_s_layers_are_checked_before_anything_is_built(tmp_path: Path, sp
     saved = torch.load(ck, weights_only=True)
     saved["nn_model"] = spec
     torch.save(saved, ck)
-    with pytest.raises(CommandError) as info:
+    with pytest.raises(InputError) as info:
         load_step(ck, bt)
     text = str(info.value)
     assert "\n" not in text

@@ -386,14 +386,14 @@ def test_a_value_outside_the_model_is_born_outside_it() -> None:
 
 
 def test_renderer_for_suffixes() -> None:
-    from nanhunt._util._errors import CommandError
+    from nanhunt._util._errors import InputError
     from nanhunt.report import render_for_format, renderer_for
 
     for path in ("a.md", "a.MARKDOWN", "a.html", "a.htm", "a.json", "a.txt"):
         assert callable(renderer_for(path))
-    with pytest.raises(CommandError):
+    with pytest.raises(InputError):
         renderer_for("a.pdf")
-    with pytest.raises(CommandError):
+    with pytest.raises(InputError):
         render_for_format("pdf")
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanhunt.step import snapshot as step_module
-from nanhunt._util._errors import CommandError
+from nanhunt._util._errors import InputError
 from nanhunt.cli import main
 from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Phase
@@ -214,7 +214,7 @@ def test_a_full_disk_is_one_clear_error_and_leaves_no_file(every_tensor: None, f
     monkeypatch.setattr(os, "posix_fallocate", full)
     m, opt = _trained_zoo()
     # WHEN a disk snapshot is asked for
-    with pytest.raises(CommandError) as e:
+    with pytest.raises(InputError) as e:
         StepState(m, opt, snapshot="disk", directory=str(tmp_path))
     # THEN the error names the problem, the place and the fixes, and no file is left
     assert str(e.value).startswith("cannot put the step's 0 MiB snapshot in " + str(tmp_path))
