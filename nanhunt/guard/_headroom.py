@@ -207,8 +207,9 @@ class Headroom:
             if t.requires_grad and grads:
                 t.register_hook(self._bwd[i])  # type: ignore[no-untyped-call]
 
-    def _on_grad(self, j: int, grad: torch.Tensor) -> None:
-        if self._active and grad.numel():
+    def _on_grad(self, j: int, grad: torch.Tensor | None) -> None:
+        # None: an output whose gradient DDP's reducer or the autograd engine left undefined
+        if self._active and grad is not None and grad.numel():
             self._vals.append(torch.linalg.vector_norm(local_tensor(grad).detach(), math.inf, dtype=torch.float32))
             self._idx.append(j)
 
