@@ -94,7 +94,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,6 +104,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 import nanhunt  # noqa: E402
+from nanhunt._util._tree import iter_tensors  # noqa: E402
 
 try:  # optional, never installed by this script
     from transformers.debug_utils import DebugUnderflowOverflow  # type: ignore[import-not-found]
@@ -160,17 +161,6 @@ def machine_info(device: str) -> dict[str, Any]:
 
 
 # ================================================================== helpers
-
-
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o, depth + 1)
 
 
 def _sync(device: str) -> None:
@@ -251,7 +241,7 @@ def v_naive(w: models.Workload) -> dict[str, Any]:
 
     def fwd(mod: nn.Module, inp: Any, out: Any) -> None:
         name = names[mod]
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             if t.is_floating_point() and t.numel():
                 stats(name, t)
                 if t.requires_grad:
@@ -299,7 +289,7 @@ def v_floor_module(w: models.Workload) -> dict[str, Any]:
         kept.append(torch.aminmax(g.detach()))
 
     def fwd(mod: nn.Module, inp: Any, out: Any) -> None:
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             if t.is_floating_point() and t.numel() and once(t):
                 kept.append(torch.aminmax(t.detach()))
                 if t.requires_grad:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from .._util._dispatch import local_tensor
 from .._util._text import dtype_name
 from .._util._wrappers import user_modules
+from ..tracing._tensors import tensors
 
 __all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY"]
 
@@ -195,7 +195,9 @@ class Headroom:
                 else torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type)
                 else None)
         grads = torch.is_grad_enabled()
-        for t in _tensors(output, 0):
+        for t in tensors(output):
+            if not t.is_floating_point() or not t.numel():
+                continue
             limit = _limit_of(t.dtype)
             if cast is not None and t.dtype != torch.float64:
                 limit = min(limit, _limit_of(cast))
@@ -346,19 +348,6 @@ class Headroom:
 
 def _depth(name: str | None) -> int:
     return -1 if name in (None, "(model)") else (name or "").count(".")
-
-
-def _tensors(obj: Any, depth: int) -> Iterator[torch.Tensor]:
-    """The floating tensors of a module's output: a tensor, a tuple or list, a dict (a ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.numel():
-            yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o, depth + 1)
-    elif depth < 3 and isinstance(obj, Mapping):
-        for o in obj.values():
-            yield from _tensors(o, depth + 1)
 
 
 _LIMITS: dict[torch.dtype, float] = {}

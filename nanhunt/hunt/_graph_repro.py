@@ -20,7 +20,7 @@ from .._util._files import new_file, write_file
 from .._util._text import dtype_name
 from ..records import Repro
 from ..tracing._graph_nodes import Found
-from .repro import _MARK, DEFAULT_CAP, verify_repro
+from .repro import _MARK, DEFAULT_CAP, VERDICT_SOURCE, verify_repro
 
 __all__ = ["write_graph_repro", "make_graph_repro"]
 
@@ -65,28 +65,7 @@ def main():
     print(f"{{NODE}} at {{WHERE}}")
     outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
             if isinstance(o, torch.Tensor) and o.is_floating_point()]
-    nan = any(bool(o.isnan().any()) for o in outs)
-    inf = any(bool(o.isinf().any()) for o in outs)
-    for o in outs:
-        print(f"  output: {{o.dtype}} {{list(o.shape)}} nan={{int(o.isnan().sum())}} "
-              f"+inf={{int(o.isposinf().sum())}} -inf={{int(o.isneginf().sum())}}")
-    if nan or inf:
-        print("{mark} REPRODUCED " + ("nan" if nan else "inf") + " (nanhunt saw " + EXPECT + ")")
-        return 1
-    print("{mark} NOT REPRODUCED: the output is finite")
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:
-        raise
-    except BaseException as e:
-        print(f"{mark} ERROR {{type(e).__name__}}: {{e}}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
-'''
+''' + VERDICT_SOURCE
 
 
 def write_graph_repro(found: Found, spec: CompileSpec, directory: str, *, cap_bytes: int = DEFAULT_CAP) -> Repro:

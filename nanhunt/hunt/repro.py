@@ -52,7 +52,7 @@ from ..step.step import Step
 from ..tracing.tracer import Trace
 
 __all__ = ["OriginCall", "capture_origin_call", "write_repro", "verify_repro", "make_repro", "DEFAULT_CAP",
-           "SCRIPT", "INPUTS"]
+           "VERDICT_SOURCE", "SCRIPT", "INPUTS"]
 
 DEFAULT_CAP = 16 * 2**20  # bytes of saved inputs: small enough to attach to a ticket
 _MARK = "nanhunt-repro:"
@@ -279,6 +279,31 @@ def _literal(obj: Any, tensors: list[torch.Tensor], device_type: str) -> str:
     raise _Unsupported(f"cannot write an argument of type {type(obj).__name__} into a script")
 
 
+# The end of every repro script: is the output non-finite (exit 1), finite (0), or did it fail (2).
+# A format string like the templates it ends, given ``mark``.
+VERDICT_SOURCE = '''    nan = any(bool(o.isnan().any()) for o in outs)
+    inf = any(bool(o.isinf().any()) for o in outs)
+    for o in outs:
+        print(f"  output: {{o.dtype}} {{list(o.shape)}} nan={{int(o.isnan().sum())}} "
+              f"+inf={{int(o.isposinf().sum())}} -inf={{int(o.isneginf().sum())}}")
+    if nan or inf:
+        print("{mark} REPRODUCED " + ("nan" if nan else "inf") + " (nanhunt saw " + EXPECT + ")")
+        return 1
+    print("{mark} NOT REPRODUCED: the output is finite")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    except SystemExit:
+        raise
+    except BaseException as e:
+        print(f"{mark} ERROR {{type(e).__name__}}: {{e}}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+'''
+
 _TEMPLATE = '''#!/usr/bin/env python3
 """Minimal repro written by nanhunt: one aten op alone, on its saved inputs. Needs only torch.
 
@@ -335,28 +360,7 @@ def main():
         big = x.abs().max().item() if x.is_floating_point() and x.numel() else 0
         print(f"  input t[{{i}}]: {{x.dtype}} {{list(x.shape)}} max|x|={{big:.4g}} finite={{fin}}")
     outs = run(t, device)
-    nan = any(bool(o.isnan().any()) for o in outs)
-    inf = any(bool(o.isinf().any()) for o in outs)
-    for o in outs:
-        print(f"  output: {{o.dtype}} {{list(o.shape)}} nan={{int(o.isnan().sum())}} "
-              f"+inf={{int(o.isposinf().sum())}} -inf={{int(o.isneginf().sum())}}")
-    if nan or inf:
-        print("{mark} REPRODUCED " + ("nan" if nan else "inf") + " (nanhunt saw " + EXPECT + ")")
-        return 1
-    print("{mark} NOT REPRODUCED: the output is finite")
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        code = main()
-    except SystemExit:
-        raise
-    except BaseException as e:
-        print(f"{mark} ERROR {{type(e).__name__}}: {{e}}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
-'''
+''' + VERDICT_SOURCE
 
 
 def _where(occ: Occurrence) -> str:
