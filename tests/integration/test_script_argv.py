@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,15 @@ def _printed_command(text: str) -> str:
     return "nanhunt replay " + lines[-1].split("nanhunt replay ", 1)[1]
 
 
+def _names_the_culprit_from_elsewhere(command: str, tmp_path: Path) -> None:
+    """``command`` run as printed from a directory other than the script's names the culprit."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _run_as_printed(command, elsewhere)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == CULPRIT
+
+
 @pytest.mark.subprocess
 def test_a_script_that_parses_its_arguments_at_module_level_replays_as_printed_elsewhere(tmp_path: Path) -> None:
     # GIVEN a script that parses --hidden 16 at its top level (Net's default width) and --scale (read by the loss
@@ -52,12 +62,8 @@ def test_a_script_that_parses_its_arguments_at_module_level_replays_as_printed_e
     assert command == (f"nanhunt replay {dump}/step000002-checkpoint.pt {dump}/step000002-batch.pt "
                        f"--model {script}:Net --loss {script}:my_loss")
     # WHEN the printed command is run as printed from another directory
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    proc = _run_as_printed(command, elsewhere)
     # THEN it names the culprit: Net was rebuilt 16 wide, from the argv the script ran with
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[0] == CULPRIT
+    _names_the_culprit_from_elsewhere(command, tmp_path)
 
 
 @pytest.mark.subprocess
@@ -70,20 +76,18 @@ def test_a_script_that_reads_sys_argv_in_its_defaults_replays_as_printed_elsewhe
     command = _printed_command(ran.stdout)
     assert command.endswith(f" --model {script}:Net --loss {script}:my_loss"), command
     # WHEN the printed command is run as printed from another directory
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    proc = _run_as_printed(command, elsewhere)
     # THEN the defaults read the script's argv, not the replay's, and it names the culprit
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[0] == CULPRIT
+    _names_the_culprit_from_elsewhere(command, tmp_path)
 
 
 @pytest.mark.subprocess
 def test_a_changed_script_is_said_and_an_argv_it_no_longer_parses_is_one_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # GIVEN a capture of a copy of the script run with --hidden 16, then the copy's --hidden renamed --width
+    # GIVEN a capture of a copy of the script (its loop module beside it) run with --hidden 16, then the copy's
+    # --hidden renamed --width
     script = tmp_path / "train.py"
     script.write_text((SCRIPTS / "argparse_train.py").read_text())
+    shutil.copy(SCRIPTS / "amp_steps.py", tmp_path)
     dump = tmp_path / "nan"
     ran = _train(script, "--hidden", "16", "--dump-dir", str(dump), where=tmp_path)
     assert ran.returncode == 1, ran.stderr[-2000:]

@@ -1,6 +1,7 @@
 """A training script as users write it, which nanhunt never edits: its arguments are parsed at the module level,
-its model takes its width from them as a default, its loss reads them when called, and a Guard watches the loop.
-The batch of step --bad-step is scaled past float16's range, so autocast's cast into fc1 overflows.
+its model takes its width from them as a default, its loss reads them when called, and a Guard watches the loop
+(amp_steps.py, beside it). The batch of step --bad-step is scaled past float16's range, so autocast's cast into fc1
+overflows.
 
     python argparse_train.py --hidden 16 --dump-dir /abs/nan [--on-fail raise|dump]
 """
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from amp_steps import train
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--hidden", type=int, default=8)
@@ -41,16 +43,4 @@ model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu")
 guard = nanhunt.Guard(model, opt, scaler, dump_dir=args.dump_dir, loss_fn=my_loss, on_fail=args.on_fail)
-for i in range(4):
-    x = torch.randn(4, 8) * (1e5 if i == args.bad_step else 1.0)
-    y = torch.randn(4, 2)
-    with guard.step((x, y)):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = guard.loss(my_loss(model(x), y))
-        scaler.scale(loss).backward()
-        guard.check_grads()
-        scaler.step(opt)
-        scaler.update()
-for event in guard.events:
-    print(event.replay_command())
+train(model, opt, scaler, guard, my_loss, bad_step=args.bad_step)

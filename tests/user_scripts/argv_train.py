@@ -1,6 +1,7 @@
 """A training script that reads sys.argv in its default values, which nanhunt never edits: the model's width and
 the loss's scale come from the command line when their definitions run. The batch of step 2 is scaled past
-float16's range, so autocast's cast into fc1 overflows; the Guard records it and the loop goes on.
+float16's range, so autocast's cast into fc1 overflows; the Guard records it and the loop (amp_steps.py, beside it)
+goes on.
 
     python argv_train.py HIDDEN SCALE /abs/dump-dir
 """
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from amp_steps import train
 
 
 class Net(nn.Module):
@@ -32,16 +34,4 @@ model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu")
 guard = nanhunt.Guard(model, opt, scaler, dump_dir=sys.argv[3], loss_fn=my_loss, on_fail="dump")
-for i in range(4):
-    x = torch.randn(4, 8) * (1e5 if i == 2 else 1.0)
-    y = torch.randn(4, 2)
-    with guard.step((x, y)):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = guard.loss(my_loss(model(x), y))
-        scaler.scale(loss).backward()
-        guard.check_grads()
-        scaler.step(opt)
-        scaler.update()
-for event in guard.events:
-    print(event.replay_command())
+train(model, opt, scaler, guard, my_loss, bad_step=2)
