@@ -5,7 +5,6 @@ The models come from ``fixtures.models`` so that captures rebuild them by name.
 
 from __future__ import annotations
 
-import json
 import os
 import traceback
 from datetime import timedelta
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 import nanhunt
 from fixtures.models import MLP
-from tests._support.dist import meet_again
+from tests._support.dist import finish_rank, meet_again
 
 D_IN = 64
 BIG_INPUT = 6e4  # finite in float16, but 64 of them summed by fc1 overflow its float16 output
@@ -104,7 +103,4 @@ def dist_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: str, b
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        finish_rank(out_dir, rank, result)

@@ -25,7 +25,7 @@ from nanhunt.guard.guard import GuardWarning
 
 from tests._support.guard import batch as mlp_batch
 from tests._support.guard import guard_for, mlp_setup
-from tests._support.dist import meet_again
+from tests._support.dist import finish_rank, meet_again
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -507,10 +507,7 @@ def rollback_worker(rank: int, world: int, port: int, dump_dir: str, out_dir: st
     except Exception:
         result["error"] = traceback.format_exc()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
+        finish_rank(out_dir, rank, result)
 
 
 @pytest.mark.distributed
