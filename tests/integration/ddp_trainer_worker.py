@@ -16,7 +16,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 import nanhunt  # noqa: E402
 from nanhunt.integrations.transformers import NanhuntCallback  # noqa: E402
-from tests.integration.test_transformers_callback import STEP, _data, _model, _poison  # noqa: E402
+from tests._support.hf import tiny_gpt2, token_data  # noqa: E402
+from tests.integration.test_transformers_callback import STEP, _poison  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 
@@ -30,7 +31,7 @@ class PoisonRank1(TrainerCallback):
 def main(out: str) -> None:
     args = TrainingArguments(output_dir=os.path.join(out, "out"), max_steps=6, per_device_train_batch_size=4,
                              report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, bf16=True)
-    tr = Trainer(model=_model(), args=args, train_dataset=_data(),
+    tr = Trainer(model=tiny_gpt2(), args=args, train_dataset=token_data(),
                  callbacks=[PoisonRank1(), NanhuntCallback(dump_dir=os.path.join(out, "nan"))])
     res: dict[str, Any] = {"world": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
     try:

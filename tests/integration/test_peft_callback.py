@@ -21,11 +21,12 @@ import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
+from tests._support.hf import tiny_gpt2, token_data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from nanhunt.integrations.transformers import NanhuntCallback  # noqa: E402
 
@@ -37,20 +38,10 @@ TRAINABLE = [f"base_model.model.transformer.h.{i}.attn.c_attn.lora_{ab}.default.
 
 
 def _model(task_type: str | None = None) -> Any:
-    torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    base = tiny_gpt2()
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True,
                           task_type=task_type)
     return peft.get_peft_model(base, cfg)
-
-
-def _data(n: int = 48) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 64, (16,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
 
 
 class Poison(TrainerCallback):
@@ -69,7 +60,7 @@ def _trainer(tmp_path: Path, model: Any, callbacks: list[Any]) -> Trainer:
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, bf16=True)
-    return Trainer(model=model, args=args, train_dataset=_data(), callbacks=callbacks)
+    return Trainer(model=model, args=args, train_dataset=token_data(), callbacks=callbacks)
 
 
 def _stopped(tmp_path: Path, model: Any, poisoned: str) -> tuple[Trainer, nanhunt.GuardEvent]:

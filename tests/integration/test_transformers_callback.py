@@ -23,10 +23,10 @@ from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
 from nanhunt.records import Report
 from tests._support.dist import torchrun
+from tests._support.hf import tiny_gpt2, token_data
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    GPT2Config,
     GPT2LMHeadModel,
     Trainer,
     TrainerCallback,
@@ -38,20 +38,6 @@ from nanhunt.integrations.transformers import NanhuntCallback  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 POISONED = "transformer.h.0.mlp.c_fc"
 STEP = 3  # the optimizer step (Trainer's global_step as it begins) whose weights are poisoned
-
-
-def _model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
-
-
-def _data(n: int = 48) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 64, (16,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
 
 
 def _poison(model: torch.nn.Module) -> None:
@@ -91,7 +77,7 @@ def _trainer(tmp_path: Path, callbacks: list[Any], *, steps: int = 6, accumulate
         output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=accumulate, logging_steps=1, report_to=[], save_strategy="no",
         use_cpu=True, disable_tqdm=True, seed=0, **precision)
-    return Trainer(model=_model(), args=args, train_dataset=_data(), callbacks=callbacks)
+    return Trainer(model=tiny_gpt2(), args=args, train_dataset=token_data(), callbacks=callbacks)
 
 
 def _replayed(tmp_path: Path, event: nanhunt.GuardEvent) -> tuple[int, Report]:
