@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._util import _dispatch
+from .._util._dispatch import local_tensor
+from .._util._wrappers import user_modules
 
-__all__ = ["LOSS", "GRADS", "PARAMS", "SKIP", "Detector", "nonfinite", "any_set", "seen"]
+__all__ = ["LOSS", "GRADS", "PARAMS", "SKIP", "Detector", "nonfinite", "nonfinite_weights", "any_set", "scalars",
+           "seen"]
 
 # The four flags of one check, in this order, as bits of a rank's answer. On the device each flag is a
 # float scalar that is 0 when fine and non-zero (1 or NaN) otherwise, so one all_reduce(SUM) of a
@@ -129,6 +133,54 @@ def nonfinite(tensors: list[torch.Tensor], device: torch.device,
     if not flags:
         return torch.zeros((), device=device)
     return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+
+
+def scalars(extra: list[torch.Tensor], loss: torch.Tensor | None, grad_norm: torch.Tensor | float | None
+             ) -> Callable[[list[float]], tuple[float | None, float | None]]:
+    """Append the loss and the gradient norm (one-element tensors) to ``extra``, the scalars of a read; returns
+    how to find them among the values read after ``extra``'s own."""
+    start = len(extra)
+
+    def slot(x: torch.Tensor | None) -> int | None:
+        if x is None or x.numel() != 1:
+            return None
+        extra.append(local_tensor(x.detach()))
+        return len(extra) - 1 - start
+
+    at_loss = slot(loss)
+    at_norm = slot(grad_norm) if isinstance(grad_norm, torch.Tensor) else None
+    fixed = float(grad_norm) if isinstance(grad_norm, (int, float)) else None
+
+    def found(tail: list[float]) -> tuple[float | None, float | None]:
+        return (None if at_loss is None else tail[at_loss], fixed if at_norm is None else tail[at_norm])
+
+    return found
+
+
+def nonfinite_weights(model: nn.Module, params: list[torch.Tensor]) -> str | None:
+    """``fc1.weight holds 3 NaN and 1 Inf (of 2048), and 2 other parameters hold NaN/Inf``: the first non-finite
+    parameter of this rank (its shard, under FSDP), by the model's names, and how many others; None: none here.
+    The failure path only: one host read per parameter."""
+    names = {id(p): f"{name}.{pn}" if name else pn
+             for name, mod in user_modules(model).items() for pn, p in mod.named_parameters(recurse=False)}
+    found: list[tuple[torch.Tensor, int, int]] = []
+    done: set[int] = set()
+    for p in [*model.parameters(), *params]:
+        if id(p) in done or not p.is_floating_point():
+            continue
+        done.add(id(p))
+        t = local_tensor(p.detach())
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            found.append((p, nan, inf))
+    if not found:
+        return None
+    p, nan, inf = found[0]
+    counts = " and ".join(f"{n} {k}" for n, k in ((nan, "NaN"), (inf, "Inf")) if n)
+    name = names.get(id(p), "a parameter the optimizer updates outside the model")
+    more = len(found) - 1
+    others = f", and {more} other parameter{'s hold' if more != 1 else ' holds'} NaN/Inf" if more else ""
+    return f"{name} holds {counts} (of {local_tensor(p.detach()).numel()}){others}"
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
