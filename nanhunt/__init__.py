@@ -47,7 +47,7 @@ from ._util._version import __version__
 if _typing.TYPE_CHECKING:
     from .capture.capture import load_capture, save_capture
     from .comparison.engine import compare
-    from .guard.guard import Guard, GuardEvent
+    from .guard.guard import Guard, GuardEvent, GuardWarning, HeadroomWarning
     from .hunt.pipeline import replay
     from .step.precision import keep_fp32, keep_fp32_permanently
     from .records import FullStats, Occurrence, Phase, Record, Report, Role, Verdict
@@ -62,6 +62,8 @@ __all__ = [
     "Guard",
     "GuardEvent",
     "GuardError",
+    "GuardWarning",
+    "HeadroomWarning",
     "InputError",
     "Report",
     "Verdict",
@@ -86,6 +88,7 @@ __all__ = [
 _WHERE = {
     "trace": "tracing.tracer", "Trace": "tracing.tracer", "replay": "hunt.pipeline", "compare": "comparison.engine",
     "save_capture": "capture.capture", "load_capture": "capture.capture", "Guard": "guard.guard", "GuardEvent": "guard.guard",
+    "GuardWarning": "guard.guard", "HeadroomWarning": "guard.guard",
     "keep_fp32": "step.precision", "keep_fp32_permanently": "step.precision",
     "Report": "records", "Verdict": "records", "Occurrence": "records", "Record": "records", "Phase": "records",
     "Role": "records", "FullStats": "records",
