@@ -26,8 +26,8 @@ script's path alone, so its defaults), the working directory is the recorded one
 script's directory is first on the import path, and what it prints goes to stderr; all of them are put back
 after. A script whose sha256 differs from the recorded one is run as it is now, and the replay says so in a
 note. argparse's exit on an argv the script no longer parses, and any failure, is one error line; a name that
-the slice cannot assign is named with where the script assigns it. The Guard, when it is made, runs the same
-slice with its run's argv in a throwaway module and warns when the replay would fail (:func:`replay_problem`).
+the slice cannot assign is named with where the script assigns it. The Guard, when it is made, reads the same
+slice, running none of it, and warns when the replay would lack a name (:func:`replay_problem`).
 A name defined in a notebook or an interactive session cannot be imported at all: it is recorded as
 ``__main__:name`` and the replay asks for your own module's.
 
@@ -319,6 +319,7 @@ class _Slice:
     body: list[ast.stmt]
     needed: frozenset[str]
     set_later: frozenset[str]
+    bound: frozenset[str]  # the module-level names its statements assign, import or define
 
 
 def _slice(tree: ast.Module, name: str | None) -> _Slice:
@@ -349,9 +350,11 @@ def _slice(tree: ast.Module, name: str | None) -> _Slice:
                 grew = True
     ran = [s for s, keep in zip(statements, kept) if keep]
     set_later: set[str] = set()
+    bound: set[str] = set()
     for s in ran:
         set_later |= s.set_later
-    return _Slice([s.node for s in ran], frozenset(needed), frozenset(set_later))
+        bound |= s.binds
+    return _Slice([s.node for s in ran], frozenset(needed), frozenset(set_later), frozenset(bound))
 
 
 def _where_set(tree: ast.Module, name: str) -> str:
@@ -425,7 +428,6 @@ class ScriptRun:
 _MAX_ARGV = 10_000  # arguments, and characters in all of them: more than any command line holds
 _MAX_ARGV_CHARS = 1 << 20
 _RECORDED: ContextVar[tuple[ScriptRun | None, list[str]] | None] = ContextVar("nanhunt_script_run", default=None)
-_CHECKING: ContextVar[bool] = ContextVar("nanhunt_script_check", default=False)
 
 
 def script_run(names: Iterable[str | None]) -> dict[str, Any] | None:
@@ -513,46 +515,52 @@ def load_script(file: str, name: str | None = None) -> types.ModuleType:
         return loaded
     said = (f"with the argv its capture recorded ({_argv_text(argv)})" if run is not None else
             "with no arguments (its capture recorded none)")
-    module, _ = _run(path, text, name, argv, cwd, key, said=said, changed=changed, keep=True)
-    return module
+    return _run(path, text, name, argv, cwd, key, said=said, changed=changed)
 
 
 def replay_problem(name: str, what: str) -> str | None:
-    """Why the confirmed replay of the script name ``name`` would fail, found by running what it runs
-    (:func:`load_script`) in a throwaway module with this run's argv: the definitions raise, or something it
-    needs when called is never assigned where the replay runs; None when nothing is wrong. For the Guard when it
-    is made: the module is never kept, and the argv, path and output are put back."""
-    if _CHECKING.get():  # what runs made a Guard of its own (a loss that reads `guard`): checked once
-        return None
+    """Why the confirmed replay of the script name ``name`` would fail, read from the script's slice without
+    running any of it: ``name`` is not defined at the script's top level, or something the slice needs is
+    assigned by no statement the replay runs; None when nothing is wrong, or when only running the script would
+    tell (a star import, ``globals()``, ``exec``). For the Guard when it is made: the training it guards draws
+    the same random numbers, and its module-level statements run once, as without nanhunt."""
     file, _, qual = name.rpartition(":")
     path, root = os.path.abspath(file), qual.partition(".")[0]
     head = f"the printed replay command will fail on {what} {name}: "
-    run = script_run([name])  # the argv a capture records: this run's for the running script, else none
-    argv = [str(a) for a in run["argv"]] if run is not None else [path]
-    said = f"with this run's argv ({_argv_text(argv)})" if run is not None else "with no arguments"
-    token = _CHECKING.set(True)
     try:
         with open(path, "rb") as f:
-            text = f.read()
-        module, plan = _run(path, text, root, argv, None, "_nanhunt_check_" + root, said=said, changed=False,
-                            keep=False)
-    except InputError as e:
-        return head + str(e)
+            tree = ast.parse(f.read(), filename=path)
+        plan = _slice(tree, root)
     except OSError as e:
         return head + f"cannot read script {file!r} ({type(e).__name__}: {e})"
+    except (SyntaxError, ValueError) as e:
+        return head + f"cannot read script {path!r} ({type(e).__name__}: {e})"
     except Exception as e:  # a failure of nanhunt's own reading: said, and the training it guards goes on
         return f"nanhunt could not check that the printed replay command works for {what} {name}: {first_line(e)}"
-    finally:
-        _CHECKING.reset(token)
-    if root not in module.__dict__:
+    if _opaque(plan.body):
+        return None
+    if root not in plan.bound:
         return head + f"script {file!r} defines no {root!r} at its top level; {_ELSEWHERE}"
-    missing = sorted(n for n in plan.needed - plan.set_later - {root}
-                     if n not in module.__dict__ and not hasattr(builtins, n))
+    missing = sorted(n for n in plan.needed - plan.set_later - plan.bound - {root}
+                     if n not in _MODULE_NAMES and not hasattr(builtins, n))
     if not missing:
         return None
-    tree = ast.parse(text, filename=path)
     return head + (f"it uses {missing[0]!r}, which the script assigns {_where_set(tree, missing[0])}; {_RUNS_ONLY}: "
                    f"assign {missing[0]} at the module level, or put {root} in a module")
+
+
+# what a module holds before its first statement runs (and its annotations once one is annotated)
+_MODULE_NAMES = frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__annotations__"}
+# calls that bind module-level names no statement names
+_OPAQUE = frozenset({"globals", "vars", "locals", "exec", "eval"})
+
+
+def _opaque(body: list[ast.stmt]) -> bool:
+    """The names these statements bind are known only by running them: a star import, or a use of ``globals()``,
+    ``vars()``, ``locals()``, ``exec`` or ``eval``."""
+    return any(isinstance(n, ast.Name) and n.id in _OPAQUE
+               or isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)
+               for node in body for n in ast.walk(node))
 
 
 def _argv_text(argv: Iterable[str]) -> str:
@@ -561,12 +569,11 @@ def _argv_text(argv: Iterable[str]) -> str:
 
 
 def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | None, key: str, *, said: str,
-         changed: bool, keep: bool) -> tuple[types.ModuleType, _Slice]:
+         changed: bool) -> types.ModuleType:
     """Run the slice of the script ``path`` (its bytes ``text``) for ``name`` in a new module registered as
-    ``key`` while it runs (kept there with ``keep``): ``sys.argv`` is ``argv``, the directory ``cwd`` (where it
-    still exists), the script's own directory first on the import path; what it prints goes to stderr (with
-    ``keep``) or nowhere. All of these are put back. A failure, argparse's exit included, is one
-    :class:`InputError` line."""
+    ``key``: ``sys.argv`` is ``argv``, the directory ``cwd`` (where it still exists), the script's own directory
+    first on the import path, what it prints goes to stderr; all of these are put back. A failure, argparse's
+    exit included, is one :class:`InputError` line."""
     try:
         tree = ast.parse(text, filename=path)
         plan = _slice(tree, name)
@@ -609,11 +616,9 @@ def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | N
             os.chdir(here)
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        if not keep:
-            sys.modules.pop(key, None)
-    if keep and printed.getvalue():
+    if printed.getvalue():
         sys.stderr.write(printed.getvalue())
-    return module, plan
+    return module
 
 
 def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], list[str]]:

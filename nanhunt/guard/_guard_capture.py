@@ -184,8 +184,9 @@ class CaptureWriter:
         if not (self.model_factory == own and _hf_model_spec(self.module) is not None):
             factory: Any = cls
             if self.model_factory is not None and self.model_factory != own:
-                try:
-                    factory = resolve(self.model_factory, what="model factory", trusted=True)
+                try:  # a script's name is confirmed anyway, and loading it would run the script's statements now
+                    factory = None if is_script(self.model_factory) else resolve(
+                        self.model_factory, what="model factory", trusted=True)
                 except Exception:
                     factory = None  # judged unrecognised: the command confirms it
             named.append(("model factory", self.model_factory, factory))
@@ -193,8 +194,8 @@ class CaptureWriter:
             named.append(("loss function", capture_name(self.loss_fn), self.loss_fn))
         if self.optimizer is not None:
             named.append(("optimizer class", capture_name(self.optimizer), self.optimizer))
-        # a script's name: what its confirmed replay runs of the script, run now in a throwaway module, so that
-        # a command that would fail is said when the Guard is made (GuardWarning) and in the event
+        # a script's name: what its confirmed replay runs of the script, read now (none of it runs), so that a
+        # command that would lack a name is said when the Guard is made (GuardWarning) and in the event
         self.replay_problems = tuple(p for what, name, _ in named if name is not None and is_script(name)
                                      for p in [replay_problem(name, what)] if p is not None)
         args, notes = confirmations(named)

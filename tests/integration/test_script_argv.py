@@ -211,3 +211,131 @@ def test_a_script_field_that_is_not_a_recorded_run_is_refused_in_one_line(
     assert code == 2
     assert err == [f"nanhunt: error: checkpoint {files[0]!r} is not a valid nanhunt capture: field 'script' is not a "
                    "script's absolute path, argv, working directory and sha256; save the capture again"]
+
+
+# A script whose module-level statements draw from every RNG and count their runs in a file, and whose Net and
+# loss read what they assign: its training draws the same numbers and counts one run with or without nanhunt.
+_DRAWING = """
+    import random, sys
+    import numpy as np
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    def _count():
+        with open("runs.txt", "a") as f:
+            f.write("run\\n")
+        return 2
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    SCALE = float(torch.rand(1)) + random.random() + float(np.random.rand())
+    HIDDEN = _count()
+
+    class Net(nn.Module):
+        def __init__(self, hidden=HIDDEN):
+            super().__init__()
+            self.l = nn.Linear(hidden, 1)
+
+        def forward(self, x):
+            return self.l(x) * SCALE
+
+    def my_loss(out, y):
+        return F.mse_loss(out, y)
+
+    if __name__ == "__main__":
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if sys.argv[1:] == ["guard"]:
+            import nanhunt
+            guard = nanhunt.Guard(model, opt, dump_dir="nan", loss_fn=my_loss)
+        x, y = torch.randn(4, 2), torch.randn(4, 1)
+        for _ in range(2):
+            my_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        print(float(torch.rand(1)), random.random(), float(np.random.rand()), SCALE)
+"""
+
+
+@pytest.mark.subprocess
+def test_making_a_guard_runs_nothing_of_the_script(tmp_path: Path) -> None:
+    # GIVEN a script whose module-level statements draw random numbers and count their runs, which Net reads
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_DRAWING))
+    # WHEN it trains without nanhunt, then with a Guard made before its loop
+    plain = _train(script, where=tmp_path / "plain")
+    guarded = _train(script, "guard", where=tmp_path / "guarded")
+    # THEN both draw the same numbers after, each counted one run of the script, and the Guard warned of nothing
+    assert plain.returncode == 0 and guarded.returncode == 0, guarded.stderr[-2000:]
+    assert guarded.stdout == plain.stdout, (plain.stdout, guarded.stdout)
+    assert (tmp_path / "plain" / "runs.txt").read_text() == (tmp_path / "guarded" / "runs.txt").read_text() == "run\n"
+    assert "GuardWarning" not in guarded.stderr, guarded.stderr[-2000:]
+
+
+@pytest.mark.subprocess
+def test_nanhunt_run_runs_the_scripts_module_level_statements_once(tmp_path: Path) -> None:
+    # GIVEN the same script, trained plainly and under `nanhunt run` (its Guard learns the loss in the first step)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_DRAWING))
+    plain = _train(script, where=tmp_path / "plain")
+    where = tmp_path / "run"
+    where.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # WHEN it runs under nanhunt run
+    ran = subprocess.run([sys.executable, "-m", "nanhunt", "run", str(script)], cwd=where, env=env,
+                         capture_output=True, text=True, timeout=120)
+    # THEN its statements ran once, and the training drew what it draws without nanhunt
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert (where / "runs.txt").read_text() == "run\n"
+    assert ran.stdout.splitlines()[0] == plain.stdout.strip(), (plain.stdout, ran.stdout)
+
+
+def test_what_a_replay_of_the_script_lacks_is_found_without_running_it(tmp_path: Path) -> None:
+    # GIVEN a script whose Net reads, as its default, a name assigned in a loop, and whose module-level statements
+    # would mark a file and draw a random number if they ran
+    marks = tmp_path / "marks.txt"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        def mark():
+            with open({str(marks)!r}, "a") as f:
+                f.write("ran\\n")
+            return 1
+        SCALE = float(torch.rand(1)) + mark()
+        for WIDTH in (2, 4):
+            pass
+        class Net(torch.nn.Module):
+            def __init__(self, hidden=WIDTH):
+                super().__init__()
+                self.scale = SCALE
+    """))
+    before = torch.random.get_rng_state()
+    # WHEN the Guard asks what a replay of Net would lack
+    problem = _names.replay_problem(f"{script}:Net", "model factory")
+    # THEN it names WIDTH and where it is assigned, and nothing of the script ran
+    assert problem == (
+        f"the printed replay command will fail on model factory {script}:Net: it uses 'WIDTH', which the script "
+        "assigns only in a loop (line 8); a replay runs only a script's definitions and the module-level statements "
+        "they use (never its main block, loops, with blocks or plain calls): assign WIDTH at the module level, or put "
+        "Net in a module")
+    assert not marks.exists()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    # and a name the script does not define at its top level is said
+    assert _names.replay_problem(f"{script}:Missing", "loss function") == (
+        f"the printed replay command will fail on loss function {script}:Missing: script {str(script)!r} defines no "
+        "'Missing' at its top level; put what the replay needs in a module and pass it as package.module:name")
+
+
+@pytest.mark.parametrize("binds", ["from widths import *\nCONFIG = 0", "CONFIG = globals().update(WIDTH=2)"])
+def test_a_script_whose_names_only_running_it_would_tell_is_not_judged(tmp_path: Path, binds: str) -> None:
+    # GIVEN a script whose Net reads WIDTH, bound by what only running the script would show (a star import of
+    # the module beside it, globals() changed by a statement Net needs)
+    (tmp_path / "widths.py").write_text("WIDTH = 2\n")
+    script = tmp_path / "train.py"
+    script.write_text(f"import torch\n{binds}\nclass Net(torch.nn.Module):\n"
+                      "    def __init__(self, w=WIDTH, c=CONFIG):\n        super().__init__()\n")
+    # WHEN the Guard asks what a replay of Net would lack
+    # THEN it says nothing
+    assert _names.replay_problem(f"{script}:Net", "model factory") is None
