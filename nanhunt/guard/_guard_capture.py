@@ -169,6 +169,8 @@ class CaptureWriter:
         if capture_name(loss_fn) is None:
             raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
         self.loss_fn = loss_fn
+        if self.script_run is None:  # the script's own loss: its captures record how the script was started
+            self.script_run = script_run([self.model_factory, capture_name(loss_fn), capture_name(self.optimizer)])
         self._confirm = self._confirmations()
 
     def set_compiled(self, record: Mapping[str, Any]) -> None:

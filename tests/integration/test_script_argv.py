@@ -5,6 +5,7 @@ statements they use, and the Guard says when it is made what a replay of the scr
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import nanhunt
 from nanhunt.capture import _names
 from nanhunt.capture.capture import save_capture
 from nanhunt.cli import main as cli_main
@@ -339,3 +341,28 @@ def test_a_script_whose_names_only_running_it_would_tell_is_not_judged(tmp_path:
     # WHEN the Guard asks what a replay of Net would lack
     # THEN it says nothing
     assert _names.replay_problem(f"{script}:Net", "model factory") is None
+
+
+def test_a_loss_the_guard_learns_later_from_the_script_records_how_the_script_was_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a Guard made, in a script started with arguments, on a torch.nn model and optimizer (nothing of the
+    # script's to record yet)
+    script = tmp_path / "train.py"
+    script.write_text("import torch.nn.functional as F\ndef my_loss(out, y):\n    return F.mse_loss(out, y)\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
+    monkeypatch.setattr(sys, "argv", [str(script), "--lr", "0.1"])
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(2, 1)
+    guard = nanhunt.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), dump_dir=tmp_path / "nan")
+    assert guard._capture.script_run is None
+
+    def my_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, y)
+
+    my_loss.__module__, my_loss.__qualname__ = "__main__", "my_loss"  # as the script defines it
+    # WHEN it learns the script's loss (nanhunt run does in the first step)
+    guard._capture.set_loss_fn(my_loss)
+    # THEN its captures record the script's path, argv, working directory and text
+    assert guard._capture.script_run == {"path": str(script), "argv": [str(script), "--lr", "0.1"],
+                                         "cwd": str(tmp_path), "sha256": hashlib.sha256(script.read_bytes()).hexdigest()}
+    guard.close()
