@@ -19,6 +19,7 @@ from .._util import _dispatch
 from .._util._compiled import TORCH_BACKENDS, record_of
 from .._util._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
+from ._headroom import Headroom
 from ..capture._names import capture_name, confirmations, is_script, replay_problem, script_run
 from .._util._wrappers import user_class, user_modules
 from ..capture._hf import _hf_model_spec
@@ -155,6 +156,7 @@ class CaptureWriter:
         self.poisoned_at: int | None = None
         # Judged here, not on the failure path: a step's exit runs the same code at every detection.
         self._confirm = self._confirmations()
+        self.headroom: Headroom | None = None  # the Guard's headroom history: its picture goes into each event file
 
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
@@ -373,6 +375,8 @@ class CaptureWriter:
         path = (os.path.join(event.checkpoint, f"event-rank{self.rank}.json") if event.batch is None  # a directory
                 else event.checkpoint[: -len("checkpoint.pt")] + "event.json")
         data = {**event.to_dict(), "describe": event.describe(), "scale_history": scale_history[-50:]}
+        if self.headroom is not None:
+            data["headroom"] = self.headroom.picture(event.step)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
 

@@ -30,9 +30,10 @@ from torch.utils.hooks import RemovableHandle
 from .._util._dispatch import local_tensor
 from .._util._text import dtype_name
 from .._util._wrappers import user_modules
+from ..records import HeadroomNote, HeadroomSeries
 from ..tracing._tensors import tensors
 
-__all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY"]
+__all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY", "PICTURED"]
 
 READ_STEPS = 64  # steps per host read of the device buffer (the samples they hold fill it)
 HISTORY = 24  # samples a module's trend is fitted over
@@ -45,6 +46,9 @@ _SPIKE_MIN = 50  # ... once this many are known
 _SPIKE_Z = 8.0  # robust z-score of a spike (median, 1.4826 * MAD), and at least twice the median
 _SCALE_WINDOW = 200  # steps in which a GradScaler scale that backed off 4 times more than it grew is warned;
 _SCALE_FALLS = 4  # a run of consecutive backoffs (the scale finding its level at the start) counts once
+PICTURED = 6  # series a capture's picture holds: the modules nearest their limit
+_NOTES = 20  # warnings it holds (each is given once per module and condition: the first ones say most)
+_NOTE_TEXT = 500  # characters kept of each (a capture's event is read back bounded)
 
 _FIX_GROWTH = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping, weight decay; or run the "
                "step in bfloat16 (its range reaches 3.4e38), or keep this module in float32 (nanhunt.keep_fp32)")
@@ -133,6 +137,10 @@ class Headroom:
         # host history: (condition, module index) -> (step, log2 max, limit) of the last HISTORY samples
         self.history: dict[tuple[str, int], deque[tuple[int, float, float]]] = {}
         self._warned: set[tuple[str, str | None]] = set()
+        # A capture's picture (HeadroomHistory's JSON), kept up as the history changes: the series nearest their
+        # limit, rebuilt at each read and warning, and the first _NOTES warnings
+        self._pictured: tuple[dict[str, Any], ...] = ()
+        self._notes: tuple[dict[str, Any], ...] = ()
         self._loss, self._norm = _Robust(), _Robust()
         self._scales: deque[tuple[int, float]] = deque()  # (step, scale) of the last _SCALE_WINDOW steps
         self._moves: deque[tuple[int, int]] = deque()  # (step, -1 a separate backoff or +1 a growth) in the window
@@ -185,7 +193,7 @@ class Headroom:
             # a module called twice has two entries: the max over its calls (magnitudes are >= 0)
             row.scatter_reduce_(0, self._index[1], found, "amax")
         self._rows.append((index, scale, list(self._limit)))
-        return self.read() if len(self._rows) >= self.rows else []
+        return self._given(index, self.read()) if len(self._rows) >= self.rows else []
 
     def _on_output(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active:
@@ -250,6 +258,7 @@ class Headroom:
             f = self._state(what, t.dtype, data[offset + k])
             if f is not None:
                 findings.append(f)
+        self._picture()
         return findings
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -269,29 +278,20 @@ class Headroom:
         h = self.history[(cond, i)]
         if len(h) < _MIN_SAMPLES or (cond, name) in self._warned:
             return None
-        x = np.array([s for s, _, _ in h], dtype=np.float64)
-        y = np.array([v for _, v, _ in h], dtype=np.float64)
-        limit = h[-1][2]
-        top = math.log2(limit)
-        if top - y[-1] > _NEAR_BITS:
+        last, y, limit = h[-1]
+        if math.log2(limit) - y > _NEAR_BITS:
             return None
-        ii, jj = np.triu_indices(len(x), 1)
-        dx = x[jj] - x[ii]
-        keep = dx > 0
-        if not keep.any():
+        fit = _fit(h)
+        if fit is None:
             return None
-        slope = float(np.median((y[jj] - y[ii])[keep] / dx[keep]))  # Theil-Sen: bits per step
-        if slope <= 0 or slope * (x[-1] - x[0]) < _MIN_RISE_BITS:
-            return None
-        fitted = float(np.median(y - slope * x)) + slope * x[-1]
-        left = (top - max(fitted, float(y[-1]))) / slope
-        if left > self.horizon:
+        slope, left = fit
+        if left is None or left > self.horizon:
             return None
         self._warned.add((cond, name))
-        at = int(x[-1] + max(left, 0.0))
-        value = 2.0 ** float(y[-1])
+        at = int(last + max(left, 0.0))
+        value = 2.0 ** y
         detail = (f"{name} {cond}: max {_num(value)} (headroom {_num(limit / value)}x to {_limit_name(limit)}), "
-                  f"growing {_num(2.0 ** (slope * 100))}x per 100 steps: overflow expected near step {at:,}; "
+                  f"growing {_num(_per_100(slope))}x per 100 steps: overflow expected near step {at:,}; "
                   f"{_FIX_GROWTH}")
         return Finding(cond, name, detail, value, limit, at)
 
@@ -304,6 +304,43 @@ class Headroom:
         detail = (f"{what}: max |x| {_num(value)} (headroom {_num(limit / value)}x to {dtype_name(dtype)}); "
                   f"{_FIX_STATE}")
         return Finding(cond, what, detail, value, limit)
+
+    # ---------------------------------------------------------------- a capture's picture
+    def _given(self, index: int, found: list[Finding]) -> list[Finding]:
+        """``found``, kept for the picture (the first ``_NOTES``) with the step it was given at."""
+        if found:
+            self._notes += tuple(HeadroomNote(index, f.condition, f.module, f.detail[:_NOTE_TEXT]).to_dict()
+                                 for f in found[: _NOTES - len(self._notes)])
+            self._picture()  # the warned first
+        return found
+
+    def _picture(self) -> None:
+        """The ``PICTURED`` series nearest their limit (those warned about first), from the history."""
+        warned = {(n["condition"], n["module"]) for n in self._notes}
+
+        def nearest(key: tuple[str, int]) -> tuple[bool, float]:
+            _, y, limit = self.history[key][-1]
+            return (key[0], self.names[key[1]]) not in warned, math.log2(limit) - y
+
+        series = []
+        for cond, i in sorted(self.history, key=nearest)[:PICTURED]:
+            h = self.history[(cond, i)]
+            fit = _fit(h) if len(h) >= _MIN_SAMPLES else None
+            left = None if fit is None else fit[1]
+            series.append(HeadroomSeries(
+                self.names[i], cond, h[-1][2], tuple(s for s, _, _ in h), tuple(round(v, 4) for _, v, _ in h),
+                growth=None if fit is None else _per_100(fit[0]),
+                forecast_step=None if left is None else int(h[-1][0] + max(left, 0.0))).to_dict())
+        self._pictured = tuple(series)
+
+    def picture(self, step: int) -> dict[str, Any] | None:
+        """What a capture at ``step`` holds of the history, as plain JSON (``HeadroomHistory.to_dict()``): the
+        ``PICTURED`` series nearest their limit as the host holds them, and the warnings given; None when there
+        is neither. No device read: the samples not yet read back (at most ``READ_STEPS`` steps' worth) are not
+        in it. Kept up as the history changes, so that a capture (on the failure path, which Ctrl-C tests replay
+        line by line) builds one dict whatever the history holds."""
+        kept = self._pictured or self._notes
+        return {"step": step, "series": self._pictured, "warnings": self._notes} if kept else None
 
     # ---------------------------------------------------------------- every step
     def observe(self, index: int, *, loss: float | None, grad_norm: float | None,
@@ -340,10 +377,33 @@ class Headroom:
                                    f"{_SCALE_WINDOW} steps ({high:,g} -> {scale:,g}), backing off {falls} times "
                                    f"more than it grew, each after steps that did not overflow: the gradients "
                                    f"are growing into the float16 range; {_FIX_SCALE}", scale))
-        return out
+        return self._given(index, out)
 
     def close(self) -> None:
         self.discard()
+
+
+def _fit(h: deque[tuple[int, float, float]]) -> tuple[float, float | None] | None:
+    """A Theil-Sen line through a history's (step, log2 max), robust to a noisy sample: its slope in bits per step,
+    and the steps left until it (or the last sample, when above it) meets the limit, None when it did not rise
+    2x over the samples; None when no two samples are steps apart."""
+    x = np.array([s for s, _, _ in h], dtype=np.float64)
+    y = np.array([v for _, v, _ in h], dtype=np.float64)
+    ii, jj = np.triu_indices(len(x), 1)
+    dx = x[jj] - x[ii]
+    keep = dx > 0
+    if not keep.any():
+        return None
+    slope = float(np.median((y[jj] - y[ii])[keep] / dx[keep]))
+    if slope <= 0 or slope * (x[-1] - x[0]) < _MIN_RISE_BITS:
+        return slope, None
+    fitted = float(np.median(y - slope * x)) + slope * x[-1]
+    return slope, (math.log2(h[-1][2]) - max(fitted, float(y[-1]))) / slope
+
+
+def _per_100(slope: float) -> float:
+    """The factor a slope in bits per step makes over 100 steps (capped below float's overflow)."""
+    return float(2.0 ** min(slope * 100, 1023.0))
 
 
 def _depth(name: str | None) -> int:

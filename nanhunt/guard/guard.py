@@ -219,6 +219,7 @@ class Guard:
         compiled = isinstance(getattr(model, "_orig_mod", None), nn.Module)
         self._watch = Headroom(self._capture.module, optimizer, every=None if compiled else headroom_every,
                                horizon=warn_horizon, device_type=self._capture.device_type)
+        self._capture.headroom = self._watch  # a capture's event file holds its picture
         self._warn_captured = False
         for problem in self._capture.replay_problems:  # the replay command it would print fails: said now
             warnings.warn(f"nanhunt.Guard: {problem}", GuardWarning, stacklevel=2)

@@ -19,7 +19,8 @@ from torch import nn
 from .._util._env import environment
 from .advice import advise
 from .bisection import Team, bisect
-from ..records import FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record, Report, Repro, Role, Verdict
+from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, HeadroomHistory, Occurrence, Phase, Record,
+                       Report, Repro, Role, Verdict)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
@@ -81,7 +82,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         first = replayed.final.first
         if ranks is not None:
             ranks.traced(replayed.final)
-        ladder = climb(step, step.compile_spec, repeat=repeat, bundle=bundle) \
+        ladder = climb(step, step.compile_spec, eager_runs=2 * replays, repeat=repeat, bundle=bundle) \
             if step.compile_spec is not None and replayed.status == "clean" and ranks is None else None
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = None
@@ -93,9 +94,9 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
     report = _report(step, replayed, config, verdict, repro, command)
     if ladder is not None:
         report = _compiled_report(report, ladder)
-    event, why = _guard_event(step.event_file)
+    event, headroom, why = _guard_event(step.event_file)
     report = dataclasses.replace(report, notes=(*report.notes, *notes, *([why] if why is not None else [])),
-                                 guard_event=event)
+                                 guard_event=event, headroom=headroom)
     if report.status == "clean" and event is not None and _failed_here(event):
         report = dataclasses.replace(report, status="not-reproducible",
                                      verdict=Verdict(kind="not-reproducible", replays=replays))
@@ -268,30 +269,43 @@ _EVENT_BYTES = 64 * 1024  # a Guard's event is about 1 kB; its scale history at 
 _EVENT_TEXT = 500  # characters kept of its kind and detail
 
 
-def _guard_event(path: str | None) -> tuple[GuardEvent | None, str | None]:
+def _guard_event(path: str | None) -> tuple[GuardEvent | None, HeadroomHistory | None, str | None]:
     """The Guard's event of a capture (``step{N}[-rank{R}]-event.json`` next to ``-checkpoint.pt``, a capture
-    directory's ``event-rank{R}.json``), and a note when one is there but cannot be used. The file came with
-    the capture, so it is untrusted: bounded in size, a regular file, every field used type-checked (text is
-    escaped where it is shown)."""
+    directory's ``event-rank{R}.json``), the headroom history written with it, and a note when one is there but
+    cannot be used. The file came with the capture, so it is untrusted: bounded in size, a regular file, every
+    field used type-checked (text is escaped where it is shown)."""
     if path is None:
-        return None, None
+        return None, None, None
     try:
         st = os.lstat(path)  # a symbolic link is no file the Guard wrote: it could point at any file of the machine
     except OSError:
-        return None, None  # no event: not a Guard's capture
+        return None, None, None  # no event: not a Guard's capture
     refused = f"the Guard event {path!r} beside the checkpoint was ignored"
     if not stat.S_ISREG(st.st_mode):
-        return None, f"{refused}: it is not a regular file"
+        return None, None, f"{refused}: it is not a regular file"
     if st.st_size > _EVENT_BYTES:
-        return None, f"{refused}: {st.st_size} bytes, more than a Guard writes ({_EVENT_BYTES})"
+        return None, None, f"{refused}: {st.st_size} bytes, more than a Guard writes ({_EVENT_BYTES})"
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read(_EVENT_BYTES + 1).decode("utf-8"))
-        return _event_of(data), None
+        event = _event_of(data)
     except OSError as e:
-        return None, f"{refused}: {e.strerror}"
+        return None, None, f"{refused}: {e.strerror}"
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        return None, f"{refused}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+        return None, None, f"{refused}: {_why(e)}"
+    raw = data.get("headroom")
+    if raw is None:  # an older Guard's, or nothing was sampled
+        return event, None, None
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
+        return event, HeadroomHistory.from_dict(raw), None
+    except (KeyError, TypeError, ValueError) as e:  # the event stands without it
+        return event, None, f"the headroom history in the Guard event {path!r} was ignored: {_why(e)}"
+
+
+def _why(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _event_of(d: Any) -> GuardEvent:

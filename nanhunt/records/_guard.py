@@ -1,4 +1,4 @@
-"""A Guard's event: what it detected, where, and what it did."""
+"""A Guard's event: what it detected, where, and what it did; and the headroom history its capture holds."""
 
 from __future__ import annotations
 
@@ -66,6 +66,11 @@ class GuardEvent(JSONData):
     forecast_step: int | None = None  # "warning": where the trend meets the limit
     last_checkpoint: str | None = None  # the last checkpoint the framework saved before (the callbacks)
 
+    def is_detection(self) -> bool:
+        """A non-finite value or too many GradScaler skips was detected (not a rollback, change or warning),
+        whether or not its capture could be written."""
+        return self.kind in ("loss", "grads", "params", "skips")
+
     def replay_command(self) -> str | None:
         """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
         A capture directory (FSDP2: ``batch`` is None) is replayed alone: ``nanhunt replay DIR``."""
@@ -114,6 +119,70 @@ class GuardEvent(JSONData):
         if self.last_checkpoint:
             text += f"; checkpoints are not saved until a clean step, the last good one: {self.last_checkpoint}"
         return text
+
+
+@dataclass(frozen=True)
+class HeadroomSeries(JSONData):
+    """One module's headroom history as a Guard kept it: log2 of the largest magnitude of its ``condition``
+    (``"output"`` or ``"output gradient"``, unscaled) at each sampled step of ``steps`` (at most the last 24),
+    rounded to 1e-4; ``limit`` the largest finite value of the dtype it ran in (the autocast dtype's). Its robust
+    trend: ``growth`` the factor per 100 steps (None: fewer than 6 samples), ``forecast_step`` where it meets
+    ``limit`` (None: not rising by 2x over the samples)."""
+
+    module: str = field(metadata=absent(""))
+    condition: str = "output"
+    limit: float = 65504.0
+    steps: tuple[int, ...] = ()
+    log2max: tuple[float, ...] = ()
+    growth: float | None = None
+    forecast_step: int | None = None
+
+    def __post_init__(self) -> None:
+        # read from files (a capture's event, a saved report): the renderers draw and divide what they are given
+        if len(self.steps) != len(self.log2max) or not self.steps:
+            raise ValueError(f"headroom series of {self.module!r}: {len(self.steps)} steps, "
+                             f"{len(self.log2max)} values")
+        _check_steps(*self.steps)
+        if not (all(-1074 <= v < 1024 for v in self.log2max) and 0 < self.limit <= _FLOAT_MAX):
+            raise ValueError(f"headroom series of {self.module!r}: a value or its limit is not a positive finite "
+                             f"number")
+
+
+@dataclass(frozen=True)
+class HeadroomNote(JSONData):
+    """One warning of a Guard's headroom history (an event of kind ``"warning"``): the ``step`` it was given at,
+    its ``condition`` and ``module`` (None: the step's loss, gradient norm or scale) and its ``detail``."""
+
+    step: int = field(metadata=absent(0))
+    condition: str = ""
+    module: str | None = None
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _check_steps(self.step)
+
+
+@dataclass(frozen=True)
+class HeadroomHistory(JSONData):
+    """What a Guard's capture says of the run before it: the ``series`` of the modules nearest their dtype's
+    limit (those warned about first), as the Guard kept them, and the ``warnings`` it gave (the first 20), up to
+    ``step``, the step of the capture's event. Written into the capture's ``-event.json`` (key ``headroom``) and
+    carried into the replay's :class:`Report`."""
+
+    step: int = field(metadata=absent(0))
+    series: tuple[HeadroomSeries, ...] = ()
+    warnings: tuple[HeadroomNote, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_steps(self.step)
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def _check_steps(*steps: int) -> None:
+    if not all(0 <= s < 2 ** 63 for s in steps):
+        raise ValueError("a headroom history's step is not a non-negative integer")
 
 
 _serial.prepare(JSONData.__subclasses__())  # every class above, resolved once at import

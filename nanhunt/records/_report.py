@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from . import _serial
 from ._serial import JSONData, absent
 from ._comparison import Comparison
-from ._guard import GuardEvent
+from ._guard import GuardEvent, HeadroomHistory
 from ._trace import DTYPE_MAX, Occurrence, Record
 
 
@@ -51,7 +51,7 @@ class Report(JSONData):
     (module -> "finite" / "nan in backward" ...), ``module_classes``,
     ``environment``, ``command``, ``notes``, ``n_records``, ``verdict``,
     ``timeline`` (``[index, phase, max |x| or "nan", "finite"|"nan"|"inf"]``
-    per record) and, from version 2, ``repro``; ``advice`` and ``guard_event`` only
+    per record) and, from version 2, ``repro``; ``advice``, ``guard_event`` and ``headroom`` only
     when present (optional keys: an older file without them reads as none). An
     occurrence holds ``phase``, ``module``, ``module_class``, ``call_index``, ``op``,
     ``kind``, ``source``, ``output`` and ``inputs`` (records), ``reached``,
@@ -85,10 +85,13 @@ class Report(JSONData):
     # rank). Written only when present, like ``comparison``.
     advice: tuple[Advice, ...] = ()
     guard_event: GuardEvent | None = None
+    # The Guard's headroom history up to its event (from the same file): the modules nearest their dtype's limit
+    # and its warnings. Written only when present.
+    headroom: HeadroomHistory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = _serial.to_dict(self)
-        for key in ("comparison", "guard_event"):
+        for key in ("comparison", "guard_event", "headroom"):
             if d[key] is None:
                 del d[key]
         if not d["advice"]:

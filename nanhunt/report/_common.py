@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..records import DTYPE_MAX, Occurrence, Record, Report, Verdict, role_text
+from ..records import DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, Verdict, role_text
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans",
            "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "GUARD_TITLE", "BORN_TITLE", "TENSORS_TITLE", "PATH_TITLE",
            "BISECTION_TITLE", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
-           "origin_alone"]
+           "origin_alone", "HEADROOM_TITLE", "HEADROOM_COLUMNS", "headroom_intro", "headroom_rows",
+           "headroom_warnings", "series_label", "limit_name", "HEADROOM_CAPTION"]
 
 LIMITS = DTYPE_MAX
 
@@ -387,6 +388,48 @@ def guard_rows(report: Report) -> list[tuple[str, str]]:
     if e.scale is not None:
         rows.append(("GradScaler scale", num(e.scale)))
     return rows
+
+
+HEADROOM_TITLE = "Headroom before the Guard's event"
+HEADROOM_COLUMNS = ("module", "condition", "last max", "headroom", "growth per 100 steps", "overflow forecast")
+HEADROOM_CAPTION = ("x: the training steps the Guard sampled; y: the largest magnitude of each module's output or "
+                    "output gradient (unscaled), on a log scale. Dashed lines: the float16 and bfloat16 maxima where "
+                    "they fall in range. Triangles at the top: the steps of the Guard's warnings (hover for the "
+                    "text); the dotted line: the step of this capture's event.")
+
+
+def limit_name(limit: float) -> str:
+    """``float16`` for 65504, and so on; the number itself for another limit."""
+    return next((name for name, v in DTYPE_MAX.items() if v == limit), f"{limit:.3g}")
+
+
+def series_label(s: HeadroomSeries) -> str:
+    """A series in a legend: ``fc1 output``."""
+    return f"{label(s.module)} {s.condition}"
+
+
+def headroom_intro(h: HeadroomHistory) -> str:
+    """What the headroom table and chart show, in a sentence."""
+    n, w = len(h.series), len(h.warnings)
+    return (f"The Guard's headroom history up to step {h.step}, on the steps it sampled: the largest magnitude of "
+            f"the {n} module output{'s' if n != 1 else ''} or output gradient{'s' if n != 1 else ''} nearest their "
+            f"dtype's limit (those warned about first), and {w} warning{'s' if w != 1 else ''} given.")
+
+
+def headroom_rows(h: HeadroomHistory) -> list[tuple[str, ...]]:
+    """One row per series, cells as ``HEADROOM_COLUMNS``; the module (the first cell) is a user name."""
+    rows: list[tuple[str, ...]] = []
+    for s in h.series:
+        last = 2.0 ** s.log2max[-1]
+        rows.append((label(s.module), s.condition, f"{last:.3g}", f"{s.limit / last:.3g}x to {limit_name(s.limit)}",
+                     "-" if s.growth is None else f"{s.growth:.3g}x",
+                     "-" if s.forecast_step is None else f"step {s.forecast_step}"))
+    return rows
+
+
+def headroom_warnings(h: HeadroomHistory) -> list[str]:
+    """The Guard's warnings, one line each: ``step 120: fc1 output: max ...``."""
+    return [f"step {w.step}: {w.detail}" for w in h.warnings]
 
 
 def guard_text(report: Report) -> str | None:

@@ -22,9 +22,12 @@ from rich.tree import Tree
 from .._util._errors import visible
 from . import _common as _c
 from . import _compare_text as _ct
-from ..records import Comparison, Inspection, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Inspection, Occurrence, Report, TensorDiff
 
 __all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
+
+
+_WARNINGS_SHOWN = 3  # a Guard's warnings on the console (each is a few lines; Markdown and HTML fold them all)
 
 
 def _t(text: str, style: str = "") -> Text:
@@ -102,6 +105,8 @@ def render(report: Report) -> RenderableType:
     guard = _c.guard_text(report)
     if guard is not None:
         parts.append(_t(guard, style="bold"))
+    if report.headroom is not None:
+        parts += _headroom(report.headroom)
     occ = report.first
     if occ is not None:
         parts.append(_key_values(_c.birth_rows(occ)))
@@ -146,6 +151,24 @@ def render(report: Report) -> RenderableType:
     for n in report.notes:
         parts.append(_t(f"note: {n}", style="yellow"))
     return Group(*parts)
+
+
+def _headroom(h: HeadroomHistory) -> list[RenderableType]:
+    """The Guard's headroom history: the table of its series, then its warnings."""
+    parts: list[RenderableType] = [_t(_c.headroom_intro(h))]
+    if h.series:
+        t = Table(title=_c.HEADROOM_TITLE.lower(), title_justify="left", padding=(0, 1), box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True, show_edge=False)
+        for i, col in enumerate(_c.HEADROOM_COLUMNS):
+            t.add_column(col, justify="left" if i < 2 else "right")
+        for row in _c.headroom_rows(h):
+            t.add_row(*(_m(x) for x in row))
+        parts.append(t)
+    said = _c.headroom_warnings(h)
+    parts += [_t(f"warning at {w}", style="yellow") for w in said[:_WARNINGS_SHOWN]]
+    if len(said) > _WARNINGS_SHOWN:
+        parts.append(_t(f"... and {len(said) - _WARNINGS_SHOWN} more warnings", style="yellow"))
+    return parts
 
 
 def _advice(report: Report) -> list[RenderableType]:

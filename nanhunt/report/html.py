@@ -13,7 +13,7 @@ import dataclasses
 import html as _html
 
 from .._util._errors import visible
-from ..records import Comparison, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Occurrence, Report, TensorDiff
 from . import _common as c
 from . import _compare_text as ct
 from ._common import Span
@@ -166,6 +166,8 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
     guard = c.guard_rows(report)
     if guard:
         parts += [f"<section><h2>{c.GUARD_TITLE}</h2>", _kv([(k, _e(v)) for k, v in guard]), "</section>"]
+    if report.headroom is not None:
+        parts += _headroom(report.headroom)
     occ = report.first
     if occ is not None:
         parts += _birth_sections(occ)
@@ -212,6 +214,24 @@ def _birth_sections(occ: Occurrence) -> list[str]:
             f"<section><h2>{c.TENSORS_TITLE}</h2>", _tensor_table(occ),
             '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
             "overflows (65504 for float16).</p></section>"]
+
+
+def _headroom(h: HeadroomHistory) -> list[str]:
+    """The Guard's headroom history: its chart (inline SVG), the table of its series, its warnings."""
+    from ._headroom_svg import chart
+
+    parts = [f"<section><h2>{_e(c.HEADROOM_TITLE)}</h2>", f"<p>{_e(c.headroom_intro(h))}</p>"]
+    if h.series:
+        rows = "".join(f"<tr><td><code>{_e(row[0])}</code></td><td>{_e(row[1])}</td>"
+                       f"{''.join(_num_cell(x) for x in row[2:])}</tr>" for row in c.headroom_rows(h))
+        parts += [f"<figure>{chart(h)}<figcaption>{_e(c.HEADROOM_CAPTION)}</figcaption></figure>",
+                  f"<table><thead><tr>{_head_row(c.HEADROOM_COLUMNS, (0, 1))}</tr></thead><tbody>{rows}</tbody>"
+                  "</table>"]
+    if h.warnings:
+        items = "".join(f"<li>{_e(w)}</li>" for w in c.headroom_warnings(h))
+        parts.append(f"<details><summary>Warnings ({len(h.warnings)})</summary><ul>{items}</ul></details>")
+    parts.append("</section>")
+    return parts
 
 
 def _step_picture(png: bytes) -> list[str]:

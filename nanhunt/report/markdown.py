@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 
 from .._util._errors import visible
-from ..records import Comparison, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Occurrence, Report, TensorDiff
 from . import _common as c
 from . import _compare_text as ct
 from ._common import Span
@@ -109,6 +109,18 @@ def _occurrence_line(o: Occurrence) -> str:
     return _spans(c.occurrence_spans(o))
 
 
+def _headroom(h: HeadroomHistory) -> list[str]:
+    """The Guard's headroom history: the table of its series, its warnings folded."""
+    out = ["", f"#### {escape(c.HEADROOM_TITLE)}", "", escape(c.headroom_intro(h))]
+    if h.series:
+        rows = [(code(row[0], table=True), *(escape(x) for x in row[1:])) for row in c.headroom_rows(h)]
+        out += ["", _cells_table(c.HEADROOM_COLUMNS, rows, right_from=2)]
+    if h.warnings:
+        out += ["", _details(f"Warnings ({len(h.warnings)})", "\n".join(f"- {escape(w)}" for w in
+                                                                      c.headroom_warnings(h)))]
+    return out
+
+
 def _title(report: Report) -> str:
     if report.status == "clean":
         return "nanhunt: the step is finite"
@@ -130,6 +142,8 @@ def render(report: Report) -> str:
     guard = c.guard_rows(report)
     if guard:
         out += ["", f"#### {c.GUARD_TITLE}", ""] + [f"- **{escape(k)}:** {escape(v)}" for k, v in guard]
+    if report.headroom is not None:
+        out += _headroom(report.headroom)
     occ = report.first
     if occ is not None:
         out += ["", f"#### {c.BORN_TITLE}", ""]
