@@ -336,9 +336,9 @@ class Headroom:
     def picture(self, step: int) -> dict[str, Any] | None:
         """What a capture at ``step`` holds of the history, as plain JSON (``HeadroomHistory.to_dict()``): the
         ``PICTURED`` series nearest their limit as the host holds them, and the warnings given; None when there
-        is neither. No device read: the samples not yet read back (at most ``READ_STEPS`` steps' worth) are not
-        in it. Kept up as the history changes, so that a capture (on the failure path, which Ctrl-C tests replay
-        line by line) builds one dict whatever the history holds."""
+        is neither. No device read: the samples taken since the last read-back are not in it. Kept up as the
+        history changes, so that a capture (on the failure path, which Ctrl-C tests replay line by line) builds
+        one dict whatever the history holds."""
         kept = self._pictured or self._notes
         return {"step": step, "series": self._pictured, "warnings": self._notes} if kept else None
 
