@@ -11,6 +11,8 @@ from typing import Any
 
 from .._util._errors import InputError, visible
 
+# --on-fail's words, as the Guard's on_fail
+_ON_FAIL = {"stop": "raise", "rollback": "rollback", "continue": "dump"}
 _HELP = ("run a training script unchanged, with nanhunt watching its steps; at the first non-finite loss, gradient "
          "or update, write a capture and print the command that replays it")
 
@@ -23,10 +25,11 @@ class RunCommand:
     def prepare_parser(self, p: argparse.ArgumentParser) -> None:
         p.usage = "nanhunt run [options] (SCRIPT | -m MODULE) [ARGS ...]"
         p.epilog = ("Exit codes: the script's own; 1 when nanhunt stopped the run at a bad step (--on-fail stop); "
-                    "2 for bad nanhunt options. Under torchrun: torchrun --nproc-per-node N -m nanhunt run SCRIPT")
+                    "2 for bad nanhunt options; 130 on Ctrl-C. Under torchrun: torchrun --nproc-per-node N -m nanhunt "
+                    "run SCRIPT")
         p.add_argument("--dump-dir", default="nan-captures", metavar="DIR",
                        help="where captures go (default: nan-captures, created at the first one)")
-        p.add_argument("--on-fail", choices=("stop", "rollback", "continue"), default="stop",
+        p.add_argument("--on-fail", choices=tuple(_ON_FAIL), default="stop",
                        help="at a bad step: stop the run (default), roll back to the last good state and skip the "
                             "batch (plain loops), or continue, only recording")
         p.add_argument("--snapshot-every", type=int, metavar="N",
@@ -42,20 +45,30 @@ class RunCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from ..integrations._attach import AttachOptions
+        from ..integrations._run import check_values
         from ..integrations._script import run_script, script_of, summary
 
         script = script_of(args.script, args.module, args.script_args)
         options: dict[str, Any] = {"max_consecutive_skips": args.max_consecutive_skips,
-                                   "check_params": args.check_params}
-        if args.snapshot_every is not None:
-            if args.snapshot_every < 1:
-                raise InputError("--snapshot-every must be at least 1")
-            options["snapshot_every"] = args.snapshot_every
-        outcome = run_script(script, AttachOptions(os.path.abspath(args.dump_dir), args.on_fail, options))
+                                   "check_params": args.check_params, "snapshot_every": args.snapshot_every,
+                                   "on_fail": _ON_FAIL[args.on_fail]}
+        try:
+            check_values(options)  # now: a value refused at the first step would leave the run unwatched
+        except ValueError as e:
+            raise InputError(f"bad option for nanhunt run: {_flags(str(e), options)}") from e
+        on_fail = options.pop("on_fail")
+        outcome = run_script(script, AttachOptions(os.path.abspath(args.dump_dir), on_fail, options))
         code, lines = summary(outcome, script)
         for line in lines:
             _say(line)
         return code
+
+
+def _flags(message: str, options: dict[str, Any]) -> str:
+    """The Guard's message about its options, in the words of the command line (which has no None)."""
+    for name in options:
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message.replace(" or None", "")
 
 
 def _say(text: str) -> None:

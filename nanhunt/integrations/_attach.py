@@ -42,12 +42,10 @@ from torch.utils.hooks import RemovableHandle
 
 from .._util._errors import InputError, GuardError, first_line, visible
 from ..guard.guard import Guard
-from ._run import GuardedRun
+from ._run import GuardedRun, Unwatchable, output_loss
 
-__all__ = ["Attached", "AttachOptions", "ON_FAIL"]
+__all__ = ["Attached", "AttachOptions", "RunRefused"]
 
-# nanhunt run's --on-fail, as the Guard's on_fail
-ON_FAIL = {"stop": "raise", "rollback": "rollback", "continue": "dump"}
 _TRAINERS = {
     "transformers.trainer": "transformers.Trainer",
     "lightning.pytorch.trainer.trainer": "Lightning",
@@ -58,8 +56,13 @@ _TRAINERS = {
 @dataclass(frozen=True)
 class AttachOptions:
     dump_dir: str
-    on_fail: str = "stop"  # stop | rollback | continue
+    on_fail: str = "raise"  # the Guard's on_fail (its own check judges it)
     guard_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RunRefused(InputError):
+    """``nanhunt run`` refuses what the script does, from inside the script's run (a Trainer made under
+    ``--on-fail rollback``): the command's one line and exit 2, not the script's own failure."""
 
 
 @dataclass
@@ -106,13 +109,12 @@ class Attached:
     """Everything ``nanhunt run`` put into this process; :meth:`close` takes it all out (also after an error)."""
 
     def __init__(self, options: AttachOptions) -> None:
-        if options.on_fail not in ON_FAIL:
-            raise InputError(f"--on-fail must be one of {', '.join(ON_FAIL)}, not {options.on_fail!r}")
         self.options = options
         self.framework: str | None = None  # the Trainer found, if any
         self.gave_up = ""  # why a framework run was not watched, or ""
         self.own_callback = False  # the script attached nanhunt's callback itself
-        self.callbacks: list[Any] = []  # the framework callbacks made (their events)
+        self.callbacks: list[Any] = []  # the framework callbacks made
+        self._framework_guards: list[Guard] = []  # their Guards, kept: a callback lets go of its own at the end
         self.loop = _PlainLoop(self)
         self._patches: list[_Patch] = []
         self._finder: _AfterImport | None = None
@@ -151,13 +153,16 @@ class Attached:
 
     # ----------------------------------------------------------------- events
     @property
+    def guards(self) -> list[Guard]:
+        """The Guards made for the run (a callback's, once its training started; the plain loop's)."""
+        return self._framework_guards + self.loop.guards
+
+    @property
     def events(self) -> list[Any]:
-        guards = [cb.run.guard for cb in self.callbacks if getattr(cb, "run", None) is not None]
-        guards += self.loop.guards
-        return [e for g in guards for e in g.events]
+        return [e for g in self.guards for e in g.events]
 
     def guard_options(self) -> dict[str, Any]:
-        return {**self.options.guard_options, "on_fail": ON_FAIL[self.options.on_fail]}
+        return {**self.options.guard_options, "on_fail": self.options.on_fail}
 
     # ----------------------------------------------------------------- frameworks
     def _patch_trainer(self, module: types.ModuleType, *, kind: str) -> None:
@@ -203,8 +208,8 @@ class Attached:
 
     def _callback(self, kind: str) -> Any:
         if self.options.on_fail == "rollback":
-            raise InputError(f"--on-fail rollback is for plain training loops: a {kind} owns its loop, so "
-                               "nanhunt cannot skip a batch and go on; use --on-fail stop or continue")
+            raise RunRefused(f"--on-fail rollback is for plain training loops: a {kind} owns its loop, so "
+                             "nanhunt cannot skip a batch and go on; use --on-fail stop or continue")
         self.framework = kind
         self.loop.stand_down()
         options = self.guard_options()
@@ -218,21 +223,27 @@ class Attached:
 
             callback = TrainerCallback(dump_dir=self.options.dump_dir, **options)
         begin = "on_train_start" if kind == "Lightning" else "on_train_begin"
-        setattr(callback, begin, self._refusal_said(getattr(callback, begin)))
+        setattr(callback, begin, self._started(callback, getattr(callback, begin)))
         self.callbacks.append(callback)
         return callback
 
-    def _refusal_said(self, begin: Callable[..., None]) -> Callable[..., None]:
-        """The callback's start, where it refuses a run it cannot watch (Lightning's manual optimization, two
-        optimizers): under ``nanhunt run`` the refusal is said and the run goes on unwatched."""
+    def _started(self, callback: Any, begin: Callable[..., None]) -> Callable[..., None]:
+        """The callback's start: its Guard is kept (its events and steps, said at the end); where the callback
+        refuses a run it cannot watch (:class:`Unwatchable`: Lightning's manual optimization, two optimizers),
+        the refusal is said and the run goes on unwatched."""
 
         @functools.wraps(begin)
         def call(*args: Any, **kwargs: Any) -> None:
             try:
                 begin(*args, **kwargs)
-            except ValueError as e:
-                self.gave_up = f"nanhunt did not watch the {self.framework} run ({first_line(e)})"
+            except Unwatchable as e:
+                reason = str(e).strip().splitlines()[0]  # the refusal's own words: its type says nothing more
+                self.gave_up = f"nanhunt did not watch the {self.framework} run: {reason}"
                 print(f"nanhunt run: {visible(self.gave_up)}; the script goes on unwatched", file=sys.stderr)
+                return
+            run = callback.run
+            if run is not None and run.guard not in self._framework_guards:
+                self._framework_guards.append(run.guard)
 
         return call
 
@@ -448,7 +459,7 @@ class _PlainLoop:
         if run is None or not run.open or run.guard.model is not module or self._out is not None:
             return
         self._out = output
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        loss = output_loss(output)
         if isinstance(loss, torch.Tensor) and not run.loss_seen:
             self._loss(loss)
 
@@ -542,7 +553,7 @@ class _PlainLoop:
         if out is None:
             return  # a backward before the model ran: not the training loss
         node = _loss_node(loss)
-        own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        own = output_loss(out)
         call = next(((m, args) for o, m, args in self._calls if o.grad_fn is node), None)
         found = _functional_loss(node, out)
         if node is not None and node in (_output_node(out), _output_node(own)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,11 +15,22 @@ from torch.utils.hooks import RemovableHandle
 from .._util._errors import GuardError
 from ..guard.guard import Guard
 
-__all__ = ["GuardedRun", "check_options"]
+__all__ = ["GuardedRun", "Unwatchable", "check_options", "check_values", "output_loss"]
+
+# Guard options that describe the model and its replay: judged with the real model, when its Guard is made
+_OF_THE_MODEL = ("model", "optimizer", "scaler", "dump_dir", "loss_fn", "model_factory", "model_kwargs",
+                 "device_type", "dtype", "process_group")
+
+
+class Unwatchable(ValueError):
+    """A run the callback refuses to watch, raised where it refuses, as the training starts: Lightning's manual
+    optimization, several optimizers, a model the Guard cannot capture. ``nanhunt run`` says it and lets the run
+    go on unwatched; any other error of the callback is raised as it is."""
 
 
 def check_options(dump_dir: str | os.PathLike[str], options: dict[str, Any]) -> None:
-    """Fail when the callback is created, not when training starts: options the Guard does not take."""
+    """Fail when the callback is created, not when training starts: options the Guard does not take, or whose
+    values it refuses."""
     params = inspect.signature(Guard).parameters
     unknown = [k for k in options if k not in params or k in ("model", "optimizer", "scaler", "dump_dir")]
     if unknown:
@@ -27,9 +38,22 @@ def check_options(dump_dir: str | os.PathLike[str], options: dict[str, Any]) -> 
     if options.get("on_fail") == "rollback":
         raise ValueError("on_fail='rollback' is not available in NanhuntCallback: the framework owns the training "
                          "loop, so the guard cannot skip the batch and go on; use 'raise', 'dump' or 'warn'")
-    if options.get("on_fail", "raise") not in ("raise", "dump", "warn"):
-        raise ValueError(f"on_fail must be 'raise', 'dump' or 'warn', not {options['on_fail']!r}")
+    check_values(options)
     os.fspath(dump_dir)  # a TypeError now for something that is no path
+
+
+def check_values(options: Mapping[str, Any]) -> None:
+    """The Guard's own checks of the options' values (its ValueError), run now on a one-weight model: a value
+    it refuses is refused before the training starts, not at its first step, where ``nanhunt run`` would go
+    on unwatched. The options that describe the model are judged when its Guard is made."""
+    probe = nn.Linear(1, 1)
+    values = {k: v for k, v in options.items() if k not in _OF_THE_MODEL}
+    Guard(probe, torch.optim.SGD(probe.parameters(), lr=0.0), dump_dir=".", **values).close()
+
+
+def output_loss(output: Any) -> Any:
+    """The loss a model's output holds (a transformers ``ModelOutput`` or a dict with ``loss``), or None."""
+    return output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
 
 
 class GuardedRun:

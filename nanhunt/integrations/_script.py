@@ -11,7 +11,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from .._util._errors import InputError, GuardError
-from ._attach import Attached, AttachOptions
+from ._attach import Attached, AttachOptions, RunRefused
 
 __all__ = ["Script", "Outcome", "script_of", "run_script", "summary", "EXIT_STOPPED"]
 
@@ -47,14 +47,14 @@ def script_of(script: str | None, module: list[str] | None, argv: list[str]) -> 
         if not module:
             raise InputError("-m needs a module name: nanhunt run -m package.module [ARGS]")
         name = module[0]
-        saved = list(sys.path)
-        sys.path.insert(0, os.getcwd())  # as `python -m` looks for it (python -m nanhunt left it out)
+        saved = sys.path
+        sys.path = [os.getcwd(), *saved]  # as `python -m` looks for it (python -m nanhunt left it out)
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             spec = None
         finally:
-            sys.path[:] = saved
+            sys.path = saved
         if spec is None:
             raise InputError(f"no module named {name!r} on the import path; run from the project's folder or "
                                "install it")
@@ -70,15 +70,17 @@ def script_of(script: str | None, module: list[str] | None, argv: list[str]) -> 
 def run_script(script: Script, options: AttachOptions) -> Outcome:
     """Run ``script`` as ``python SCRIPT ARGS`` (or ``python -m``) runs it: as ``__main__``, with ``sys.argv`` its
     own and its folder (the current one for a module) first on the import path; nanhunt attached for the run.
-    ``sys.argv``, ``sys.path`` and everything attached are put back after, also on Ctrl-C. The script's
-    exception is handed back (:attr:`Outcome.failure`), not raised; Ctrl-C and SIGTERM are raised."""
+    ``sys.argv``, ``sys.path`` (the lists themselves) and everything attached are put back after, also on Ctrl-C
+    or a failure while attaching. The script's exception is handed back (:attr:`Outcome.failure`), not raised;
+    Ctrl-C and SIGTERM are raised, the step they cut short left unchecked."""
     attached = Attached(options)
     outcome = Outcome(attached)
-    saved_argv, saved_path = list(sys.argv), list(sys.path)
-    attached.install()
+    argv, path = sys.argv, sys.path
+    cut: BaseException | None = None  # what ended the run before the script did (Ctrl-C, SIGTERM, nanhunt's)
     try:
+        attached.install()
         sys.argv = [script.path, *script.argv]
-        sys.path.insert(0, os.path.dirname(script.path) if script.module is None else os.getcwd())
+        sys.path = [os.path.dirname(script.path) if script.module is None else os.getcwd(), *path]
         try:
             if script.module is None:
                 runpy.run_path(script.path, run_name="__main__")
@@ -89,14 +91,15 @@ def run_script(script: Script, options: AttachOptions) -> Outcome:
         except BaseException as e:
             outcome.stopped = _guard_error(e)
             if outcome.stopped is None:
-                if not isinstance(e, Exception):
-                    raise  # Ctrl-C, SIGTERM: the CLI's own lines and exit codes
-                if isinstance(e, InputError) and _ours(e):
-                    raise
+                if not isinstance(e, Exception) or isinstance(e, RunRefused):
+                    raise  # Ctrl-C, SIGTERM, nanhunt run's refusal: the CLI's own lines and exit codes
                 outcome.failure = e
+    except BaseException as e:
+        cut = e
+        raise
     finally:
-        sys.argv[:], sys.path[:] = saved_argv, saved_path
-        attached.close(outcome.failure)
+        sys.argv, sys.path = argv, path
+        attached.close(outcome.failure or cut)  # a step that raised is ended as failed: no checks after Ctrl-C
     return outcome
 
 
@@ -120,14 +123,6 @@ def _guard_error(e: BaseException) -> GuardError | None:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
-
-
-def _ours(e: BaseException) -> bool:
-    """Raised by nanhunt run itself (a Trainer with --on-fail rollback), not by the script."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}nanhunt{os.sep}integrations{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def print_script_error(e: BaseException, target: str) -> None:
@@ -163,9 +158,9 @@ def summary(outcome: Outcome, script: Script) -> tuple[int, list[str]]:
         say(event.describe())
     if stopped is not None:
         say(f"stopped {name}: {stopped.event.describe()}")
-        world = os.environ.get("WORLD_SIZE", "1")
+        world = max((g._detect.world for g in attached.guards), default=1)
         command = stopped.event.replay_command()
-        if command and stopped.event.batch is None and world != "1":
+        if command and stopped.event.batch is None and world > 1:
             say(f"replay every rank's part with: torchrun --nproc-per-node {world} -m {command}")
         if note:
             say(note)
@@ -173,11 +168,18 @@ def summary(outcome: Outcome, script: Script) -> tuple[int, list[str]]:
     if attached.loop.gave_up or attached.gave_up:
         return code, lines  # said above
     watched = attached.framework or ("a training loop" if attached.loop.guards else None)
+    steps = sum(g.iterations for g in attached.guards)
     if watched is None:
         say(f"watched nothing in {name}: no transformers or Lightning Trainer was made, and no torch.optim optimizer "
              "whose model the script called in training mode; nothing was checked")
-    elif not any(e.checkpoint for e in attached.events) and failure is None:
-        say(f"{name} finished; {watched} was watched and no non-finite value was seen")
+    elif steps == 0:
+        say(f"watched nothing in {name}: {watched} was made but no training step ran; nothing was checked")
+    elif not any(e.is_detection() for e in attached.events) and failure is None:
+        say(f"{name} finished; {watched} was watched: {_steps(steps)} checked and no non-finite value was seen")
     elif note:
         say(note)
     return code, lines
+
+
+def _steps(n: int) -> str:
+    return "1 step was" if n == 1 else f"{n} steps were"

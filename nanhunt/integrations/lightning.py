@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..guard.guard import Guard
-from ._run import GuardedRun, check_options
+from ._run import GuardedRun, Unwatchable, check_options
 
 __all__ = ["NanhuntCallback"]
 
@@ -98,17 +98,20 @@ class NanhuntCallback(_Callback):
             self.run.close()  # an earlier fit() that raised
             self.run = None
         if not pl_module.automatic_optimization:
-            raise ValueError("NanhuntCallback supports automatic optimization; with manual optimization, wrap the "
-                             "steps of training_step in nanhunt.Guard")
+            raise Unwatchable("NanhuntCallback supports automatic optimization; with manual optimization, wrap the "
+                              "steps of training_step in nanhunt.Guard")
         optimizers = list(trainer.optimizers)
         if len(optimizers) != 1:
-            raise ValueError(f"NanhuntCallback needs one optimizer, the trainer has {len(optimizers)}")
+            raise Unwatchable(f"NanhuntCallback needs one optimizer, the trainer has {len(optimizers)}")
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed's GradScaler
         options = dict(self.guard_options)
         options.setdefault("dtype", _AUTOCAST.get(str(trainer.precision), torch.float32))
         if "model_factory" not in options and "model_kwargs" not in options:
             options["model_kwargs"] = _hyperparameters(pl_module)
-        guard = Guard(pl_module, optimizers[0], scaler, dump_dir=self.dump_dir, **options)
+        try:
+            guard = Guard(pl_module, optimizers[0], scaler, dump_dir=self.dump_dir, **options)
+        except ValueError as e:  # the module: its options were judged when the callback was made
+            raise Unwatchable(str(e)) from e
         guard._capture.step_call = "training_step"
         self._takes_batch_idx = _takes_batch_idx(pl_module.training_step)
         self._scaled = scaler is not None and scaler.is_enabled()

@@ -15,7 +15,6 @@ micro-batches of an optimizer step share.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..guard.guard import Guard
-from ._run import GuardedRun, check_options
+from ._run import GuardedRun, Unwatchable, check_options, output_loss
 
 __all__ = ["NanhuntCallback"]
 
@@ -73,13 +72,16 @@ class NanhuntCallback(TrainerCallback):
             self.run.close()  # an earlier train() that raised
             self.run = None
         if model is None or optimizer is None:
-            raise ValueError("NanhuntCallback needs the Trainer's model and optimizer")
+            raise Unwatchable("NanhuntCallback needs the Trainer's model and optimizer")
         inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer  # accelerate's AcceleratedOptimizer: the torch optimizer inside
         scaler = getattr(optimizer, "scaler", None)  # the GradScaler of fp16 training (accelerate), or None
         options = dict(self.guard_options)
-        guard = Guard(model, inner, scaler, dump_dir=self.dump_dir, **options)
+        try:
+            guard = Guard(model, inner, scaler, dump_dir=self.dump_dir, **options)
+        except ValueError as e:  # the model: its options were judged when the callback was made
+            raise Unwatchable(str(e)) from e
         if getattr(args, "torch_compile", False):  # accelerate compiles the model; the callback is given it plain
             guard._capture.set_compiled({"backend": args.torch_compile_backend or "inductor",
                                          "mode": args.torch_compile_mode, "options": {}, "dynamic": None})
@@ -138,6 +140,6 @@ class NanhuntCallback(TrainerCallback):
         run = self.run
         if run is None or not run.open:
             return
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        loss = output_loss(output)
         if isinstance(loss, torch.Tensor):
             run.loss(loss)

@@ -97,7 +97,7 @@ def test_a_clean_run_gives_the_same_losses_bit_for_bit(tmp_path: Path) -> None:
     # THEN both finish with exit 0 and print the same losses (full float repr), and nanhunt says it watched
     assert plain.returncode == 0 and watched.returncode == 0, watched.stderr[-3000:]
     assert watched.stdout == plain.stdout and len(plain.stdout.splitlines()) == 8
-    assert "a training loop was watched and no non-finite value was seen" in watched.stderr
+    assert "a training loop was watched: 8 steps were checked and no non-finite value was seen" in watched.stderr
     assert not (tmp_path / "nan-captures").exists()
 
 
@@ -337,7 +337,7 @@ def test_a_framework_run_nanhunt_cannot_watch_goes_on_unwatched(tmp_path: Path, 
     out, err = capsys.readouterr()
     # THEN the fit runs to its end and nanhunt says why it did not watch it
     assert rc == 0 and out.endswith("fit done\n")
-    assert ("nanhunt run: nanhunt did not watch the Lightning run (ValueError: NanhuntCallback supports automatic "
+    assert ("nanhunt run: nanhunt did not watch the Lightning run: NanhuntCallback supports automatic "
             "optimization") in err
 
 
@@ -400,6 +400,191 @@ def test_a_module_runs_with_dash_m_from_the_current_directory(tmp_path: Path, mo
     out, err = capsys.readouterr()
     # THEN it ran as __main__ with its own arguments, watched, and the process is as it was
     assert rc == 0 and out == "['--lr', '3']\n"
-    assert "nanhunt run: trainmod.py finished; a training loop was watched and no non-finite value was seen" in err
+    assert ("nanhunt run: trainmod.py finished; a training loop was watched: 3 steps were checked and no non-finite "
+            "value was seen") in err
     assert _patched_state() == before
     sys.modules.pop("trainmod", None)
+
+
+# ---------------------------------------------------------------------- how a run ends, and what is said then
+
+NAN_AT_1 = """
+import torch
+from torch import nn
+model = nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(4, 2), torch.randn(4, 1)
+for step in range(3):
+    loss = torch.nn.functional.mse_loss(model(x), y) * (float("nan") if step == 1 else 1.0)
+    loss.backward()
+    {at_1}
+    opt.step()
+    opt.zero_grad()
+    print("step", step)
+"""
+
+
+def test_ctrl_c_in_an_open_step_is_an_interrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop whose step 1 has a NaN loss and is interrupted (Ctrl-C) after its backward
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, NAN_AT_1.format(at_1="if step == 1: raise KeyboardInterrupt"))
+    before, argv, path = _patched_state(), sys.argv, sys.path
+    # WHEN it runs under nanhunt run
+    rc = cli_main(["run", str(script)])
+    out, err = capsys.readouterr()
+    # THEN it ends as an interrupt (130), not as a detection: the open step was not checked, nothing was written
+    assert rc == 130
+    assert out == "step 0\n"
+    assert err.strip().splitlines()[-1] == "nanhunt: interrupted; the model and files were left as they were"
+    assert "nanhunt: error" not in err and "non-finite" not in err
+    assert not (tmp_path / "nan-captures").exists()
+    # AND the process is as it was: every patch out, the very argv and path lists back
+    assert _patched_state() == before and sys.argv is argv and sys.path is path
+
+
+def test_the_scripts_own_argv_and_path_lists_are_not_written_back_into(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a script that keeps its sys.argv and sys.path lists
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, "import sys, builtins\nbuiltins.kept = (sys.argv, sys.path)\n")
+    argv, path = sys.argv, sys.path
+    try:
+        assert cli_main(["run", str(script), "--lr", "3"]) == 0
+        import builtins
+
+        kept_argv, kept_path = builtins.kept  # type: ignore[attr-defined]
+        del builtins.kept  # type: ignore[attr-defined]
+    finally:
+        capsys.readouterr()
+    # THEN the process has its own lists back, and the script's still hold what it was given
+    assert sys.argv is argv and sys.path is path
+    assert kept_argv == [str(script), "--lr", "3"] and kept_path[0] == str(tmp_path)
+
+
+def test_a_failure_while_attaching_leaves_nothing_attached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a torch whose GradScaler has no `update` of its own: attaching fails after some patches were made
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, "print('ran')\n")
+    before = _patched_state()
+    monkeypatch.delattr(torch.amp.GradScaler, "update")
+    # WHEN nanhunt run attaches
+    with pytest.raises(KeyError):
+        cli_main(["run", str(script)])
+    monkeypatch.undo()
+    # THEN the patches made before the failure are taken out again
+    assert _patched_state() == before
+
+
+def test_detections_whose_capture_failed_are_not_said_to_be_nothing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop with a NaN loss at step 1, recorded only (--on-fail continue), and a dump dir that is a file
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    script = _script(tmp_path, NAN_AT_1.format(at_1="pass"))
+    rc = cli_main(["run", "--on-fail", "continue", "--dump-dir", str(tmp_path / "a-file"), str(script)])
+    err = capsys.readouterr().err
+    # THEN the detection is said, with why there is no capture, and never that nothing non-finite was seen
+    assert rc == 0
+    assert "nanhunt run: nanhunt.Guard: non-finite loss at step 1; no capture: " in err
+    assert "no non-finite value was seen" not in err
+
+
+TRAINER = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+data = [{{"input_ids": torch.arange(8), "labels": torch.arange(8)}} for _ in range(8)]
+args = TrainingArguments(output_dir="out", report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+                         save_strategy="no", disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+{train}
+"""
+
+
+@pytest.mark.parametrize("train,said", [
+    ("", "watched nothing in train.py: transformers.Trainer was made but no training step ran; nothing was checked"),
+    ("trainer.train()", "train.py finished; transformers.Trainer was watched: 2 steps were checked and no "
+                        "non-finite value was seen"),
+], ids=["never_trained", "trained"])
+def test_what_a_trainer_run_checked_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str], train: str, said: str) -> None:
+    # GIVEN a script that makes a Trainer and trains it for 2 steps, or never trains it
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["run", str(_script(tmp_path, TRAINER.format(train=train)))]) == 0
+    # THEN what nanhunt checked is said: the steps the Trainer's run took, or nothing
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"nanhunt run: {said}"
+
+
+@pytest.mark.parametrize("option,message", [
+    (("--max-consecutive-skips", "0"), "--max-consecutive-skips must be >= 1"),
+    (("--snapshot-every", "0"), "--snapshot-every must be >= 1"),
+])
+def test_a_bad_option_is_refused_before_the_script_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str], option: tuple[str, ...],
+                                                       message: str) -> None:
+    # GIVEN a loop with a NaN loss at step 1, and an option value nanhunt.Guard does not take
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, NAN_AT_1.format(at_1="pass"))
+    rc = cli_main(["run", *option, str(script)])
+    out, err = capsys.readouterr()
+    # THEN nanhunt refuses it in one line with exit 2, and the script never ran unwatched
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [f"nanhunt: error: bad option for nanhunt run: {message}"]
+
+
+AUTOMATIC = """
+import lightning as L, torch
+from torch import nn
+
+class Auto(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def training_step(self, batch, i):
+        return self.fc(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(Auto(), data)
+"""
+
+
+def test_only_the_callbacks_refusals_leave_a_run_unwatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a Lightning callback whose start fails with a ValueError that is no refusal (a bug of nanhunt's)
+    import nanhunt.integrations.lightning as nl
+
+    def broken(module: object) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(nl, "_hyperparameters", broken)
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main(["run", str(_script(tmp_path, AUTOMATIC))])
+    err = capsys.readouterr().err
+    # THEN it is not said as a run nanhunt cannot watch: it surfaces
+    assert rc == 1
+    assert "ValueError: a bug" in err
+    assert "did not watch" not in err
+
+
+def test_an_input_error_of_the_script_is_the_scripts_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a script, in a folder named like nanhunt's own, that raises nanhunt.InputError itself
+    folder = tmp_path / "nanhunt" / "integrations"
+    folder.mkdir(parents=True)
+    script = folder / "train.py"
+    script.write_text("import nanhunt\nraise nanhunt.InputError('the script says no')\n")
+    monkeypatch.chdir(tmp_path)
+    rc = cli_main(["run", str(script)])
+    err = capsys.readouterr().err
+    # THEN it is the script's failure, printed as Python prints it, not nanhunt's one line
+    assert rc == 1
+    assert "Traceback" in err and "InputError: the script says no" in err
+    assert "nanhunt: error" not in err
