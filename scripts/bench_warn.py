@@ -6,7 +6,8 @@
 
 Model: the GPT-style transformer of scripts/_bench_models.py (2 layers, d64, 4 heads, seq 32, batch 4, vocab
 256), a fresh random batch every step (seeded), Adam, float16 autocast with a GradScaler (bfloat16 without one
-where said), the Guard at its defaults (``headroom_every=16``, ``warn_horizon=1000``) with ``on_fail="dump"``.
+where said), the Guard at its defaults (``headroom_every="auto"``: one step in 16 to 32, as the sampled steps
+cost; ``warn_horizon=1000``) with ``on_fail="dump"``; ``--every N`` samples one step in N instead.
 Runs, each at most ``--steps`` steps:
 
   fail-mlp      blocks.1.mlp.fc's weight scaled up 1.5% a step by the loop (standing in for a learning rate set
@@ -76,7 +77,7 @@ def _first_nonfinite(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> s
     return found[0] if found else None
 
 
-def run(name: str, steps: int, dump: str) -> dict[str, Any]:
+def run(name: str, steps: int, dump: str, every: int | str = "auto") -> dict[str, Any]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     model = models.GPT(**KW).train()
@@ -84,7 +85,7 @@ def run(name: str, steps: int, dump: str) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.05 if name == "fail-lr" else 1e-3)
     scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
     guard = nanhunt.Guard(model, opt, scaler, dump_dir=os.path.join(dump, name), loss_fn=_loss, model_kwargs=KW,
-                          on_fail="dump")
+                          on_fail="dump", headroom_every=every)  # type: ignore[arg-type]
     grow = {"fail-mlp": "blocks.1.mlp.fc", "fail-attn": "blocks.0.attn.qkv"}.get(name)
     bad: int | None = None
     bad_module: str | None = None
@@ -129,6 +130,7 @@ def run(name: str, steps: int, dump: str) -> dict[str, Any]:
     warned = [e for e in guard.events if e.kind == "warning" and (bad is None or e.step <= bad)]
     mods = [e for e in warned if e.module is not None and e.condition in ("output", "output gradient")]
     out: dict[str, Any] = {"run": name, "steps": i + 1, "seconds": round(seconds, 1), "first_bad": bad,
+                           "stride": guard._watch.every,
                            "bad_kind": next((e.kind for e in guard.events if e.kind != "warning"), None),
                            "bad_module": bad_module, "warnings": len(warned),
                            "all": [(e.step, e.condition, e.module, e.forecast_step) for e in warned]}
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--runs", default=",".join(RUNS), help="comma list of: " + ",".join(RUNS))
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    ap.add_argument("--every", default="auto", help="the Guard's headroom_every: auto (default) or a number")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.threads:
@@ -156,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as dump:
         for name in args.runs.split(","):
-            r = run(name, args.steps, dump)
+            r = run(name, args.steps, dump, args.every if args.every == "auto" else int(args.every))
             rows.append(r)
             print(json.dumps(r), flush=True)
     print()
     print(f"{'run':<14} {'steps':>5} {'first bad':>9} {'overflowed':<20} {'1st warning':>11} {'ahead':>5} "
-          f"{'module warned':<20} {'at':>4} {'ahead':>5} {'forecast':>8} {'match':<6} {'warnings':>8}")
+          f"{'module warned':<20} {'at':>4} {'ahead':>5} {'forecast':>8} {'match':<6} {'warnings':>8} {'stride':>6}")
     for r in rows:
         def f(k: str) -> str:
             v = r.get(k)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         first = f"{f('first_warning')} {r.get('first_condition') or ''}".strip()
         print(f"{r['run']:<14} {r['steps']:>5} {f('first_bad'):>9} {f('bad_module'):<20} {first:>11} "
               f"{f('ahead'):>5} {f('module'):<20} {f('module_warning'):>4} {f('module_ahead'):>5} "
-              f"{f('forecast'):>8} {f('match'):<6} {r['warnings']:>8}")
+              f"{f('forecast'):>8} {f('match'):<6} {r['warnings']:>8} {f('stride'):>6}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"steps": args.steps, "model": KW, "batch": BATCH, "runs": rows}, fh, indent=2)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +35,13 @@ from .._util._wrappers import user_modules
 from ..records import HeadroomNote, HeadroomSeries
 from ..tracing._tensors import tensors
 
-__all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY", "PICTURED"]
+__all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY", "PICTURED", "AUTO_EVERY", "AUTO_MAX", "AUTO_BUDGET"]
 
 READ_STEPS = 64  # steps per host read of the device buffer (the samples they hold fill it)
+AUTO_EVERY = 16  # headroom_every="auto": the first stride, and the shortest
+AUTO_MAX = 32  # ... the longest (a trend needs _MIN_SAMPLES samples: 192 steps at 32)
+AUTO_BUDGET = 0.01  # ... between them, the sampled steps' extra host time spread over the stride is 1% of a step
+_clock = time.perf_counter
 HISTORY = 24  # samples a module's trend is fitted over
 _MIN_SAMPLES = 6  # no trend from fewer
 _NEAR_BITS = 10  # an output or gradient is watched once it is within 2**10 = 1024x of its limit
@@ -109,13 +115,20 @@ class Headroom:
     module history; the step's own numbers are still judged). ``horizon``: warn when the forecast overflow is at
     most this many steps ahead."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int | None,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int | str | None,
                  horizon: int, device_type: str) -> None:
-        if every is not None and every < 1:
-            raise ValueError("headroom_every must be >= 1 or None")
+        if not (every is None or every == "auto" or (isinstance(every, int) and every >= 1)):
+            raise ValueError(f"headroom_every must be 'auto', an int >= 1 or None, not {every!r}")
         if horizon < 1:
             raise ValueError("warn_horizon must be >= 1")
-        self.every, self.horizon, self.device_type = every, horizon, device_type
+        # "auto": the stride starts at AUTO_EVERY and follows what a sampled step costs (see _timed)
+        self._auto = every == "auto"
+        self.every: int | None = AUTO_EVERY if isinstance(every, str) else every
+        self.horizon, self.device_type = horizon, device_type
+        self._next = 0  # "auto": the next step sampled
+        self._t0: float | None = None  # "auto": when this step began (host clock)
+        self._plain: deque[float] = deque(maxlen=16)  # "auto": host seconds of the last unsampled steps
+        self._cost: deque[float] = deque(maxlen=4)  # ... and of the last sampled ones
         self._optimizer = optimizer
         named = list(user_modules(model).items())
         self.names = [name or "(model)" for name, _ in named]
@@ -130,7 +143,7 @@ class Headroom:
         self._vals: list[torch.Tensor] = []
         self._idx: list[int] = []
         self._limit = [math.inf] * n  # this sample's limit per module: the smallest of its outputs' dtypes'
-        self.rows = max(1, READ_STEPS // every) if every is not None else 1  # samples per host read
+        self.rows = max(1, READ_STEPS // self.every) if self.every is not None else 1  # samples per host read
         self._buf: torch.Tensor | None = None  # (rows, 2n) on the device: outputs, then gradients
         self._index: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last step's entries' rows, on the device
         self._rows: list[tuple[int, float | None, list[float]]] = []  # (step, scale, limits) per buffered row
@@ -148,12 +161,17 @@ class Headroom:
 
     # ---------------------------------------------------------------- sampled steps
     def sampled(self, index: int) -> bool:
+        if self._auto:
+            return self.every is not None and index >= self._next
         return self.every is not None and index % self.every == 0
 
     def begin(self, index: int) -> None:
         """Hook every module for this step if it is sampled."""
+        if self._auto:
+            self._t0 = _clock()
         if self._active or not self.sampled(index):
             return
+        self._next = index + (self.every or 1)
         self._active = True
         self._limit = [math.inf] * len(self._modules)
         for m, fn in zip(self._modules, self._fwd):
@@ -171,6 +189,7 @@ class Headroom:
         """The sampled step's backward is done: its maxima into the buffer (on the device); when the buffer is
         full, the one host read and the findings. ``scale``: the GradScaler's scale its backward ran with."""
         if not self._active:
+            self._timed(sampled=False)
             return []
         vals, idx = self._vals, self._idx
         self.discard()
@@ -193,7 +212,23 @@ class Headroom:
             # a module called twice has two entries: the max over its calls (magnitudes are >= 0)
             row.scatter_reduce_(0, self._index[1], found, "amax")
         self._rows.append((index, scale, list(self._limit)))
-        return self._given(index, self.read()) if len(self._rows) >= self.rows else []
+        findings = self._given(index, self.read()) if len(self._rows) >= self.rows else []
+        self._timed(sampled=True)
+        return findings
+
+    def _timed(self, *, sampled: bool) -> None:
+        """At "auto", the step's host time (from its start to its checks, which waited for the device) into the
+        sampled or the unsampled ones; after a sampled step, the stride that spreads its extra time to
+        AUTO_BUDGET of a step, between AUTO_EVERY and AUTO_MAX."""
+        if not self._auto or self._t0 is None or self.every is None:
+            return
+        (self._cost if sampled else self._plain).append(_clock() - self._t0)
+        self._t0 = None
+        if sampled and len(self._plain) >= 4:
+            plain = statistics.median(self._plain)
+            extra = statistics.median(self._cost) - plain
+            want = math.ceil(extra / (AUTO_BUDGET * plain)) if plain > 0 else AUTO_MAX
+            self.every = min(AUTO_MAX, max(AUTO_EVERY, want))
 
     def _on_output(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active:

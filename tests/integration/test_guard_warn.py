@@ -15,7 +15,8 @@ from torch import nn
 
 import nanhunt
 from nanhunt.capture.capture import load_step
-from nanhunt.guard._headroom import HISTORY, READ_STEPS, Headroom
+from nanhunt.guard import _headroom
+from nanhunt.guard._headroom import AUTO_EVERY, AUTO_MAX, HISTORY, READ_STEPS, Headroom
 from nanhunt.guard.guard import HeadroomWarning
 from nanhunt.records import GuardEvent
 
@@ -58,7 +59,7 @@ def _growing_run(guard: nanhunt.Guard, model: Any, opt: torch.optim.Optimizer,
 def test_growing_module_warns_before_the_overflow_naming_it_with_a_forecast(tmp_path: Path) -> None:
     # GIVEN a float16 loop with a GradScaler whose fc1 output grows 3% a step (lr 0: only the loop changes it)
     model, opt, scaler = mlp_setup(lr=0.0)
-    guard = guard_for(model, opt, scaler, tmp_path, on_fail="dump")
+    guard = guard_for(model, opt, scaler, tmp_path, on_fail="dump", headroom_every=16)
     # WHEN it runs to the first non-finite value
     with pytest.warns(HeadroomWarning) as record:
         bad = _growing_run(guard, model, opt, scaler)
@@ -198,6 +199,32 @@ def test_module_called_twice_dict_output_and_inplace_ops_keep_the_max_over_calls
     assert not model.lin._forward_hooks
 
 
+@pytest.mark.parametrize(("sampled_cost", "stride"), [(1.25, 25), (1.1, 16), (9.0, 800)],
+                         ids=["a-quarter-more", "cheap", "costly"])
+def test_auto_stride_spreads_the_sampled_steps_extra_time_to_one_percent(
+        monkeypatch: pytest.MonkeyPatch, sampled_cost: float, stride: int) -> None:
+    # GIVEN headroom_every="auto" and a clock on which an unsampled step takes 1 s and a sampled one sampled_cost
+    now = [0.0]
+    monkeypatch.setattr(_headroom, "_clock", lambda: now[0])
+    model = nn.Linear(2, 2)
+    watch = Headroom(model, torch.optim.SGD(model.parameters(), lr=0.0), every="auto", horizon=1000,
+                     device_type="cpu")
+    sampled = []
+    for step in range(200):
+        watch.begin(step)
+        hooked = bool(model._forward_hooks)
+        model(torch.ones(1, 2)).sum().backward()
+        now[0] += sampled_cost if hooked else 1.0
+        watch.end(step, None)
+        sampled += [step] if hooked else []
+    # THEN it starts one in AUTO_EVERY; from the second sample on (the first that follows unsampled steps) the
+    # stride spreads the extra time to 1% of a step: (cost - 1) / 0.01 steps, kept within AUTO_EVERY..AUTO_MAX
+    want = min(AUTO_MAX, max(AUTO_EVERY, stride))
+    assert sampled[:3] == [0, AUTO_EVERY, 2 * AUTO_EVERY]
+    assert sampled[3:] == list(range(2 * AUTO_EVERY + want, 200, want))
+    assert watch.every == want
+
+
 def test_weights_near_the_float16_limit_warn_at_the_window_read() -> None:
     # GIVEN a float16 weight of 8,000 (8.2x from float16's 65504)
     model = nn.Linear(2, 2).half()
@@ -237,7 +264,7 @@ def test_scale_falling_steadily_and_loss_spikes_warn_once() -> None:
 
 def test_on_warn_capture_writes_the_warned_step_and_leaves_max_captures_to_the_failure(tmp_path: Path) -> None:
     model, opt, scaler = mlp_setup(lr=0.0)
-    guard = guard_for(model, opt, scaler, tmp_path, on_fail="dump", on_warn="capture")
+    guard = guard_for(model, opt, scaler, tmp_path, on_fail="dump", on_warn="capture", headroom_every=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeadroomWarning)
         bad = _growing_run(guard, model, opt, scaler)
@@ -272,7 +299,7 @@ def test_warning_event_round_trips_and_options_are_checked(tmp_path: Path) -> No
     model, opt, scaler = mlp_setup()
     with pytest.raises(ValueError, match="on_warn must be 'log', 'capture' or 'stop', not 'loud'"):
         guard_for(model, opt, scaler, tmp_path, on_warn="loud")
-    with pytest.raises(ValueError, match="headroom_every must be >= 1 or None"):
+    with pytest.raises(ValueError, match="headroom_every must be 'auto', an int >= 1 or None, not 0"):
         guard_for(model, opt, scaler, tmp_path, headroom_every=0)
 
 
