@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._util._dispatch import local_tensor
+from .._util._dispatch import foreach_norm, local_tensor
 from .._util._text import dtype_name
 from .._util._wrappers import user_modules
 from ..records import HeadroomNote, HeadroomSeries
@@ -133,8 +133,6 @@ class Headroom:
         named = list(user_modules(model).items())
         self.names = [name or "(model)" for name, _ in named]
         self._modules = [m for _, m in named]
-        self._param_names = {id(p): f"{name}.{pn}" if name else pn
-                             for name, m in named for pn, p in m.named_parameters(recurse=False)}
         n = len(self._modules)
         self._fwd = [functools.partial(self._on_output, i) for i in range(n)]
         self._bwd = [functools.partial(self._on_grad, n + i) for i in range(n)]
@@ -269,8 +267,9 @@ class Headroom:
         with torch.no_grad():
             dev = self._buf.device
             parts = [self._buf[: len(rows)].reshape(-1)]
-            parts += [torch.linalg.vector_norm(local_tensor(t.detach()), math.inf).float().reshape(1).to(dev)
-                      for _, t in states]
+            # one fused max-norm per (device, dtype): states come grouped so (see _state_tensors)
+            for group in _groups([local_tensor(t.detach()) for _, t in states]):
+                parts.append(torch.stack(foreach_norm(group, math.inf, dtype=torch.float32)).to(dev))
             data: list[float] = torch.cat(parts).tolist()  # the one host read of the window
         n = len(self._modules)
         for r, (step, scale, limits) in enumerate(rows):
@@ -297,16 +296,21 @@ class Headroom:
         return findings
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter and optimizer state tensor with its name, grouped by (device, dtype). Names are
+        looked up at each read (once a window): a parameter replaced since the Guard began keeps its name."""
+        names = {id(p): pn if name == "(model)" else f"{name}.{pn}"
+                 for name, m in zip(self.names, self._modules) for pn, p in m.named_parameters(recurse=False)}
         out: list[tuple[str, torch.Tensor]] = []
         for g in self._optimizer.param_groups:
             for p in g["params"]:
-                name = self._param_names.get(id(p), "a parameter the optimizer updates outside the model")
+                name = names.get(id(p), "a parameter the optimizer updates outside the model")
                 if p.is_floating_point() and p.numel():
                     out.append((f"{name}", p))
                 for k, s in self._optimizer.state.get(p, {}).items():
                     if isinstance(s, torch.Tensor) and s.is_floating_point() and s.numel() > 1:
                         out.append((f"{k} of {name}", s))
-        return out
+        key = {k: i for i, k in enumerate(dict.fromkeys((local_tensor(t).device, t.dtype) for _, t in out))}
+        return sorted(out, key=lambda nt: key[(local_tensor(nt[1]).device, nt[1].dtype)])
 
     def _trend(self, cond: str, i: int) -> Finding | None:
         name = self.names[i]
@@ -443,6 +447,17 @@ def _per_100(slope: float) -> float:
 
 def _depth(name: str | None) -> int:
     return -1 if name in (None, "(model)") else (name or "").count(".")
+
+
+def _groups(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``ts`` cut into runs of one (device, dtype), in order."""
+    out: list[list[torch.Tensor]] = []
+    for t in ts:
+        if out and (out[-1][0].device, out[-1][0].dtype) == (t.device, t.dtype):
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
 
 
 _LIMITS: dict[torch.dtype, float] = {}

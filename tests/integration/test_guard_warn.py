@@ -245,6 +245,29 @@ def test_weights_near_the_float16_limit_warn_at_the_window_read() -> None:
                                "(autocast for the forward only)")
 
 
+def test_states_of_mixed_dtypes_are_read_together_and_a_replaced_weight_keeps_its_name() -> None:
+    # GIVEN float32 and float16 layers interleaved, Adam's moments, and the float16 weight near its limit replaced
+    # (a new Parameter, as sharding or to_empty make) after the history began
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half(), nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)
+    watch = Headroom(model, opt, every=1, horizon=1000, device_type="cpu")
+    big = torch.zeros(2, 2, dtype=torch.float16)
+    big[1, 0] = 9000.0
+    model[1].weight = nn.Parameter(big)
+    opt.param_groups[0]["params"][2] = model[1].weight
+    found = []
+    for step in range(watch.rows):
+        watch.begin(step)
+        opt.zero_grad()
+        x = model[0](torch.ones(1, 2))
+        model[2](model[1](x.half()).float()).sum().backward()
+        opt.step()
+        found += watch.end(step, None)
+    # THEN exactly that weight is warned, by its name, with its value: the float16 group's maxima were not
+    # mixed up with the float32 ones read beside them
+    assert [(f.condition, f.module, f.value) for f in found] == [("weights", "1.weight", 9000.0)]
+
+
 def test_scale_falling_steadily_and_loss_spikes_warn_once() -> None:
     watch = Headroom(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), every=None,
                      horizon=1000, device_type="cpu")
