@@ -2,13 +2,16 @@
 
 A part the Guard composes (as it does the skip policy and the capture writer): it keeps the last detection
 (:class:`Plan`) until the next step begins, puts the state back from the live weights or the capture writer's
-snapshot, counts the rollbacks and records them, and notes the changes of policy made before the loop resumes.
+snapshot, counts the rollbacks and records them, lists the batches they skipped (``_skip_list``, with the
+dataset indices the loop gave ``guard.step``), and notes the changes of policy made before the loop resumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,8 +27,11 @@ from ..records import GuardEvent
 from ..step.step import set_rng_state
 from ._guard_capture import CaptureWriter, StepEntry, _Snapshot, restore_scaler
 from ._guard_flags import Detector
+from ._skip_list import SkipList
 
-__all__ = ["Plan", "Rollback", "host_rng"]
+__all__ = ["Plan", "Rollback", "check_indices", "host_rng"]
+
+_KEPT = 1024  # steps whose dataset indices are kept for the skip list, at most
 
 
 @dataclass
@@ -63,6 +69,7 @@ class _Owner(Protocol):
     def _detect(self) -> Detector: ...
     def _scaling(self) -> bool: ...
     def _record(self, event: GuardEvent) -> None: ...
+    def _write_failed(self, what: str, e: OSError) -> None: ...
 
 
 class Rollback:
@@ -72,7 +79,8 @@ class Rollback:
     From the live state when nothing updated the weights yet (the step's own changes undone: the buffers its
     forward wrote, the GradScaler's backoff, the RNG), else from the capture writer's snapshot; without one it
     refuses. No collective: under torch.distributed every rank saw the same detection at the same step (one
-    all_reduce) and decides from the same configuration, so all ranks roll back together."""
+    all_reduce) and decides from the same configuration, so all ranks roll back together. Each rollback adds
+    the batches it undid to the skip list (``skips``), each rank its own file."""
 
     def __init__(self, guard: _Owner, max_rollbacks: int) -> None:
         self._guard = guard
@@ -83,11 +91,26 @@ class Rollback:
         self._regions = _fp32_regions(guard._capture.module)  # float32 regions as last looked at
         self._resumed: StepEntry | None = None  # the step rolled back, until the loop resumes (changes looked for)
         self._watch_dtype: StepEntry | None = None  # ... and until the resumed step's forward (its autocast dtype)
+        # the dataset indices the loop gave for each step a rollback could undo (from the snapshot's on), as given
+        self._indices: dict[int, list[Any]] = {}
+        self._kept_from = 0  # the first step whose indices are still kept, once the loop gave some
+        self.skips = SkipList(guard._detect.rank)
+        self.no_indices = "the loop gave no indices (guard.step(batch, indices=...))"  # a step's, in the skip list
 
     # ------------------------------------------------------------ the Guard's step
-    def begin(self, entry: StepEntry) -> None:
-        """A step begins: the changes made since a rollback (or a note) are recorded. The plan is dropped by
-        the Guard in the same assignment that opens the step."""
+    def begin(self, entry: StepEntry, indices: Any = None) -> None:
+        """A step begins, on the batch of dataset ``indices`` (None: not given); the changes made since a
+        rollback (or a note) are recorded. The plan is dropped by the Guard in the same assignment that opens
+        the step."""
+        if self._indices:
+            # a rollback undoes at most the steps since the snapshot; while it is stale (the weights were seen
+            # non-finite and the run went on) the indices of the last _KEPT steps only
+            snap = self._guard._capture.snapshot
+            self._kept_from = max(snap.step if snap is not None else entry.index, entry.index - _KEPT + 1)
+            for k in [k for k in self._indices if k < self._kept_from]:
+                del self._indices[k]
+        if indices is not None:  # kept as given: read on a rollback only (a tensor on the device: no sync here)
+            self._indices.setdefault(entry.index, []).append(indices)
         if self._resumed is not None or self._changes:
             self._resumed = None
             changes = self._take_changes()
@@ -184,7 +207,41 @@ class Rollback:
         g.bad_since = g._bad_at = None
         self._resumed = self._watch_dtype = cur
         g._record(event)
+        try:
+            self.skips.add(g._capture.dump_dir, self._skip_entry(plan.event, event))
+        except OSError as e:
+            g._write_failed("the skip list", e)
         return event
+
+    def _skip_entry(self, detection: GuardEvent, event: GuardEvent) -> dict[str, Any]:
+        """The skip list's entry for a rollback: the batches it undid, with their dataset indices if given."""
+        restored = event.restored_step if event.restored_step is not None else detection.step
+        batches, missing = [], []
+        for k in range(restored, detection.step + 1):
+            given = self._indices.get(k)
+            if given is not None:
+                indices, why = _indices(given)
+            elif k < self._kept_from:
+                indices, why = None, f"not kept: more than {_KEPT} steps back"
+            else:
+                indices, why = None, self.no_indices
+            batches.append({"step": k, "indices": indices})
+            if why is not None:
+                missing.append(f"step {k}: {why}")
+        return {"step": detection.step, "kind": detection.kind, "detail": detection.detail,
+                "event": self._event_file(detection), "rollback": event.rollbacks, "restored_step": restored,
+                "batches": batches, "indices_note": "; ".join(missing) or None}
+
+    def _event_file(self, detection: GuardEvent) -> str | None:
+        """The detection's event file, relative to the dump directory (named as the capture writer names it),
+        if it was written."""
+        ck = detection.checkpoint
+        if ck is None:
+            return None
+        rank = self._guard._detect.rank
+        path = os.path.join(ck, f"event-rank{rank}.json") if detection.batch is None \
+            else ck[: -len("checkpoint.pt")] + "event.json"
+        return os.path.relpath(path, self._guard._capture.dump_dir) if os.path.isfile(path) else None
 
     # ------------------------------------------------------------ changes
     def _take_changes(self) -> tuple[str, ...]:
@@ -202,6 +259,29 @@ class Rollback:
         return GuardEvent(step=entry.index, kind="change", detail="changes of policy before resuming",
                           rank=g._detect.rank, changes=changes, iterations=g.iterations, updates=g.updates,
                           skipped=g.skipped, rollbacks=self.rollbacks)
+
+
+def _indices(given: list[Any]) -> tuple[list[int] | None, str | None]:
+    """The dataset indices of a step's batch (its micro-batches' in turn) as plain ints, or None and why."""
+    out: list[int] = []
+    try:
+        for part in given:
+            flat = part.detach().flatten().tolist() if isinstance(part, torch.Tensor) else \
+                np.asarray(part).reshape(-1).tolist()
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+                return None, f"the indices given are not integers ({type(part).__name__})"
+            out += flat
+    except (TypeError, ValueError, RuntimeError) as e:
+        return None, f"the indices given could not be read ({type(e).__name__}: {e})"
+    return out, None
+
+
+def check_indices(indices: Any) -> None:
+    """``guard.step(indices=...)``'s type, checked when the step begins (what they hold, only at a rollback)."""
+    if indices is not None and (isinstance(indices, (str, bytes)) or
+                                not isinstance(indices, (torch.Tensor, np.ndarray, Sequence))):
+        raise TypeError("guard.step(indices=...) takes the dataset indices of the batch: a sequence, NumPy array or "
+                        f"tensor of ints, not {type(indices).__name__}")
 
 
 def host_rng() -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .._util._errors import GuardError
 from ._guard_capture import CaptureWriter, StepEntry
 from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite_weights, scalars, seen
 from ._headroom import Finding, Headroom
-from ._rollback import Plan, Rollback, host_rng
+from ._rollback import Plan, Rollback, check_indices, host_rng
 from ._skip_policy import SkipPolicy
 from ..capture.capture import rng_state
 from ..records import GuardEvent
@@ -160,9 +160,9 @@ class Guard:
             parameters and the autocast dtype in effect when the model's forward ran (float32 when autocast was
             off).
         process_group: the group whose ranks stop together (default: the world).
-        headroom_every: sample the modules' headroom on one step in this many (None: no module history; the
-            loss, gradient norm and scale are still judged). Off for a ``torch.compile`` model (hooks added and
-            removed would recompile it).
+        headroom_every: sample the modules' headroom on one step in this many; ``"auto"`` (the default): 16,
+            lengthened (up to 32) until the sampled steps' extra time is 1% of a step; None: no module history
+            (loss, gradient norm and scale still judged). Off for a ``torch.compile`` model (its hooks recompile).
         warn_horizon: warn when a module's overflow is forecast at most this many steps ahead.
         on_warn: what a warning does besides its :class:`HeadroomWarning` and event: nothing (``"log"``,
             default), write a capture of the first warned step, not counted in ``max_captures`` (``"capture"``),
@@ -194,7 +194,7 @@ class Guard:
         device_type: str | None = None,
         dtype: torch.dtype | None = None,
         process_group: Any = None,
-        headroom_every: int | None = 16,
+        headroom_every: int | Literal["auto"] | None = "auto",
         warn_horizon: int = 1000,
         on_warn: OnWarn = "log",
     ) -> None:
@@ -261,16 +261,18 @@ class Guard:
     rollbacks = _Part[int]("_rollback")  # rollbacks done so far
 
     # ------------------------------------------------------------------ API
-    def step(self, batch: Any) -> _StepContext:
-        """Context manager around one training step on ``batch`` (remembered with the RNG state)."""
-        return self._step(batch)
+    def step(self, batch: Any, *, indices: Any = None) -> _StepContext:
+        """Context manager around one training step on ``batch`` (remembered with the RNG state); ``indices``: its
+        dataset indices (ints), which a rollback lists in ``dump_dir/skip_batches.json`` (docs/guard.md)."""
+        return self._step(batch, indices=indices)
 
-    def _step(self, batch: Any, index: int | None = None) -> _StepContext:
+    def _step(self, batch: Any, index: int | None = None, *, indices: Any = None) -> _StepContext:
         """``step``, numbered ``index`` (default: ``iterations``): a framework's optimizer step, which its
         micro-batches share (the integrations)."""
         if self._closed:
             raise RuntimeError("this Guard is closed")
-        return _StepContext(self, batch, index)
+        check_indices(indices)
+        return _StepContext(self, batch, index, indices)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Hand over the step's loss to be checked (no host read here); returns it unchanged."""
@@ -348,9 +350,8 @@ class Guard:
         Call it after the ``with guard.step(batch):`` block that saw the detection and before the next one, then
         go on with the next batch (``on_fail="rollback"`` does it at the end of the failing step, with a
         :class:`GuardWarning`). ``change``: a change of policy made before resuming (as :meth:`note_change`).
-        Returns the rollback's event. Raises :class:`nanhunt.GuardError`, having restored nothing, when it
-        cannot: no snapshot holds the state before an update that wrote the weights, or ``max_rollbacks`` reached.
-        """
+        Returns the rollback's event; raises :class:`nanhunt.GuardError`, having restored nothing, when it cannot
+        (no snapshot holds the state before an update that wrote the weights, or ``max_rollbacks`` reached)."""
         if self._cur is not None:
             raise RuntimeError("guard.rollback() must be called after the `with guard.step(batch):` block that "
                                "saw the detection, not inside it")
@@ -411,20 +412,20 @@ class Guard:
                 cur.wrote = cur.wrote or any(tensor_version(p) != v for p, v in zip(self._detect.params, cur.versions))
 
     # ------------------------------------------------------------ the step
-    def _enter(self, batch: Any, index: int | None = None) -> Guard:
+    def _enter(self, batch: Any, index: int | None = None, indices: Any = None) -> Guard:
         if self._cur is not None:
             raise RuntimeError("guard.step() is already active: steps do not nest")
         try:
             host = host_rng() if self.on_fail == "rollback" else None
             return self._open(_Step(self.iterations if index is None else index, batch, rng_state(),
-                                    counts=(self.updates, self.skipped), host_rng=host))
+                                    counts=(self.updates, self.skipped), host_rng=host), indices)
         except BaseException:
             # Interrupted (Ctrl-C) before the with-block began: its __exit__ never runs, so the step is
             # closed here, not counted, and the next guard.step() starts afresh.
             self._cur = None
             raise
 
-    def _open(self, cur: _Step) -> Guard:
+    def _open(self, cur: _Step, indices: Any = None) -> Guard:
         if self._scaling():
             assert self.scaler is not None
             cur.scaler_unset = self.scaler._scale is None
@@ -435,7 +436,7 @@ class Guard:
                 cur.tracker_before = self.scaler._growth_tracker.detach().clone()
         self._capture.begin(cur, first=self.iterations == 0)
         self._watch.begin(cur.index)
-        self._rollback.begin(cur)
+        self._rollback.begin(cur, indices)
         self._cur, self._rollback.plan = cur, None  # a detection can be rolled back only until the next step begins
         return self
 
@@ -647,15 +648,16 @@ class Guard:
         if self.on_warn == "stop":
             raise GuardError(event)
 
-    # ------------------------------------------------------------- events
     def _record(self, event: GuardEvent) -> None:
         """Append ``event`` to ``events`` and to ``dump_dir/rollbacks.jsonl`` (a failed write warns)."""
         self.events.append(event)
         try:
             self._capture.write_log(event)
         except OSError as e:
-            warnings.warn(f"nanhunt.Guard: could not append to the rollback log in {self.dump_dir}: {e}", GuardWarning,
-                          stacklevel=2)
+            self._write_failed("to the rollback log", e)
+
+    def _write_failed(self, what: str, e: OSError) -> None:
+        warnings.warn(f"nanhunt.Guard: could not write {what} in {self.dump_dir}: {e}", GuardWarning, stacklevel=3)
 
 
 def _check_options(model: nn.Module, *, on_fail: str, on_warn: str, max_rollbacks: int,
@@ -673,15 +675,16 @@ def _check_options(model: nn.Module, *, on_fail: str, on_warn: str, max_rollback
 
 
 class _StepContext:
-    __slots__ = ("_guard", "_batch", "_index")
+    __slots__ = ("_guard", "_batch", "_index", "_indices")
 
-    def __init__(self, guard: Guard, batch: Any, index: int | None = None) -> None:
+    def __init__(self, guard: Guard, batch: Any, index: int | None = None, indices: Any = None) -> None:
         self._guard = guard
         self._batch = batch
         self._index = index
+        self._indices = indices
 
     def __enter__(self) -> Guard:
-        return self._guard._enter(self._batch, self._index)  # nothing runs between the step start and the block
+        return self._guard._enter(self._batch, self._index, self._indices)  # the block begins right after
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

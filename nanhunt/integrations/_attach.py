@@ -515,6 +515,8 @@ class _PlainLoop:
         scaler = scalers[-1] if len(scalers) == 1 else None
         options = self.attached.guard_options()
         guard = Guard(model, optimizer, scaler, dump_dir=self.attached.options.dump_dir, **options)
+        guard._rollback.no_indices = ("nanhunt run sees the inputs the model is called with, not their dataset "
+                                      "indices (guard the loop with nanhunt.Guard: guard.step(batch, indices=...))")
         hooks = [optimizer.register_step_post_hook(self._shielded(self._optimizer_stepped))]
         self.guards.append(guard)
         self.run = GuardedRun(guard, "training", hooks)
