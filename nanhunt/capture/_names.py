@@ -22,12 +22,14 @@ It never runs a loop, a ``with`` block, a plain call as a statement (``fit(model
 ``if __name__ == "__main__":`` block, or a statement nothing needs (``model = Net()``, unless a definition
 reads ``model``), so confirming the name does not train again (what runs may still register an ``atexit``
 function). While it runs, ``sys.argv`` is the argv the capture recorded for that script's path (without one: the
-script's path alone, so its defaults), the working directory is the recorded one where it still exists, the
-script's directory is first on the import path, and what it prints goes to stderr; all of them are put back
-after. A script whose sha256 differs from the recorded one is run as it is now, and the replay says so in a
-note. argparse's exit on an argv the script no longer parses, and any failure, is one error line; a name that
-the slice cannot assign is named with where the script assigns it. The Guard, when it is made, reads the same
-slice, running none of it, and warns when the replay would lack a name (:func:`replay_problem`).
+script's path alone, so its defaults), the working directory is the script's own (where the capture recorded
+one: a file does not choose where your statements read and write), the script's directory is first on the
+import path, and what it prints goes to stderr; all of them are put back after. The message asking you to
+confirm the name shows that argv and directory, and the replay says them in a note. A script whose sha256
+differs from the recorded one is run as it is now, and the replay says so in a note. argparse's exit on an argv
+the script no longer parses, and any failure, is one error line; a name that the slice cannot assign is named
+with where the script assigns it. The Guard, when it is made, reads the same slice, running none of it, and
+warns when the replay would lack a name (:func:`replay_problem`).
 A name defined in a notebook or an interactive session cannot be imported at all: it is recorded as
 ``__main__:name`` and the replay asks for your own module's.
 
@@ -66,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._util._errors import InputError, first_line
+from .._util._errors import InputError, first_line, visible
 
 __all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
            "loaded_from", "torch_own", "is_main_module", "trusted_prefixes", "trusted_by", "FLAGS", "TRUST_ENV"]
@@ -484,17 +486,14 @@ def recorded(ck: Any, where: str, notes: list[str]) -> Iterator[None]:
 
 def load_script(file: str, name: str | None = None) -> types.ModuleType:
     """The definitions of the script ``file`` that ``name`` needs, as a module (see the module docstring): run
-    with the argv and working directory its capture recorded (:func:`recorded`), else with no arguments;
-    loaded once per path, name and run.
+    with the argv its capture recorded (:func:`recorded`), in the script's own directory, both said in a note;
+    else with no arguments; loaded once per path, name and run.
 
     Only for a name you confirmed: its imports and definitions run."""
     path = os.path.abspath(file)
-    recorded_run = _RECORDED.get()
-    run, notes = recorded_run if recorded_run is not None else (None, None)
-    if run is not None and run.path != path:
-        run = None
+    run, notes = _recorded_run(path)
     argv = list(run.argv) if run is not None else [path]
-    cwd = run.cwd if run is not None else None
+    cwd = _run_dir(run) if run is not None else None
     key = "_nanhunt_script_" + hashlib.sha1(json.dumps([path, name, argv, cwd]).encode()).hexdigest()[:12]
     if not os.path.isfile(path):
         raise InputError(f"script {file!r} does not exist; run from where it was captured or pass the "
@@ -510,12 +509,54 @@ def load_script(file: str, name: str | None = None) -> types.ModuleType:
                 "now, with the argv the capture recorded")
         if note not in notes:
             notes.append(note)
+    if run is not None and notes is not None:  # what the file chose for the script you confirmed, said
+        note = f"script {path}'s definitions ran {_run_words(run)}"
+        if note not in notes:
+            notes.append(note)
     loaded = sys.modules.get(key)
     if loaded is not None:
         return loaded
     said = (f"with the argv its capture recorded ({_argv_text(argv)})" if run is not None else
             "with no arguments (its capture recorded none)")
     return _run(path, text, name, argv, cwd, key, said=said, changed=changed)
+
+
+def _recorded_run(path: str) -> tuple[ScriptRun | None, list[str] | None]:
+    """The run of the script ``path`` that the capture being read recorded (:func:`recorded`), if any, and the
+    replay's notes."""
+    got = _RECORDED.get()
+    run, notes = got if got is not None else (None, None)
+    return (run if run is not None and run.path == path else None), notes
+
+
+def _run_dir(run: ScriptRun) -> str | None:
+    """Where a recorded run's definitions run: the script's own directory, whatever directory the capture names
+    (a file does not choose where the statements you confirm read and write); None: no directory was recorded,
+    so here."""
+    return None if run.cwd is None else os.path.dirname(run.path)
+
+
+def _run_words(run: ScriptRun) -> str:
+    """The argv and directory a recorded run's definitions run with, in words."""
+    where = _run_dir(run)
+    text = f"with the argv its capture recorded ({_argv_text(run.argv)})"
+    if where is None:
+        return text + " in the current directory"
+    if run.cwd is not None and os.path.realpath(run.cwd) != os.path.realpath(where):
+        return text + f" in its own directory {visible(where)}, not in {visible(run.cwd)} where the capture says it " \
+                      "was started"
+    return text + f" in {visible(where)}"
+
+
+def confirming(names: Iterable[str]) -> str:
+    """What the script among ``names`` runs with once you confirm it, for the message that asks you to: the argv
+    and directory its capture recorded; empty when the capture being read recorded no run of it."""
+    for name in names:
+        if is_script(name):
+            run, _ = _recorded_run(os.path.abspath(name.rpartition(":")[0]))
+            if run is not None:
+                return f"; confirmed, it runs {_run_words(run)}"
+    return ""
 
 
 def replay_problem(name: str, what: str) -> str | None:
@@ -563,9 +604,13 @@ def _opaque(body: list[ast.stmt]) -> bool:
                for node in body for n in ast.walk(node))
 
 
+_ARGV_SHOWN = 2000  # characters of an argv a message shows; a longer one is said to be longer
+
+
 def _argv_text(argv: Iterable[str]) -> str:
-    text = shlex.join(argv)
-    return text if len(text) <= 200 else text[:200] + "..."
+    """An argv as a command line, its control characters escaped: what a file recorded, shown to be confirmed."""
+    text = visible(shlex.join(argv))
+    return text if len(text) <= _ARGV_SHOWN else text[:_ARGV_SHOWN] + f"... ({len(text)} characters in all)"
 
 
 def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | None, key: str, *, said: str,

@@ -112,8 +112,8 @@ def _from_script(path: str, *, what: str, trusted: bool) -> Any:
     if not trusted:
         raise _names.NeedsConfirmation(
             f"the file names {what} {path!r}, defined in a script: nanhunt runs the script's imports and "
-            f"definitions (never its loops or main block) only if you trust it; pass {flag} {path} to confirm",
-            what=what, path=path)
+            f"definitions (never its loops or main block) only if you trust it; pass {flag} {path} to confirm"
+            f"{_names.confirming([path])}", what=what, path=path)
     if not _dotted(qual):
         raise InputError(f"{what} {path!r} is not of the form /path/script.py:name")
     obj: Any = _names.load_script(file, qual.partition(".")[0])  # what this name needs of the script

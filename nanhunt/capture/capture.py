@@ -144,8 +144,9 @@ def load_capture_dir(
     r = _dcp.pick_rank(man, rank, path)
     dev = _parse_device(device) if device else None
     names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
-    _confirm_all(man, names)  # before reading megabytes of shards
     where = f"capture directory {path!r}"
+    with _names.recorded(man, where, []):  # (what a script you confirm runs with is said in the question)
+        _confirm_all(man, names)  # before reading megabytes of shards
     state = _dcp.load_state(os.path.join(path, _dcp.STATE), tensors=shard is None)
     model_sd = {} if shard is not None else state.get("model")
     if not isinstance(model_sd, dict) or not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
@@ -267,7 +268,8 @@ def _confirm_all(ck: Mapping[str, Any], names: _Names) -> None:
         listed = " and ".join(f"{e.what} {e.path!r}" for e in pending)
         flags = " ".join(f"{e.flag} {e.path}" for e in pending)
         raise InputError(f"the file names {listed}, which nanhunt imports and calls only if you confirm them "
-                           f"(your own code or another library's, not torch's own); if you trust them, pass {flags}")
+                           f"(your own code or another library's, not torch's own); if you trust them, pass {flags}"
+                           f"{_names.confirming(e.path for e in pending)}")
 
 
 def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:

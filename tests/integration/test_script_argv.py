@@ -182,7 +182,9 @@ def test_a_replay_runs_the_statements_the_definitions_use_with_the_recorded_argv
     # THEN it says the script changed, Net's default came from that argv, read in that directory, and only what
     # Net uses ran
     assert notes == [f"script {tmp_path / 'train.py'} changed since the capture (its sha256 differs): its "
-                     "definitions ran as they are now, with the argv the capture recorded"]
+                     "definitions ran as they are now, with the argv the capture recorded",
+                     f"script {tmp_path / 'train.py'}'s definitions ran with the argv its capture recorded (train.py "
+                     f"--hidden 3) in {tmp_path}"]
     assert module.Net().hidden == 6 and module.Net().where == str(tmp_path)
     assert marks.read_text() == "unused default\n"  # parser.add_argument(...) configures the parser args reads
     assert not hasattr(module, "model") and not hasattr(module, "log") and not hasattr(module, "late")
@@ -363,6 +365,80 @@ def test_a_loss_the_guard_learns_later_from_the_script_records_how_the_script_wa
     # WHEN it learns the script's loss (nanhunt run does in the first step)
     guard._capture.set_loss_fn(my_loss)
     # THEN its captures record the script's path, argv, working directory and text
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()
     assert guard._capture.script_run == {"path": str(script), "argv": [str(script), "--lr", "0.1"],
-                                         "cwd": str(tmp_path), "sha256": hashlib.sha256(script.read_bytes()).hexdigest()}
+                                         "cwd": str(tmp_path), "sha256": digest}
     guard.close()
+
+
+_WRITES_LOG = """
+    import argparse, os
+    import torch
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log", default="log.txt")
+    args = parser.parse_args()
+    LOG = os.path.abspath(args.log)
+    WHERE = os.getcwd()
+    class Net(torch.nn.Module):
+        def __init__(self, log=LOG, where=WHERE):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+            self.log, self.where = log, where
+"""
+
+
+def _capture_of(script: Path, tmp_path: Path, *, argv: list[str], cwd: str, loss: str | None) -> list[str]:
+    """A capture whose model is ``script``'s Net (and loss ``loss``), recorded as run with ``argv`` in ``cwd``."""
+    files = [str(tmp_path / "ck.pt"), str(tmp_path / "bt.pt")]
+    save_capture(files[0], files[1], model=torch.nn.Linear(2, 2), batch=(torch.ones(1, 2), torch.ones(1, 2)),
+                 loss_fn=torch.nn.MSELoss())
+    ck = torch.load(files[0], weights_only=True)
+    ck.update(model_factory=f"{script}:Net", loss_fn=loss or ck["loss_fn"],
+              script={"path": str(script), "argv": argv, "cwd": cwd, "sha256": None})
+    torch.save(ck, files[0])
+    return files
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_confirming_a_script_name_shows_the_argv_and_directory_it_runs_with(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], with_loss: bool) -> None:
+    # GIVEN a capture naming a script's Net (and its loss), recorded as run with an argv of the capture author's
+    # choosing, with a terminal escape in it, in another directory
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(_WRITES_LOG))
+    files = _capture_of(script, tmp_path, argv=["train.py", "--log", "/tmp/x\x1b[2J.txt"], cwd=str(tmp_path),
+                        loss=f"{script}:my_loss" if with_loss else None)
+    # WHEN it is replayed unconfirmed
+    code = cli_main(["replay", *files, "--no-bisect"])
+    # THEN the one error line asking for the confirmations shows that argv (escaped) and the directory the script
+    # will run in
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    asked = (f"the file names model factory '{script}:Net' and loss function '{script}:my_loss', which nanhunt "
+             "imports and calls only if you confirm them (your own code or another library's, not torch's own); if "
+             f"you trust them, pass --model {script}:Net --loss {script}:my_loss" if with_loss else
+             f"the file names model factory '{script}:Net', defined in a script: nanhunt runs the script's imports "
+             "and definitions (never its loops or main block) only if you trust it; pass --model "
+             f"{script}:Net to confirm")
+    assert err == [f"nanhunt: error: {asked}; confirmed, it runs with the argv its capture recorded (train.py --log "
+                   f"'/tmp/x\\x1b[2J.txt') in its own directory {script.parent}, not in {tmp_path} where the capture "
+                   "says it was started"], err
+
+
+def test_a_confirmed_script_runs_in_its_own_directory_with_the_recorded_argv_said(tmp_path: Path) -> None:
+    # GIVEN a script whose Net's defaults read its --log argument and the working directory, and a capture that
+    # records it run with --log in another directory
+    script = tmp_path / "proj" / "train.py"
+    script.parent.mkdir()
+    script.write_text(textwrap.dedent(_WRITES_LOG))
+    record = {"path": str(script), "argv": ["train.py", "--log", "out.txt"], "cwd": str(tmp_path), "sha256": None}
+    notes: list[str] = []
+    # WHEN the replay loads Net, confirmed
+    with _names.recorded({"script": record}, "checkpoint 'ck.pt'", notes):
+        module = _names.load_script(str(script), "Net")
+    # THEN Net read that argv in the script's own directory, and the notes say both
+    assert module.Net().where == str(script.parent)
+    assert module.Net().log == str(script.parent / "out.txt")
+    assert notes == [f"script {script}'s definitions ran with the argv its capture recorded (train.py --log out.txt) "
+                     f"in its own directory {script.parent}, not in {tmp_path} where the capture says it was started"]
