@@ -71,11 +71,6 @@ class GuardEvent(JSONData):
         whether or not its capture could be written."""
         return self.kind in ("loss", "grads", "params", "skips")
 
-    def is_detection(self) -> bool:
-        """A non-finite value or too many GradScaler skips was detected (not a rollback, change or warning),
-        whether or not its capture could be written."""
-        return self.kind in ("loss", "grads", "params", "skips")
-
     def replay_command(self) -> str | None:
         """``nanhunt replay CKPT BATCH [--model ...] [--loss ...]``, quoted for a POSIX shell; None without a capture.
         A capture directory (FSDP2: ``batch`` is None) is replayed alone: ``nanhunt replay DIR``."""
