@@ -17,8 +17,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from ._dispatch import all_finite
+from ._tree import iter_tensors
+
 __all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "record_of", "read_record", "compile_module", "compile_graph",
-           "reset", "emulating_precision_casts", "GraphCapture", "graph_source"]
+           "reset", "emulating_precision_casts", "GraphCapture", "GraphCall", "RngState", "rng_state",
+           "set_rng_state", "graph_source"]
 
 # torch's own backends: a name from a file that is one of these is used as it is; any other needs confirming
 TORCH_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -173,27 +177,69 @@ def emulating_precision_casts() -> Iterator[None]:
         yield
 
 
-class GraphCapture:
-    """A dynamo backend that keeps each graph it is given and the inputs of the graph's first call (detached
-    copies), and runs the graph as it is (dynamo's ``eager`` backend). ``graphs``: (graph, inputs, autocast)
-    in the order the graphs first ran, ``autocast`` the (device type, dtype) autocast ran the call under, or
-    None."""
+# torch's generator state, and every CUDA device's when CUDA is in use (a graph's dropout draws from them)
+RngState = tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]
 
-    def __init__(self, device_type: str) -> None:
-        self.graphs: list[tuple[fx.GraphModule, tuple[Any, ...], tuple[str, torch.dtype] | None]] = []
+
+@dataclasses.dataclass(frozen=True)
+class GraphCall:
+    """One call of a graph dynamo captured: its inputs (detached copies, as the step gave them), the autocast it
+    ran under (device type, dtype; None: off) and the random number generators' state it started from."""
+
+    inputs: tuple[Any, ...]
+    autocast: tuple[str, torch.dtype] | None
+    rng: RngState
+
+
+def rng_state() -> RngState:
+    """The state of torch's generators a graph may draw from."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # untyped in torch
+    return torch.get_rng_state(), tuple(torch.cuda.get_rng_state_all()) if cuda else None
+
+
+def set_rng_state(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class GraphCapture:
+    """A dynamo backend that runs each graph it is given compiled again by ``spec``'s backend (the step's own
+    failure; None: as it is, dynamo's ``eager``) and keeps one call of each graph: the first whose output is
+    non-finite, else the first (a graph reused by several layers may fail in a later one only). ``graphs``:
+    (graph, call) in the order of the calls kept. Until a graph's non-finite call is kept, each call's inputs
+    are copied before it runs and its output read once (a replay's cost, never a training run's)."""
+
+    def __init__(self, device_type: str, spec: CompileSpec | None = None) -> None:
+        self._kept: list[tuple[int, fx.GraphModule, GraphCall, bool]] = []  # (call number, graph, call, non-finite)
+        self._calls = 0
         self._device_type = device_type
+        self._spec = spec
+
+    @property
+    def graphs(self) -> list[tuple[fx.GraphModule, GraphCall]]:
+        return [(gm, call) for _, gm, call, _ in sorted(self._kept, key=lambda k: k[0])]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        seen = False
+        fn = gm.forward if self._spec is None else compile_graph(gm, self._spec)
+        slot: int | None = None  # this graph's place in self._kept
 
         def run(*args: Any) -> Any:
-            nonlocal seen
-            if not seen:
-                seen = True
-                on = torch.is_autocast_enabled(self._device_type)
-                autocast = (self._device_type, torch.get_autocast_dtype(self._device_type)) if on else None
-                kept = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-                self.graphs.append((gm, kept, autocast))
-            return gm.forward(*args)
+            nonlocal slot
+            if slot is not None and self._kept[slot][3]:
+                return fn(*args)
+            on = torch.is_autocast_enabled(self._device_type)
+            call = GraphCall(tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args),
+                             (self._device_type, torch.get_autocast_dtype(self._device_type)) if on else None,
+                             rng_state())
+            out = fn(*args)
+            nonfinite = not all_finite([t.detach() for t in iter_tensors(out)])
+            self._calls += 1
+            if slot is None:
+                slot = len(self._kept)
+                self._kept.append((self._calls, gm, call, nonfinite))
+            elif nonfinite:
+                self._kept[slot] = (self._calls, gm, call, True)
+            return out
 
         return run

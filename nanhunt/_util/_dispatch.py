@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ __all__ = [
     "own_weights",
     "amp_check_and_unscale",
     "foreach_norm",
+    "nonfinite_kinds",
+    "all_finite",
     "foreach_copy",
     "local_tensor",
     "complete_collective",
@@ -389,6 +392,34 @@ def amp_check_and_unscale(tensors: list[torch.Tensor], found_inf: torch.Tensor, 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype | None) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str | None]:
+    """``"nan"`` / ``"inf"`` for each of ``tensors`` that holds one (NaN first), None for a finite one (or an
+    empty, sparse or not floating one), read from the device once. Read-only max-norms (NaN and Inf propagate),
+    one fused kernel per (device, dtype), compared in float64 (a float64 1e300 is finite): a per-tensor
+    ``isfinite`` would read the host once each and allocate a mask the size of every tensor, memory the allocator
+    keeps for the rest of a replay."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.is_floating_point() and t.numel() and not t.is_sparse:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    if not groups:
+        return [None] * len(tensors)
+    home = tensors[next(iter(groups.values()))[0]].device
+    with torch.no_grad():
+        peaks = [torch.stack(foreach_norm([tensors[i] for i in idx], math.inf, dtype=None)).double().to(home)
+                 for idx in groups.values()]
+        values = torch.cat(peaks).tolist()
+    kinds: list[str | None] = [None] * len(tensors)
+    for i, v in zip((i for idx in groups.values() for i in idx), values):
+        kinds[i] = "nan" if math.isnan(v) else "inf" if math.isinf(v) else None
+    return kinds
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Every one of ``tensors`` finite, read from the device once (:func:`nonfinite_kinds`)."""
+    return not any(nonfinite_kinds(tensors))
 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

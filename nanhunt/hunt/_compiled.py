@@ -22,6 +22,7 @@ from torch import nn
 
 from .._util._compiled import (TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module,
                                emulating_precision_casts, reset)
+from .._util._dispatch import all_finite
 from .._util._errors import InputError
 from ..capture._resolve import resolve
 from ..records import GraphNode, Repro, Rung, Verdict
@@ -43,10 +44,9 @@ class Ladder:
 
 
 def _finite_step(model: nn.Module, loss: torch.Tensor) -> bool:
-    """The loss, every gradient and every parameter after the update are finite."""
-    tensors = [loss.detach(), *(p.detach() for p in model.parameters()),
-               *(p.grad for p in model.parameters() if p.grad is not None)]
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    """The loss, every gradient and every parameter after the update are finite (one read of the device)."""
+    return all_finite([loss.detach(), *(p.detach() for p in model.parameters()),
+                       *(p.grad for p in model.parameters() if p.grad is not None)])
 
 
 @contextlib.contextmanager
@@ -78,13 +78,13 @@ def _said(e: Exception) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
-def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None = None) -> Ladder:
-    """The ladder of ``step`` (its eager replay already finite) inside ``step.isolated()``: each compiled rung
-    ``repeat`` times; at the first that fails, the verdict ``compile-induced`` with the graph node and the
-    alternatives, and with ``bundle`` the graph's repro written there. The state is the step's start before each
-    run and after."""
+def climb(step: Step, spec: CompileSpec, *, eager_runs: int, repeat: int = 1, bundle: str | None = None) -> Ladder:
+    """The ladder of ``step`` (its eager replay already finite, ``eager_runs`` times) inside ``step.isolated()``:
+    each compiled rung ``repeat`` times; at the first that fails, the verdict ``compile-induced`` with the graph
+    node and the alternatives, and with ``bundle`` the graph's repro written there. The state is the step's start
+    before each run and after."""
     start = time.perf_counter()
-    rungs = [Rung("eager", 1, 0)]
+    rungs = [Rung("eager", eager_runs, 0)]
     backends = ["aot_eager"] + ([spec.backend] if spec.backend not in ("aot_eager", "eager") else [])
     failing: CompileSpec | None = None
     for backend in backends:
@@ -119,9 +119,9 @@ def climb(step: Step, spec: CompileSpec, *, repeat: int = 1, bundle: str | None 
 
 
 def _locate(step: Step, spec: CompileSpec) -> Found | str:
-    """The failing backend's first non-finite forward node: the step run once under a backend that keeps
-    dynamo's graphs and their inputs, then the graphs searched under ``spec``'s backend."""
-    capture = GraphCapture(step.device_type)
+    """The failing backend's first non-finite forward node: the step run once by ``spec``'s backend, keeping
+    dynamo's graphs and, of each, the inputs of its first non-finite call, then the graphs searched."""
+    capture = GraphCapture(step.device_type, spec)
     try:
         with _compiled_step(step, CompileSpec("capture", dynamic=False, fn=capture)) as captured:
             captured.run()

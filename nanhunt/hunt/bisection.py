@@ -15,7 +15,6 @@ said (``Verdict.remaining``).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._util._dispatch import foreach_norm, local_tensor
+from .._util._dispatch import all_finite, local_tensor
 from .._util._wrappers import user_modules
 from ..step.precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from .._util._errors import InputError
@@ -144,10 +143,8 @@ def _same_place(o: Occurrence, watch: Occurrence) -> bool:
 
 
 def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> bool:
-    """Loss, every gradient, parameter and buffer (after the update) and the optimizer's
-    state finite: one host read. Read-only max-norms (NaN and Inf propagate), one scalar per tensor: a
-    per-tensor ``isfinite`` would allocate a mask the size of every weight and moment, and the allocator
-    keeps that memory (hundreds of MiB on a parameter-heavy model) for the rest of the replay."""
+    """Loss, every gradient, parameter and buffer (after the update) and the optimizer's state finite: one host
+    read (:func:`~nanhunt._util._dispatch.all_finite`)."""
     # a DTensor (FSDP2) is judged by this rank's shard: a distributed bisection agrees on every rank's answer
     tensors = [local_tensor(loss.detach())]
     for p in model.parameters():
@@ -158,15 +155,7 @@ def _step_finite(model: nn.Module, loss: torch.Tensor, optimizer: torch.optim.Op
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.is_floating_point() and t.numel() and not t.is_sparse:
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    home = tensors[0].device
-    with torch.no_grad():  # one max per (device, dtype), compared in float64 (a float64 1e300 is finite)
-        peaks = [torch.stack(foreach_norm(ts, math.inf, dtype=None)).max().double().to(home)
-                 for ts in groups.values()]
-    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())
+    return all_finite(tensors)
 
 
 def suggested_fix(culprits: Sequence[str], classes: Sequence[str] = ()) -> str | None:

@@ -4,6 +4,7 @@ only the compiled step makes is compile-induced, located at its graph node with 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,24 @@ from nanhunt.report._common import sentence, verdict_text
 pytestmark = pytest.mark.slow
 
 
-def miscompile_exp(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-    """A dynamo backend that miscompiles one op: every exp computes exp(x + 100), which overflows float32."""
+def _shift_exp(gm: fx.GraphModule, by: float) -> Callable[..., Any]:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch.exp:
             with gm.graph.inserting_before(n):
-                shifted = gm.graph.call_function(torch.add, (n.args[0], 100.0))
+                shifted = gm.graph.call_function(torch.add, (n.args[0], by))
             n.args = (shifted,)
     gm.recompile()
     return gm.forward
+
+
+def miscompile_exp(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """A dynamo backend that miscompiles one op: every exp computes exp(x + 100), which overflows float32."""
+    return _shift_exp(gm, 100.0)
+
+
+def miscompile_large_exp(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """A dynamo backend whose exp computes exp(x + 80): it overflows float32 only where x is above 8.7."""
+    return _shift_exp(gm, 80.0)
 
 
 class Gate(nn.Module):
@@ -87,11 +97,13 @@ def test_a_nan_only_the_compiled_step_makes_is_compile_induced_at_its_node_modul
     net = Net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     rep = _replay(torch.compile(net, backend=miscompile_exp))
-    # THEN the eager replay and aot_eager are finite, the model's own backend is not: compile-induced
+    # THEN the eager replay (its two traced runs) and aot_eager are finite, the model's own backend is not:
+    # compile-induced
     v = rep.verdict
     assert rep.status == "compile-induced" and v is not None and v.kind == "compile-induced"
     assert [(r.backend, r.runs, r.nonfinite) for r in v.rungs] == [
-        ("eager", 1, 0), ("aot_eager", 1, 0), (f"{__name__}:miscompile_exp", 1, 1)]
+        ("eager", 2, 0), ("aot_eager", 1, 0), (f"{__name__}:miscompile_exp", 1, 1)]
+    assert v.replays == 4
     # AND the first non-finite node of the compiled forward is the exp, in module gate, on Gate.forward's line
     n = v.graph_node
     assert n is not None
@@ -105,7 +117,7 @@ def test_a_nan_only_the_compiled_step_makes_is_compile_induced_at_its_node_modul
         "Inf born only when compiled (tests.integration.test_compiled:miscompile_exp), in gate at graph node exp "
         "(torch.exp).")
     text = "".join(s.text for s in verdict_text(rep))
-    assert text.startswith("Compile-induced: the eager step is finite, a compiled one is not (eager 0/1 non-finite, "
+    assert text.startswith("Compile-induced: the eager step is finite, a compiled one is not (eager 0/2 non-finite, "
                            "aot_eager 0/1 non-finite, tests.integration.test_compiled:miscompile_exp 1/1 non-finite).")
     assert f"exp (torch.exp) at {_gate_line()}: return torch.exp" in text
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
@@ -129,9 +141,21 @@ def test_a_clean_compiled_step_stays_clean() -> None:
     rep = _replay(torch.compile(Net(), backend="aot_eager"))
     # THEN it is clean, and the report says the compiled rung ran finite
     assert rep.status == "clean" and rep.verdict is not None and rep.verdict.kind == "clean"
-    assert rep.config["compiled_rungs"] == {"eager": "0/1 non-finite", "aot_eager": "0/1 non-finite"}
+    assert rep.config["compiled_rungs"] == {"eager": "0/2 non-finite", "aot_eager": "0/1 non-finite"}
     assert rep.notes == ("the model is torch.compile'd: its eager original was traced, and the step replayed "
                          "compiled (aot_eager) as well",)
+
+
+def test_the_eager_rung_counts_the_eager_runs_the_replay_made() -> None:
+    # GIVEN a clean compiled step hunted with repeat=2: two replays of two traced runs, then each rung twice
+    torch.manual_seed(0)
+    net = Net()
+    step = Step.of(torch.compile(net, backend="aot_eager"), (torch.randn(3, 4), torch.randint(0, 2, (3,))),
+                   loss_fn=F.cross_entropy, dtype=torch.float32, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    rep = hunt(step, repeat=2)
+    # THEN the eager rung says the four runs it made
+    assert rep.status == "clean"
+    assert rep.config["compiled_rungs"] == {"eager": "0/4 non-finite", "aot_eager": "0/2 non-finite"}
 
 
 def fails_to_compile(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
@@ -143,7 +167,7 @@ def test_a_backend_that_cannot_compile_the_step_leaves_the_eager_answer_and_says
     rep = _replay(torch.compile(Net(), backend=fails_to_compile))
     # THEN the replay finishes with the eager answer, and says the compiled replay could not run and why
     assert rep.status == "clean"
-    assert rep.config["compiled_rungs"] == {"eager": "0/1 non-finite", "aot_eager": "0/1 non-finite",
+    assert rep.config["compiled_rungs"] == {"eager": "0/2 non-finite", "aot_eager": "0/1 non-finite",
                                             f"{__name__}:fails_to_compile": "could not run"}
     assert rep.notes[-1] == (
         f"the step could not be replayed compiled by {__name__}:fails_to_compile (its finding stands for the eager "
@@ -322,7 +346,7 @@ def test_a_capture_compiled_by_torchs_own_backend_replays_compiled_and_a_malform
     # THEN torch's own backend is used as the file says: the step is replayed compiled, with no flag
     assert main(["replay", ck, bt, *model, "--report", out]) == 0
     assert Report.from_json(Path(out).read_text()).config["compiled_rungs"] == {
-        "eager": "0/1 non-finite", "aot_eager": "0/1 non-finite"}
+        "eager": "0/2 non-finite", "aot_eager": "0/1 non-finite"}
     # AND a record that is not one is refused in one line
     saved = torch.load(ck, weights_only=True)
     torch.save({**saved, "compile": {"backend": "inductor", "dynamic": "yes"}}, ck)
@@ -350,3 +374,176 @@ def test_a_trainer_that_compiles_its_model_records_the_backend_it_compiles_with(
     assert checkpoint is not None
     assert torch.load(checkpoint, weights_only=True)["compile"] == {"backend": "aot_eager", "mode": None,
                                                                     "options": {}, "dynamic": None}
+
+
+class CausalAttention(nn.Module):
+    """nanoGPT's attention: the future masked with -inf on purpose, which the softmax turns into weights of 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+        self.register_buffer("bias", torch.tril(torch.ones(3, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(4, dim=-1)
+        att = (q @ k.T) * 0.5
+        att = att.masked_fill(self.bias == 0, float("-inf"))
+        return att.softmax(-1) @ v
+
+
+class MaskedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = CausalAttention()
+        self.gate = Gate()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x)
+        return self.out(h * self.gate(h).mean())
+
+
+def test_a_causal_masks_minus_inf_before_the_miscompiled_op_is_not_its_first_non_finite_node() -> None:
+    # GIVEN a compiled model whose attention masks with -inf (eager makes it too), then an exp the backend breaks
+    torch.manual_seed(0)
+    rep = _replay(torch.compile(MaskedNet(), backend=miscompile_exp))
+    # THEN the node named is the exp, which eager keeps finite and the backend does not: not the mask
+    v = rep.verdict
+    assert rep.status == "compile-induced" and v is not None and v.graph_node is not None
+    n = v.graph_node
+    assert (n.node, n.target, n.module, n.kind) == ("exp", "torch.exp", "gate", "inf")
+    assert v.alternatives == {"gate in float32": False}
+
+
+class Block(nn.Module):
+    """A block that is a frame of its own (a graph break): blocks called alike run one compiled graph."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.weight.fill_(weight)
+            self.fc.bias.fill_(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return torch.exp(self.fc(x))  # 1.1 in the first blocks, 10.1 in the last: exp(90.1) overflows compiled
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(0.0), Block(0.0), Block(0.0), Block(2.5)])
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(sum(b(x) for b in self.blocks) / 1e4)
+
+
+def test_a_graph_that_overflows_only_on_a_later_call_is_searched_on_that_calls_inputs() -> None:
+    # GIVEN blocks run by one compiled graph, whose exp the backend makes overflow in the last block alone
+    torch.manual_seed(0)
+    net = Blocks()
+    rep = nanhunt.replay(torch.compile(net, backend=miscompile_large_exp), (torch.ones(3, 4), torch.tensor([0, 1, 0])),
+                         loss_fn=F.cross_entropy, dtype=torch.float32,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    # THEN the graph is searched on the inputs of the call that overflowed: its exp, on Block.forward's line
+    v = rep.verdict
+    assert rep.status == "compile-induced" and v is not None and v.graph_note is None
+    n = v.graph_node
+    assert n is not None and (n.node, n.target, n.kind) == ("exp", "torch.exp", "inf")
+    assert n.source_text == "return torch.exp(self.fc(x))  # 1.1 in the first blocks, 10.1 in the last: exp(90.1) overflows compiled"
+
+
+class Dropped(nn.Module):
+    """An exp behind a dropout: its argument is 9.6 (exp(89.6) overflows when compiled) for one dropout mask only."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+        with torch.no_grad():  # +w where the mask keeps, -w where it drops: any other mask makes it smaller
+            self.fc.weight.copy_(torch.where(mask, 4.8, -4.8) / mask.sum())
+            self.fc.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.fc(F.dropout(x, 0.5)))
+
+
+def test_the_graph_search_replays_the_random_draws_of_the_call_it_kept() -> None:
+    # GIVEN a graph whose exp the backend makes overflow under the dropout mask of the step's call alone
+    from nanhunt._util._compiled import GraphCapture
+    from nanhunt._util._compiled import reset as forget
+    from nanhunt.tracing._graph_nodes import Found, first_nonfinite_node
+
+    x = torch.ones(1, 16)
+    torch.manual_seed(0)
+    mask = F.dropout(x, 0.5)[0] > 0
+    spec = CompileSpec(f"{__name__}:miscompile_large_exp", fn=miscompile_large_exp)
+    capture = GraphCapture("cpu", spec)
+    model = torch.compile(Dropped(mask), backend=capture, dynamic=False)
+    torch.manual_seed(0)
+    assert torch.isinf(model(x)).all()
+    # WHEN it is searched, the process's random state moved on since
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    found = first_nonfinite_node(capture.graphs, spec, reset=forget)
+    # THEN every run of the search drew that call's mask: the exp is found; and the random state is as it was
+    assert isinstance(found, Found) and (found.node.node, found.node.kind) == ("exp", "inf")
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+class Branches(nn.Module):
+    """The exp the backend breaks, then a longer finite branch, then their product: in graph order the nodes
+    after the exp are finite under the backend until the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+        self.inp = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        h = self.inp(x)
+        for _ in range(6):
+            h = torch.tanh(h) * 0.5 + 0.1
+        return self.out(g * h)
+
+
+def test_the_node_named_has_inputs_the_backend_keeps_finite_when_a_finite_branch_comes_between() -> None:
+    # GIVEN a compiled model whose broken exp is followed, in graph order, by a finite branch it later meets
+    torch.manual_seed(0)
+    rep = _replay(torch.compile(Branches(), backend=miscompile_exp))
+    # THEN the node named is the exp itself, not the product that only carries its inf
+    v = rep.verdict
+    assert rep.status == "compile-induced" and v is not None and v.graph_node is not None
+    assert (v.graph_node.target, v.graph_node.module, v.graph_node.kind) == ("torch.exp", "gate", "inf")
+
+
+def breaks_backward(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+    """A backend whose forward is right and whose backward makes every gradient non-finite."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward(bw: fx.GraphModule, inputs: Any) -> Callable[..., Any]:
+        out = next(n for n in bw.graph.nodes if n.op == "output")
+        with bw.graph.inserting_before(out):
+            grads = [bw.graph.call_function(torch.mul, (g, math.inf)) if isinstance(g, fx.Node) else g
+                     for g in out.args[0]]
+        out.args = (tuple(grads),)
+        bw.recompile()
+        return make_boxed_func(bw.forward)
+
+    compiled: Callable[..., Any] = aot_autograd(fw_compiler=lambda fw, _: make_boxed_func(fw.forward),
+                                                bw_compiler=backward)(gm, example_inputs)
+    return compiled
+
+
+def test_a_step_whose_compiled_forward_stays_finite_says_what_was_searched() -> None:
+    # GIVEN a backend that breaks only the backward
+    rep = _replay(torch.compile(Net(), backend=breaks_backward))
+    # THEN the step is compile-induced, and the note claims only what was searched
+    v = rep.verdict
+    assert rep.status == "compile-induced" and v is not None and v.graph_node is None
+    assert v.graph_note == (f"no forward graph's output was non-finite under {__name__}:breaks_backward where "
+                            "eager's is finite, on the inputs kept; the backward and the update were not searched")
