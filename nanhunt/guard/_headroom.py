@@ -175,6 +175,11 @@ class Headroom:
         for m, fn in zip(self._modules, self._fwd):
             self._handles.append(m.register_forward_hook(fn))
 
+    def off(self) -> None:
+        """No module history from now on (the step's own numbers are still judged)."""
+        self.discard()
+        self.every, self._auto = None, False
+
     def discard(self) -> None:
         """Unhook, keeping nothing of this step (it raised, or it ended); safe to call twice."""
         for h in self._handles:

@@ -216,14 +216,13 @@ class Guard:
         if on_warn != "log" and self._detect.world > 1:
             raise ValueError(f"on_warn={on_warn!r} needs a single process: under torch.distributed pass on_warn='log'")
         self.on_warn: OnWarn = on_warn
-        compiled = isinstance(getattr(model, "_orig_mod", None), nn.Module)
+        compiled = self._capture.compiled is not None  # hooks would recompile it, or go unseen by its graph
         self._watch = Headroom(self._capture.module, optimizer, every=None if compiled else headroom_every,
                                horizon=warn_horizon, device_type=self._capture.device_type)
         self._capture.headroom = self._watch  # a capture's event file holds its picture
         self._warn_captured = False
         for problem in self._capture.replay_problems:  # the replay command it would print fails: said now
             warnings.warn(f"nanhunt.Guard: {problem}", GuardWarning, stacklevel=2)
-
         self._rollback = Rollback(self, max_rollbacks)
         self.iterations = 0
         self.updates = 0
@@ -381,6 +380,11 @@ class Guard:
         self.close()
 
     # --------------------------------------------------------------- hooks
+    def _compiled_as(self, record: Mapping[str, Any]) -> None:
+        """Compiled out of the Guard's sight (a Trainer's ``torch_compile``): recorded, and no headroom hooks."""
+        self._capture.set_compiled(record)
+        self._watch.off()
+
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         cur = self._cur
         if cur is not None and not cur.forward_seen:

@@ -83,9 +83,8 @@ class NanhuntCallback(TrainerCallback):
         except ValueError as e:  # the model: its options were judged when the callback was made
             raise Unwatchable(str(e)) from e
         if getattr(args, "torch_compile", False):  # accelerate compiles the model; the callback is given it plain
-            guard._capture.set_compiled({"backend": args.torch_compile_backend or "inductor",
-                                         "mode": args.torch_compile_mode, "options": {}, "dynamic": None})
-            guard._watch.every = None  # the headroom's hooks, added and removed, would recompile the model
+            guard._compiled_as({"backend": args.torch_compile_backend or "inductor",
+                                "mode": args.torch_compile_mode, "options": {}, "dynamic": None})
         self._state = state
         hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True, with_kwargs=True),
                  model.register_forward_hook(self._forward_ends)]

@@ -225,6 +225,31 @@ def test_auto_stride_spreads_the_sampled_steps_extra_time_to_one_percent(
     assert watch.every == want
 
 
+class Holder(nn.Module):
+    """Holds the model it is given, as DDP holds it in ``module``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+
+
+def test_a_model_compiled_out_of_sight_gets_no_headroom_hooks(tmp_path: Path) -> None:
+    # GIVEN a Guard on a wrapper holding a compiled model (as DDP's module holds it), and a Guard on the plain
+    # model that is told afterwards it is compiled (a Trainer's torch_compile)
+    model, opt, scaler = mlp_setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanhunt.GuardWarning)  # Holder takes a module: its replay needs --model
+        held = nanhunt.Guard(Holder(torch.compile(model, backend="aot_eager")), opt, scaler, dump_dir=tmp_path,
+                             loss_fn=F.mse_loss)
+    told = guard_for(model, opt, scaler, tmp_path)
+    assert told._watch.every == AUTO_EVERY
+    told._compiled_as({"backend": "aot_eager", "mode": None, "options": {}, "dynamic": None})
+    # THEN neither samples any step, and the second records the backend for its captures
+    for guard in (held, told):
+        assert guard._watch.every is None and not any(guard._watch.sampled(i) for i in range(64))
+    assert told._capture.compiled == {"backend": "aot_eager", "mode": None, "options": {}, "dynamic": None}
+
+
 def test_weights_near_the_float16_limit_warn_at_the_window_read() -> None:
     # GIVEN a float16 weight of 8,000 (8.2x from float16's 65504)
     model = nn.Linear(2, 2).half()
