@@ -142,8 +142,9 @@ class Found:
 
 def first_nonfinite_node(graphs: Sequence[tuple[fx.GraphModule, GraphCall]], spec: CompileSpec, *,
                          reset: Callable[[], None]) -> Found | str:
-    """The first node, in the first graph with an output ``spec``'s backend makes non-finite and eager keeps
-    finite, whose own value is so; a sentence saying why there is none otherwise. ``graphs``: what
+    """Where the value goes non-finite in the first graph with an output ``spec``'s backend makes non-finite and
+    eager keeps finite: a node on the way to that output, non-finite under the backend, finite in eager, its
+    inputs as finite under the backend as in eager; a sentence saying why there is none otherwise. ``graphs``: what
     :class:`GraphCapture` kept. ``reset`` forgets compiled graphs between compiles (each prefix is a graph of its
     own). The process's random state is as it was afterwards."""
     saved = rng_state()
