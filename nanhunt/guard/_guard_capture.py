@@ -149,6 +149,7 @@ class CaptureWriter:
         self.rank = rank
         self.step_call: str | None = None  # "training_step": the capture replays through it (Lightning)
         self.captures = 0
+        self.warning_captures = 0
         self.fsdp1 = _fsdp1.top(model)  # FSDP1: the module its full state dict is gathered from (else None)
         self.buffers = EntryBuffers(self.module, None if self.fsdp1 is None else _fsdp1.persistent_buffers(self.module))
         self.snapshot: _Snapshot | None = None
@@ -250,8 +251,11 @@ class CaptureWriter:
 
     # --------------------------------------------------------------- the files
     def capture(self, entry: StepEntry, *, seen_here: bool, live: bool, began: bool, bad_update: int,
-                scaler_before: bool, ranks: tuple[int, ...] = (), group: Any = None) -> Written:
+                scaler_before: bool, ranks: tuple[int, ...] = (), group: Any = None,
+                counted: bool = True) -> Written:
         """Write this rank's capture of a detection (if it saw it, or every rank's with ``dump_all_ranks``).
+        ``counted=False``: a warning's capture (single process), neither limited by ``max_captures`` nor
+        counted in ``captures`` but in ``warning_captures``.
 
         ``live``: the live weights are those the step began with (nothing updated them yet); else the snapshot,
         if any. ``began``: the live buffers are to be replaced by the entry copies. ``bad_update``: the step
@@ -269,7 +273,7 @@ class CaptureWriter:
                                        writes=self.dump_all_ranks or (self.rank in ranks if ranks else seen_here))
         if not (seen_here or self.dump_all_ranks):
             return Written(None, None, None, False, "another rank saw it; its capture holds the step")
-        if self.captures >= self.max_captures:
+        if counted and self.captures >= self.max_captures:
             return Written(None, None, None, False, f"max_captures={self.max_captures} already written")
         snap = None if live else self.snapshot
         try:
@@ -280,7 +284,10 @@ class CaptureWriter:
                 else:
                     self._save_live(entry, ck_tmp, bt_tmp, scaler_before=scaler_before, began=began)
             captured, pre_update = (snap.step, snap.step == bad_update) if snap is not None else (entry.index, live)
-            self.captures += 1
+            if counted:
+                self.captures += 1
+            else:
+                self.warning_captures += 1
         except Exception as e:  # the detection matters more than the file: report, don't mask
             return Written(None, None, None, False, f"{type(e).__name__}: {e}")
         return Written(ck, bt, captured, pre_update, None)

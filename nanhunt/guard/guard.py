@@ -255,7 +255,8 @@ class Guard:
     snapshot_every = _Part[int | None]("_capture")
     max_captures = _Part[int]("_capture")
     dump_all_ranks = _Part[bool]("_capture")
-    captures = _Part[int]("_capture")  # captures written so far
+    captures = _Part[int]("_capture")  # captures of detections written so far (max_captures limits them)
+    warning_captures = _Part[int]("_capture")  # on_warn="capture": captures of warned, finite steps
     max_rollbacks = _Part[int]("_rollback")
     rollbacks = _Part[int]("_rollback")  # rollbacks done so far
 
@@ -635,11 +636,10 @@ class Guard:
                            skipped=self.skipped, scale=cur.scale)
         if self.on_warn == "capture" and not self._warn_captured:
             self._warn_captured = True  # the first warning's step: later ones are events only
+            # not counted: max_captures stays for the failure the warning may precede
             written = self._capture.capture(cur, seen_here=True, live=live, began=live, bad_update=cur.index,
-                                            scaler_before=scaler_before)
+                                            scaler_before=scaler_before, counted=False)
             if written.checkpoint is not None:
-                # not counted: max_captures stays for the failure the warning may precede
-                self._capture.captures -= 1
                 replay_args, replay_notes = self._capture.replay_args()
                 event = dataclasses.replace(event, checkpoint=written.checkpoint, batch=written.batch,
                                             captured_step=written.captured_step, pre_update=written.pre_update,

@@ -324,8 +324,9 @@ def test_on_warn_capture_writes_the_warned_step_and_leaves_max_captures_to_the_f
     assert all(e.checkpoint is None for e in warned[1:])
     step = load_step(first.checkpoint, first.batch)
     assert torch.equal(step.inputs, batch(first.step % 16)[0])
-    # AND the overflow that followed still has its capture (max_captures=1)
+    # AND the overflow that followed still has its capture (max_captures=1), each counted as what it is
     assert bad == FIRST_INF and guard.events[-1].checkpoint is not None
+    assert (guard.captures, guard.warning_captures) == (1, 1)
 
 
 def test_on_warn_stop_raises_at_the_first_warning(tmp_path: Path) -> None:
