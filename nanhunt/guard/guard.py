@@ -386,9 +386,9 @@ class Guard:
         self._capture.set_compiled(record)
         self._watch.off()
 
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
-        cur = self._cur
-        if cur is not None and not cur.forward_seen:
+    def _on_forward(self, module: nn.Module, args: Any, again: bool = False) -> None:
+        cur = self._cur  # again: a framework entered autocast after the model's pre-hooks; its child asks again
+        if cur is not None and (again or not cur.forward_seen):
             cur.forward_seen = True
             if torch.is_autocast_enabled(self.device_type):
                 cur.autocast = torch.get_autocast_dtype(self.device_type)

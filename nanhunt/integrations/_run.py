@@ -90,24 +90,19 @@ class GuardedRun:
 
     def probe_autocast(self, module: nn.Module,
                        wrap: Callable[[Callable[..., None]], Callable[..., None]] = lambda hook: hook) -> None:
-        """Take the Guard's autocast dtype from the first call of ``module`` within a step: accelerate enters
+        """Take each step's autocast dtype from the first call of ``module`` within it: accelerate enters
         autocast inside the forward it wraps, after the model's own pre-hooks, so a child of the model sees the
-        dtype the forward really runs in. Once: the dtype does not change within a run. ``wrap``: how the hook
-        is wrapped (``nanhunt run`` shields the script from nanhunt's own errors)."""
-        handle: RemovableHandle | None = None
+        dtype the forward really runs in. Every step: a loop may warm up in float32 and go on under autocast.
+        ``wrap``: how the hook is wrapped (``nanhunt run`` shields the script from nanhunt's own errors)."""
+        asked: list[Any] = [None]  # the step (its context) whose dtype was taken
 
         def seen(m: nn.Module, args: tuple[Any, ...]) -> None:
-            nonlocal handle
-            if self._ctx is None or handle is None:
+            if self._ctx is None or self._ctx is asked[0]:
                 return
-            device_type = self.guard.device_type
-            on = torch.is_autocast_enabled(device_type)
-            self.guard.dtype = torch.get_autocast_dtype(device_type) if on else torch.float32
-            handle.remove()
-            handle = None
+            asked[0] = self._ctx
+            self.guard._on_forward(m, args, again=True)
 
-        handle = module.register_forward_pre_hook(wrap(seen))
-        self.hooks.append(handle)
+        self.hooks.append(module.register_forward_pre_hook(wrap(seen)))
 
     def loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss (the first one handed over; checked on device, read with the gradients)."""

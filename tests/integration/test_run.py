@@ -236,6 +236,52 @@ def test_a_loss_nanhunt_cannot_name_is_said_at_the_detection(tmp_path: Path, mon
     assert "the loss is computed from the model's output by code nanhunt cannot name (MeanBackward0)" in err
 
 
+WARMUP = """
+import contextlib
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 2)
+        self.m = nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.m(self.l(x))
+
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), 0.1)
+x, y = torch.randn(4, 2), torch.randn(4, 1)
+for i in range(3):
+    # a float32 warm-up step, then bfloat16 autocast; step 2 overflows
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if i >= 1 else contextlib.nullcontext()
+    with amp:
+        out = model(x * (1e38 if i == 2 else 1.0))
+    loss = torch.nn.functional.mse_loss(out.float(), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_the_capture_holds_the_autocast_dtype_of_its_own_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop whose first step runs in float32 and the later ones under bfloat16 autocast
+    monkeypatch.chdir(tmp_path)
+    script = _script(tmp_path, WARMUP)
+    # WHEN it runs under nanhunt run and stops at step 2
+    rc = cli_main(["run", "--dump-dir", str(tmp_path / "caps"), str(script)])
+    capsys.readouterr()
+    # THEN the capture of step 2 records the dtype step 2 ran in, not the warm-up's
+    assert rc == 1
+    [checkpoint] = (tmp_path / "caps").glob("*checkpoint.pt")
+    assert torch.load(checkpoint, weights_only=True)["autocast"]["dtype"] == "bfloat16"
+
+
 def test_a_script_with_no_training_is_said_to_be_unwatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
