@@ -1,8 +1,9 @@
 """A Hugging Face Trainer checkpoint directory (``checkpoint-N/``), replayed as the Trainer left it.
 
 The model is rebuilt from ``config.json`` (a class of transformers, built by ``_hf._hf_model``'s rules: nothing
-fetched, no remote code), first on the meta device to check it against the weights' header, then for real with
-the weights of ``model.safetensors`` (or the shards its ``model.safetensors.index.json`` names) in their dtype.
+fetched, no remote code), its layers counted against the weights' tensors, then built on the meta device to
+check it against the weights' header, then for real with the weights of ``model.safetensors`` (or the shards
+its ``model.safetensors.index.json`` names) in their dtype.
 ``optimizer.pt`` (a torch optimizer's state_dict, numbered over the Trainer's decay and no-decay groups) comes
 back by parameter name; ``scaler.pt`` is a GradScaler's state, ``rng_state.pth`` the generators'. The .pt files
 are read weights-only. ``training_args.bin`` is a pickle of arbitrary objects and is never read: what it would
@@ -17,7 +18,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -159,8 +160,15 @@ def _weight_files(path: str, where: str) -> dict[str, list[str]]:
 def _from_config(path: str, where: str, header: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
                  notes: list[str]) -> nn.Module:
     """The model ``config.json`` describes, checked on the meta device against the weights' shapes first: a
-    1 kB config naming a hidden size of a million over small weights allocates nothing."""
-    spec = _spec(path, where)
+    1 kB config naming a hidden size of a million over small weights allocates nothing. Its layers are counted
+    before: each takes the meta device some milliseconds to build, and each holds at least one of the weights'
+    tensors, so a config naming more layers than the weights hold tensors is refused unbuilt."""
+    spec, cls = _spec(path, where)
+    most = _most_layers(cls, json.loads(spec["config"]))
+    if most is not None and most[1] > len(header):
+        raise InputError(f"{where}: its {CONFIG} names {most[1]:,} layers ({most[0]}), more than the "
+                           f"{len(header):,} tensors its weights hold; the config does not belong to them: pass "
+                           "--model package.module:factory")
     with torch.device("meta"):
         probe = _hf_model(spec, where, [])
     meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape) in header.items()}
@@ -184,9 +192,9 @@ def _from_config(path: str, where: str, header: Mapping[str, tuple[torch.dtype, 
     return _hf_model(spec, where, notes)
 
 
-def _spec(path: str, where: str) -> dict[str, Any]:
-    """``config.json`` as ``_hf_model`` takes a capture's model: the transformers class its ``architectures``
-    names, the config's JSON text, and transformers' own choice of attention kernel."""
+def _spec(path: str, where: str) -> tuple[dict[str, Any], Any]:
+    """``config.json`` as ``_hf_model`` takes a capture's model (the transformers class its ``architectures``
+    names, the config's JSON text, and transformers' own choice of attention kernel), and that class."""
     fix = "pass --model package.module:factory"
     config = read_json(os.path.join(path, CONFIG), what="a model config", fix=fix, label=f"{where}: its {CONFIG}")
     archs = config.get("architectures") if isinstance(config, dict) else None
@@ -203,7 +211,39 @@ def _spec(path: str, where: str) -> dict[str, Any]:
     except Exception as e:
         raise InputError(f"{where}: its {CONFIG} names {archs[0]!r}, which transformers "
                            f"{transformers.__version__} does not have ({_first_line(e)}); {fix}") from e
-    return {"class": callable_path(cls), "config": json.dumps(config), "attn_implementation": None}
+    return {"class": callable_path(cls), "config": json.dumps(config), "attn_implementation": None}, cls
+
+
+# a config's layer counts (GPT-2's n_layer, BART's encoder_layers, a vision tower's depth), each layer built
+_LAYER_COUNT = re.compile(r"depth|n_layers?|\w*_layers")
+
+
+def _most_layers(cls: Any, config: dict[str, Any]) -> tuple[str, int] | None:
+    """The largest layer count of the config ``cls`` is built from, or of a config inside it (a vision tower's),
+    with its key: read through the config class, so that ``num_hidden_layers`` is GPT-2's ``n_layer`` (its
+    attribute_map). None when the config does not build: building the model says why."""
+    try:
+        import transformers
+        base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
+        cfg = cls.config_class.from_dict(config)
+        if not isinstance(cfg, base):
+            return None
+    except Exception:
+        return None
+    counts: list[tuple[str, int]] = []
+    todo = [cfg]
+    while todo:
+        c = todo.pop()
+        named = getattr(c, "num_hidden_layers", None)
+        if _count(named):
+            counts.append((str(c.attribute_map.get("num_hidden_layers", "num_hidden_layers")), named))
+        counts += [(k, v) for k, v in vars(c).items() if _LAYER_COUNT.fullmatch(k) and _count(v)]
+        todo += [v for v in vars(c).values() if isinstance(v, base)]
+    return max(counts, key=lambda kv: kv[1], default=None)
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _shared(sd: dict[str, torch.Tensor], model: nn.Module) -> None:

@@ -304,6 +304,13 @@ def _config(**changes: Any) -> Any:
     return write
 
 
+def _llava_config(ck: Path) -> None:
+    """A vision-language model whose text model (a sub-config) has a million layers."""
+    (ck / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": {"model_type": "llama", "num_hidden_layers": 1_000_000}}))
+
+
 def _fsdp_shards(ck: Path) -> None:
     (ck / "model.safetensors").unlink()
     (ck / "pytorch_model_fsdp_0").mkdir()
@@ -335,6 +342,14 @@ REFUSED = {
     "a config far larger than its weights": (_config(n_embd=4096), "does not fit its weights (shape mismatch "
                                                                    "transformer.wte.weight (64, 32) in the weights vs "
                                                                    "(64, 4096), "),
+    # (each layer holds weights: more layers than the weights hold tensors is refused before any is built)
+    "a config of a million layers": (_config(n_layer=1_000_000),
+                                     "its config.json names 1,000,000 layers (n_layer), more than the 28 tensors "
+                                     "its weights hold; the config does not belong to them: pass --model "
+                                     "package.module:factory"),
+    "a vision-language config of a million text layers": (_llava_config, "its config.json names 1,000,000 layers "
+                                                                         "(num_hidden_layers), more than the 28 "
+                                                                         "tensors its weights hold"),
     "a config asking for remote code": (_config(auto_map={"AutoModel": "evil.Model"}),
                                         "its config asks to fetch something (auto_map)"),
     "FSDP shards": (_fsdp_shards, "holds its weights as FSDP shards (pytorch_model_fsdp_0/), not model.safetensors; "
