@@ -55,6 +55,7 @@ class ReplayOutput:
 
     def show(self, report: Report) -> int:
         """The report on the console, then written to ``--report`` and the bundle; the exit code of its status."""
+        from ..records import Status
         from ..report import write, write_bundle
         from ..report.console import render
 
@@ -73,7 +74,8 @@ class ReplayOutput:
                   file=sys.stderr)
             if staged.earlier or staged.kept:
                 _replaced_line(self.bundle, staged.earlier, names, staged.kept)
-        return {"clean": EXIT_CLEAN, "not-reproducible": EXIT_NOT_REPRODUCIBLE}.get(report.status, EXIT_NONFINITE)
+        codes = {Status.CLEAN: EXIT_CLEAN, Status.NOT_REPRODUCIBLE: EXIT_NOT_REPRODUCIBLE}
+        return codes.get(report.status, EXIT_NONFINITE)
 
 
 class Progress:

@@ -77,6 +77,7 @@ class ReplayCommand:
         from ..hunt._compiled import given_spec
         from ..hunt._ranks import other_ranks, received_note
         from ..hunt.pipeline import hunt
+        from ..records import Status
 
         def show_ranks(report: Report) -> int:
             for n in report.notes[:2]:  # how it was replayed, and which rank went first
@@ -128,10 +129,10 @@ class ReplayCommand:
                 raise step_failed("replaying the step", e) from e
 
         report = hunted(step)
-        if directory and args.rank is None and report.status == "clean":
+        if directory and args.rank is None and report.status == Status.CLEAN:
             del step  # one model in memory at a time
             report = other_ranks(args.checkpoint, report, hunted, options, _say)
-        elif report.status == "clean":
+        elif report.status == Status.CLEAN:
             report = received_note(report, _say)
         return output.show(report)
 

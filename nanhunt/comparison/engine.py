@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .._util._errors import InputError
-from ..records import Comparison, Report, Rule, Speed
+from ..records import Comparison, Report, Rule, Speed, Status
 from .._util._env import environment
 from .._util._text import dtype_name
 from ..step.step import Step, split_batch
@@ -124,14 +124,14 @@ def _candidates(dts: Sequence[torch.dtype], names: Sequence[str], rule: Rule, de
     return cands
 
 
-def _status(results: Sequence[Comparison]) -> str:
+def _status(results: Sequence[Comparison]) -> Status:
     if not all(r.reference_finite for r in results):
-        return "reference-nonfinite"
+        return Status.REFERENCE_NONFINITE
     if all(r.accepted for r in results):
-        return "clean"
+        return Status.CLEAN
     if any(r.amp_finite is False for r in results):
-        return "nonfinite"
-    return "diverged"
+        return Status.NONFINITE
+    return Status.DIVERGED
 
 
 class _Comparer:
@@ -224,7 +224,7 @@ class _Comparer:
         return cands, results, speeds
 
     def finish(self, cands: Sequence[_Candidate], results: Sequence[Comparison], speeds: Mapping[str, Speed],
-               speed: int) -> tuple[str, Comparison, list[str]]:
+               speed: int) -> tuple[Status, Comparison, list[str]]:
         """The status, the first candidate's comparison (holding the others) and the extra notes."""
         scale = self.scale
         extra: list[str] = []

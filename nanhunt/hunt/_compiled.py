@@ -25,7 +25,7 @@ from .._util._compiled import (TORCH_BACKENDS, CompileSpec, GraphCapture, compil
 from .._util._dispatch import all_finite
 from .._util._errors import InputError
 from ..capture._resolve import resolve
-from ..records import GraphNode, Repro, Rung, Verdict
+from ..records import GraphNode, Repro, Rung, Verdict, VerdictKind
 from ..step.step import Step
 from ..tracing._graph_nodes import Found, first_nonfinite_node
 from ._graph_repro import make_graph_repro
@@ -111,7 +111,7 @@ def climb(step: Step, spec: CompileSpec, *, eager_runs: int, repeat: int = 1, bu
     # a way out that could not compile answers nothing
     alternatives = {name: not r.nonfinite for name, r in tried.items() if r.error is None}
     seconds = time.perf_counter() - start
-    verdict = Verdict(kind="compile-induced", rungs=tuple(rungs), replays=sum(r.runs for r in rungs),
+    verdict = Verdict(kind=VerdictKind.COMPILE_INDUCED, rungs=tuple(rungs), replays=sum(r.runs for r in rungs),
                       seconds=seconds, alternatives=alternatives,
                       graph_node=located if isinstance(located, GraphNode) else None,
                       graph_note=located if isinstance(located, str) else None)

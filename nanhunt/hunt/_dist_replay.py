@@ -32,7 +32,7 @@ from ..distributed import _dcp
 from .._util._errors import InputError
 from ..capture.capture import load_capture_dir
 from .pipeline import hunt
-from ..records import Occurrence, Report, Repro
+from ..records import Occurrence, Report, Repro, Status
 from ..tracing.tracer import Trace
 
 __all__ = ["under_torchrun", "replay_ranks"]
@@ -296,7 +296,7 @@ class _Ranks:
     def traced(self, final: Trace) -> None:
         self.first_rank, self.summary = final.first_rank, final.rank_summary
 
-    def agreed_status(self, status: str) -> str:
+    def agreed_status(self, status: Status) -> Status:
         got: list[Any] = [None] * self.world
         dist.all_gather_object(got, status)
         return _overall(got)
@@ -361,7 +361,7 @@ class _Ranks:
         if self.first_rank is not None:
             notes.append(f"rank {self.first_rank} went first: the report is its replay; {self.summary}")
         else:
-            by = [str(r) for r, rep in enumerate(reports) if rep.status == "nonfinite"]
+            by = [str(r) for r, rep in enumerate(reports) if rep.status == Status.NONFINITE]
             notes.append("no rank made a non-finite value of its own" + (
                 f" (non-finite values on rank(s) {', '.join(by)})" if by else "") + "; the report is rank 0's replay")
         return dataclasses.replace(base, status=status, notes=(*notes, *base.notes[1:]))
@@ -382,10 +382,10 @@ class _Ranks:
         return int(codes[0])
 
 
-def _overall(statuses: Iterable[Any]) -> str:
+def _overall(statuses: Iterable[Status]) -> Status:
     """Non-finite on any rank is a non-finite step; else not reproducible on any is not reproducible."""
     got = set(statuses)
-    for status in ("nonfinite", "not-reproducible"):
+    for status in (Status.NONFINITE, Status.NOT_REPRODUCIBLE):
         if status in got:
             return status
-    return "clean"
+    return Status.CLEAN

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..capture.capture import load_capture_dir
 from ..distributed import _dcp
-from ..records import Report
+from ..records import Report, Status
 from ..step.step import Step
 
 __all__ = ["MAX_OTHER_RANKS", "other_ranks", "received_note"]
@@ -39,7 +39,7 @@ def other_ranks(path: str, report: Report, hunted: Callable[[Step], Report], opt
         step = load_capture_dir(path, rank=r, **options)
         got = hunted(step)
         del step  # one model in memory at a time
-        if got.status != "clean":
+        if got.status != Status.CLEAN:
             who = (f"rank {finite[0]}'s replays finite: the failure it saw" if len(finite) == 1 else
                    f"ranks {_few_ranks(finite)} replay finite: the failure they saw")
             note = f"{head}: rank {r}'s batch replayed ({who} came from another rank)"

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._util._text import dtype_name
 from ..tracing.graph import loss_index
-from ..records import Occurrence, Phase, Record, Role
+from ..records import Occurrence, Phase, Record, Role, Status
 from ..step.step import Step
 from ..tracing.tracer import Trace
 
@@ -35,15 +35,15 @@ class Replayed:
         return self.runs[1] if self.reproducible else self.runs[0]
 
     @property
-    def status(self) -> str:
+    def status(self) -> Status:
         """``not-reproducible``; ``clean`` (no culprit, only harmless origins, finite loss, gradients and
         update); else ``nonfinite``."""
         if not self.reproducible:
-            return "not-reproducible"
+            return Status.NOT_REPRODUCIBLE
         final = self.final
         if final.first is None and all(o.harmless for o in final.origins) and _sinks_finite(final.records):
-            return "clean"
-        return "nonfinite"
+            return Status.CLEAN
+        return Status.NONFINITE
 
 
 def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> Replayed:

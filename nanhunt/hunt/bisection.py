@@ -28,7 +28,7 @@ from .._util._dispatch import all_finite, local_tensor
 from .._util._wrappers import user_modules
 from ..step.precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from .._util._errors import InputError
-from ..records import Occurrence, Phase, Verdict
+from ..records import Occurrence, Phase, Verdict, VerdictKind
 from ..step.step import Step
 from ..tracing.tracer import Trace
 
@@ -264,7 +264,7 @@ def _bisect(step: Step, proof: _Proof, locate_fp32: Callable[[], Occurrence | No
         try:
             return proof.run(locate_fp32)
         except _Interrupted:
-            return proof.verdict("precision" if proof.found else "interrupted", tuple(proof.found),
+            return proof.verdict(VerdictKind.PRECISION if proof.found else VerdictKind.INTERRUPTED, tuple(proof.found),
                                  origin_alone_fixes=proof.origin_alone, interrupted=True)
 
 
@@ -338,15 +338,15 @@ class _Proof:
         self.found: list[str] = []
         self.origin_alone: bool | None = None
 
-    def verdict(self, kind: str, culprits: tuple[str, ...] = (), *, fix: _Fix | None = None,
+    def verdict(self, kind: VerdictKind, culprits: tuple[str, ...] = (), *, fix: _Fix | None = None,
                 remaining: tuple[Occurrence, ...] | None = None, **kw: Any) -> Verdict:
         """``fix``: the one measured (``remaining`` what it left); else, on a ``precision`` verdict, the culprits."""
         proposed = fix or _Fix(frozenset(culprits), ())
         text = suggested_fix(sorted(proposed.named, key=_region_last), [p for p, _ in proposed.classes])
         return Verdict(kind=kind, culprits=culprits, replays=self.trials.count, seconds=time.perf_counter() - self.t0,
-                       alternatives=dict(self.alternatives), fix=text if kind == "precision" else None,
+                       alternatives=dict(self.alternatives), fix=text if kind == VerdictKind.PRECISION else None,
                        candidates=len(self.children) + len(self.regions),
-                       silent=self.silent is not None and kind == "precision",
+                       silent=self.silent is not None and kind == VerdictKind.PRECISION,
                        fix_regions=tuple(sorted(proposed.regions(self.table), key=_region_last)) if fix else (),
                        fix_classes=tuple(p for p, _ in proposed.classes), remaining=remaining, **kw)
 
@@ -419,15 +419,15 @@ class _Proof:
         if ((step.dtype != torch.float32 or has_half_weights(model))
                 and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
             self.origin_alone = self.alone()
-            return self.verdict("not-precision", float32_first=locate_fp32() if locate_fp32 else None,
+            return self.verdict(VerdictKind.NOT_PRECISION, float32_first=locate_fp32() if locate_fp32 else None,
                                 origin_alone_fixes=self.origin_alone)
         called: set[str] = set()
         if trials.finite(frozenset(), label="original configuration", called=called):
             if self.origins and self.reaching is None and self.silent is None:
                 # Every origin fed only indices (harmless) and the step is finite, as traced:
                 # nothing for float32 to fix.
-                return self.verdict("clean")
-            return self.verdict("not-reproducible")
+                return self.verdict(VerdictKind.CLEAN)
+            return self.verdict(VerdictKind.NOT_REPRODUCIBLE)
         self.origin_alone = self.alone()
         self.children = _children(model, called)
         if step.dtype == torch.float16:
@@ -436,11 +436,11 @@ class _Proof:
         if scaler is not None and scaler.is_enabled():
             self.alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
             if self.alternatives["scale 1"] and self.reaching is not None and self.reaching.phase.value == "backward":
-                return self.verdict("scale-induced", origin_alone_fixes=self.origin_alone)
+                return self.verdict(VerdictKind.SCALE_INDUCED, origin_alone_fixes=self.origin_alone)
         target = self.target()
         top = [self.root] + self.regions
         if not trials.finite(frozenset(top), label="whole model and loss"):
-            return self.verdict("not-precision", origin_alone_fixes=self.origin_alone)
+            return self.verdict(VerdictKind.NOT_PRECISION, origin_alone_fixes=self.origin_alone)
         self.found = _search(trials, top, frozenset(), self.children, target)
         self.found = _refine(trials, self.found, self.children, target)
         self.found = _prune(trials, self.found)
@@ -448,7 +448,7 @@ class _Proof:
         trials.cache.pop((frozenset(self.found), None, False), None)
         confirmed = trials.finite(frozenset(self.found), label="confirm (clean run)")
         fix, left = self.fix(self.found)
-        return self.verdict("precision", tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed,
+        return self.verdict(VerdictKind.PRECISION, tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed,
                             fix=fix, remaining=left)
 
 

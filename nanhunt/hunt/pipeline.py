@@ -20,7 +20,7 @@ from .._util._env import environment
 from .advice import advise
 from .bisection import Team, bisect
 from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, HeadroomHistory, Occurrence, Phase, Record,
-                       Report, Repro, Role, Verdict)
+                       Report, Repro, Role, Status, Verdict, VerdictKind)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
@@ -38,7 +38,7 @@ class Ranks(Team, Protocol):
         """This rank's final trace (it has gathered every rank's leading origin)."""
         ...
 
-    def agreed_status(self, status: str) -> str:
+    def agreed_status(self, status: Status) -> Status:
         """The step's status over every rank."""
         ...
 
@@ -72,10 +72,10 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
     with step.isolated():  # one snapshot for every run below
         replayed = trace_twice(step, level=level, allow=allow)
         replays = 1
-        while replayed.status == "clean" and replays < repeat:
+        while replayed.status == Status.CLEAN and replays < repeat:
             replayed = trace_twice(step, level=level, allow=allow)
             replays += 1
-        if replays > 1 and replayed.status != "clean":
+        if replays > 1 and replayed.status != Status.CLEAN:
             notes = (f"replay {replays} of up to {repeat} was not finite: "
                      f"{'the one' if replays == 2 else f'the {replays - 1}'} before it "
                      f"{'was' if replays == 2 else 'were'} (the step does not always fail)",)
@@ -83,7 +83,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
         if ranks is not None:
             ranks.traced(replayed.final)
         ladder = climb(step, step.compile_spec, eager_runs=2 * replays, repeat=repeat, bundle=bundle) \
-            if step.compile_spec is not None and replayed.status == "clean" and ranks is None else None
+            if step.compile_spec is not None and replayed.status == Status.CLEAN and ranks is None else None
         verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
         repro = None
         if bundle is not None:
@@ -97,9 +97,9 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
     event, headroom, why = _guard_event(step.event_file)
     report = dataclasses.replace(report, notes=(*report.notes, *notes, *([why] if why is not None else [])),
                                  guard_event=event, headroom=headroom)
-    if report.status == "clean" and event is not None and _failed_here(event):
-        report = dataclasses.replace(report, status="not-reproducible",
-                                     verdict=Verdict(kind="not-reproducible", replays=replays))
+    if report.status == Status.CLEAN and event is not None and _failed_here(event):
+        report = dataclasses.replace(report, status=Status.NOT_REPRODUCIBLE,
+                                     verdict=Verdict(kind=VerdictKind.NOT_REPRODUCIBLE, replays=replays))
     return dataclasses.replace(report, advice=advise(report))
 
 
@@ -120,7 +120,7 @@ def _compiled_report(report: Report, ladder: Ladder) -> Report:
     if v.graph_node is not None:
         v = dataclasses.replace(v, graph_node=dataclasses.replace(v.graph_node,
                                                                   source_text=_line_text(v.graph_node.source)))
-    return dataclasses.replace(report, config=config, notes=notes, status="compile-induced", verdict=v,
+    return dataclasses.replace(report, config=config, notes=notes, status=Status.COMPILE_INDUCED, verdict=v,
                                repro=ladder.repro or report.repro)
 
 
@@ -140,8 +140,8 @@ def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:
 def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],
            progress: Callable[[int, str], None] | None, ranks: Ranks | None = None) -> Verdict:
     status = replayed.status if ranks is None else ranks.agreed_status(replayed.status)
-    if status != "nonfinite":
-        return Verdict(kind=status)
+    if status != Status.NONFINITE:
+        return Verdict(kind=VerdictKind.CLEAN if status == Status.CLEAN else VerdictKind.NOT_REPRODUCIBLE)
 
     def locate_fp32() -> Occurrence | None:
         """Where the float32 control fails: one traced run of it."""

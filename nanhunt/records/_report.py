@@ -21,6 +21,35 @@ from ._trace import DTYPE_MAX, Occurrence, Record
 SCHEMA_VERSION = 2
 
 
+class Status(str, enum.Enum):
+    """A report's outcome: a replay's (see :class:`Report`) or a comparison's (``nanhunt compare``)."""
+
+    CLEAN = "clean"
+    NONFINITE = "nonfinite"
+    NOT_REPRODUCIBLE = "not-reproducible"
+    COMPILE_INDUCED = "compile-induced"
+    REFERENCE_NONFINITE = "reference-nonfinite"  # compare: the float32 reference itself went non-finite
+    DIVERGED = "diverged"  # compare: both runs finite, another clause of the rule failed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class VerdictKind(str, enum.Enum):
+    """What the float32 bisection proved (see :class:`Verdict`)."""
+
+    PRECISION = "precision"
+    NOT_PRECISION = "not-precision"
+    SCALE_INDUCED = "scale-induced"
+    COMPILE_INDUCED = "compile-induced"
+    NOT_REPRODUCIBLE = "not-reproducible"
+    CLEAN = "clean"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Advice(JSONData):
     """A fix beyond float32 for a known pattern (:mod:`nanhunt.hunt.advice`): ``pattern`` its id, ``advice`` one
@@ -59,7 +88,7 @@ class Report(JSONData):
     :class:`Record`.
     """
 
-    status: str = field(metadata=absent("clean"))
+    status: Status = field(metadata=absent(Status.CLEAN))
     first: Occurrence | None = field(metadata=absent(None))
     origins: tuple[Occurrence, ...] = ()
     path: tuple[Record, ...] = ()
@@ -88,6 +117,11 @@ class Report(JSONData):
     # The Guard's headroom history up to its event (from the same file): the modules nearest their dtype's limit
     # and its warnings. Written only when present.
     headroom: HeadroomHistory | None = None
+
+    def __post_init__(self) -> None:
+        # given as its text (``Report("clean", None)``): held as the member, so it is written and compared alike,
+        # and a status no version writes is refused here rather than in a file
+        object.__setattr__(self, "status", Status(self.status))
 
     def to_dict(self) -> dict[str, Any]:
         d = _serial.to_dict(self)
@@ -244,7 +278,7 @@ class Verdict(JSONData):
     fixes the step. None: not measured (no fix, or Ctrl-C first).
     """
 
-    kind: str = field(metadata=absent("clean"))
+    kind: VerdictKind = field(metadata=absent(VerdictKind.CLEAN))
     culprits: tuple[str, ...] = ()
     origin_alone_fixes: bool | None = None
     confirmed: bool = False
@@ -266,6 +300,9 @@ class Verdict(JSONData):
     rungs: tuple[Rung, ...] = ()
     graph_node: GraphNode | None = None
     graph_note: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", VerdictKind(self.kind))  # as Report.status
 
     def to_dict(self) -> dict[str, Any]:
         # a compiled step's keys only where there is one (the files of every other step are as before)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..records import DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, Verdict, role_text
+from ..records import (DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, Status, Verdict,
+                       VerdictKind, role_text)
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans",
@@ -64,19 +65,19 @@ def _kind(kind: str) -> str:
 
 def sentence(report: Report) -> list[Span]:
     """The verdict in one sentence."""
-    if report.status == "not-reproducible":
+    if report.status == Status.NOT_REPRODUCIBLE:
         e, v = report.guard_event, report.verdict
-        if e is not None and v is not None and v.kind == "not-reproducible" and not any(report.runs):
+        if e is not None and v is not None and v.kind == VerdictKind.NOT_REPRODUCIBLE and not any(report.runs):
             n = f"{v.replays} replay{'s' if v.replays != 1 else ''}"
             return [Span(f"Not reproducible: the Guard saw step {e.step} fail ({e.detail}), but the replay of its "
                          f"capture stayed finite ({n}).")]
         return [Span("Not reproducible: two replays of the same step disagree on where the first non-finite "
                      "value is born.")]
-    if report.status == "compile-induced" and report.verdict is not None:
+    if report.status == Status.COMPILE_INDUCED and report.verdict is not None:
         return compiled_sentence(report.verdict)
     occ = report.first
     if occ is None:
-        if report.status == "clean":
+        if report.status == Status.CLEAN:
             return [Span("The step stayed finite: loss, activations and gradients.")]
         return [Span("Non-finite values, but every origin is allowed or none could be located.")]
     out = [Span(f"{_kind(occ.kind)} born in phase {occ.phase.value}, ")]
@@ -91,14 +92,14 @@ def sentence(report: Report) -> list[Span]:
     else:
         out.append(Span(f" ({role_text(occ.output)})"))
     v = report.verdict
-    if v is not None and v.kind == "precision" and v.culprits:
+    if v is not None and v.kind == VerdictKind.PRECISION and v.culprits:
         out.append(Span("; running "))
         out += _culprits(v.culprits)
         gone = "makes its origin go away" if v.silent else "makes the step finite"
         out.append(Span(f" in float32 {gone}" + ("" if v.confirmed else " (not confirmed)")))
-    elif v is not None and v.kind == "not-precision":
+    elif v is not None and v.kind == VerdictKind.NOT_PRECISION:
         out.append(Span("; it fails in float32 too: not a precision problem"))
-    elif v is not None and v.kind == "scale-induced":
+    elif v is not None and v.kind == VerdictKind.SCALE_INDUCED:
         out.append(Span("; only the loss scale makes the gradients overflow (GradScaler skips this step)"))
     if occ.silent:
         out.append(Span(" (silent: absorbed before the loss and the gradients)"))
@@ -118,7 +119,7 @@ def verdict_text(report: Report) -> list[Span]:
     v = report.verdict
     if v is None:
         return [Span("No bisection was run (--no-bisect).")]
-    if v.kind == "precision":
+    if v.kind == VerdictKind.PRECISION:
         out = [Span("Precision problem: running ")]
         out += _culprits(v.culprits)
         state = "confirmed" if v.confirmed else "NOT confirmed"
@@ -129,7 +130,7 @@ def verdict_text(report: Report) -> list[Span]:
             out.append(Span(" The step stayed finite, but with wrong values: the non-finite value was absorbed"
                             + (f" into {'; '.join(v.corrupted)}." if v.corrupted else ".")))
         return out + _fix_spans(v)
-    if v.kind == "not-precision":
+    if v.kind == VerdictKind.NOT_PRECISION:
         out = [Span("Not a precision problem: the step fails in float32 too")]
         if v.float32_first is not None:
             f = v.float32_first
@@ -139,17 +140,17 @@ def verdict_text(report: Report) -> list[Span]:
                 out += [Span(" at "), Span(f.op, True)]
         out.append(Span("."))
         return out
-    if v.kind == "scale-induced":
+    if v.kind == VerdictKind.SCALE_INDUCED:
         return [Span("Scale-induced: the gradients overflow only because of the loss scale; GradScaler backs off "
                      "and skips this step (a bug only if it keeps happening).")]
-    if v.kind == "compile-induced":
+    if v.kind == VerdictKind.COMPILE_INDUCED:
         return compiled_verdict(v)
-    if v.kind == "not-reproducible":
+    if v.kind == VerdictKind.NOT_REPRODUCIBLE:
         e = report.guard_event
         if e is not None and not any(report.runs):
             return [Span(_not_reproduced(e.step, e.captured_step, e.pre_update, v.replays))]
         return [Span("Not reproducible: the original configuration ran finite when replayed again.")]
-    if v.kind == "interrupted":
+    if v.kind == VerdictKind.INTERRUPTED:
         return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
 

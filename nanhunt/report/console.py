@@ -22,7 +22,7 @@ from rich.tree import Tree
 from .._util._errors import visible
 from . import _common as _c
 from . import _compare_text as _ct
-from ..records import Comparison, HeadroomHistory, Inspection, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Inspection, Occurrence, Report, Status, TensorDiff
 
 __all__ = ["render", "render_text", "render_inspection", "summary_line", "render_comparison", "compare_summary"]
 
@@ -100,7 +100,7 @@ def _key_values(rows: list[tuple[str, list[_c.Span]]]) -> Table:
 def render(report: Report) -> RenderableType:
     if report.comparison is not None:
         return render_comparison(report)
-    colour = "green" if report.status == "clean" else "red"
+    colour = "green" if report.status == Status.CLEAN else "red"
     parts: list[RenderableType] = [_text(_c.sentence(report), style=f"bold {colour}")]
     guard = _c.guard_text(report)
     if guard is not None:
@@ -122,7 +122,7 @@ def render(report: Report) -> RenderableType:
     others = [o for o in report.origins if o is not occ]
     if others:
         parts.append(_t(f"{len(others)} other origin(s): " + "; ".join(o.describe() for o in others[:5])))
-    if report.status == "not-reproducible":
+    if report.status == Status.NOT_REPRODUCIBLE:
         for i, o in enumerate(report.runs):
             parts.append(_t(f"run {i + 1}: {o.describe() if o else 'finite'}"))
     if report.verdict is not None:

@@ -13,7 +13,7 @@ import dataclasses
 import html as _html
 
 from .._util._errors import visible
-from ..records import Comparison, HeadroomHistory, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Occurrence, Report, Status, TensorDiff, VerdictKind
 from . import _common as c
 from . import _compare_text as ct
 from ._common import Span
@@ -136,9 +136,9 @@ def _occurrence(o: Occurrence) -> str:
 
 
 def _badges(report: Report) -> str:
-    if report.status == "clean":
+    if report.status == Status.CLEAN:
         out = '<span class="badge b-ok">finite</span>'
-    elif report.status == "not-reproducible":
+    elif report.status == Status.NOT_REPRODUCIBLE:
         out = '<span class="badge b-warn">not reproducible</span>'
     else:
         out = '<span class="badge b-bad">non-finite</span>'
@@ -147,7 +147,7 @@ def _badges(report: Report) -> str:
         out += ('<span class="badge b-ok">repro verified</span>' if rp.verified
                 else '<span class="badge b-warn">repro not verified</span>')
     v = report.verdict
-    if v is not None and v.kind not in ("clean",):
+    if v is not None and v.kind != VerdictKind.CLEAN:
         out += f'<span class="badge {"b-ok" if v.confirmed else "b-warn"}">{_e(v.kind)}{" · confirmed" if v.confirmed else ""}</span>'
     return out
 
@@ -178,7 +178,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
         if len(report.path) > _PATH_SHOWN:
             items += f"<li>... and {len(report.path) - _PATH_SHOWN} more</li>"
         parts += [f"<section><h2>{c.PATH_TITLE}</h2>", f'<ol class="path">{items}</ol></section>']
-    if report.status != "clean" or report.verdict is not None:
+    if report.status != Status.CLEAN or report.verdict is not None:
         parts += _bisection(report)
     parts += _advice(report)
     parts += [f"<section><h2>{c.SCALER_TITLE}</h2>", f"<p>{_e(c.scaler_text(report.config))}</p></section>"]
@@ -295,7 +295,7 @@ def _other_origins(report: Report, occ: Occurrence | None) -> list[str]:
     if others:
         items = "".join(f"<li>{_occurrence(o)}</li>" for o in others)
         parts.append(f"<details><summary>Other origins ({len(others)})</summary><ul>{items}</ul></details>")
-    if report.status == "not-reproducible" and report.runs:
+    if report.status == Status.NOT_REPRODUCIBLE and report.runs:
         items = "".join(f"<li>run {i + 1}: {_occurrence(o) if o is not None else 'finite'}</li>"
                         for i, o in enumerate(report.runs))
         parts.append(f"<details open><summary>The two replays</summary><ul>{items}</ul></details>")

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 
 from .._util._errors import visible
-from ..records import Comparison, HeadroomHistory, Occurrence, Report, TensorDiff
+from ..records import Comparison, HeadroomHistory, Occurrence, Report, Status, TensorDiff
 from . import _common as c
 from . import _compare_text as ct
 from ._common import Span
@@ -122,9 +122,9 @@ def _headroom(h: HeadroomHistory) -> list[str]:
 
 
 def _title(report: Report) -> str:
-    if report.status == "clean":
+    if report.status == Status.CLEAN:
         return "nanhunt: the step is finite"
-    if report.status == "not-reproducible":
+    if report.status == Status.NOT_REPRODUCIBLE:
         return "nanhunt: not reproducible"
     return "nanhunt: non-finite step"
 
@@ -156,7 +156,7 @@ def render(report: Report) -> str:
             items.append(f"{_PATH_SHOWN + 1}. ... and {len(report.path) - _PATH_SHOWN} more")
         out += ["", f"#### {c.PATH_TITLE}", "", _details(f"{len(report.path)} records, from the origin to the "
                                                            "loss and the gradients", "\n".join(items))]
-    if report.status != "clean" or report.verdict is not None:
+    if report.status != Status.CLEAN or report.verdict is not None:
         out += ["", f"#### {c.BISECTION_TITLE}", "", _spans(c.verdict_text(report))]
         v = report.verdict
         alone = None if v is None else c.origin_alone(v)
@@ -189,7 +189,7 @@ def render(report: Report) -> str:
     if others:
         body = "\n".join(f"- {_occurrence_line(o)}" for o in others[:_LIST_SHOWN])
         out += ["", _details(f"Other origins ({len(others)})", body)]
-    if report.status == "not-reproducible" and report.runs:
+    if report.status == Status.NOT_REPRODUCIBLE and report.runs:
         body = "\n".join(f"- run {i + 1}: " + (_occurrence_line(o) if o is not None else "finite")
                          for i, o in enumerate(report.runs))
         out += ["", _details("The two replays", body)]

@@ -426,6 +426,21 @@ def test_cli_report_rerenders(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["report", str(tmp_path / "missing.json")]) == 2
 
 
+def test_cli_report_refuses_an_unknown_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nanhunt.cli import main
+
+    # GIVEN a saved report whose status no version writes
+    data = json.loads((GOLDEN / "report_v1.json").read_text())
+    data["status"] = "finished"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    # THEN it is refused as a file that is not a report, in one line
+    assert main(["report", str(bad)]) == 2
+    assert capsys.readouterr().err == (
+        f"nanhunt: error: {str(bad)!r} is not a nanhunt JSON report (ValueError: 'finished' is not a valid Status); "
+        "write it again with nanhunt replay --report x.json\n")
+
+
 # ------------------------------------------------------------------ import rule
 
 

@@ -13,7 +13,7 @@ import pytest
 from nanhunt.records import _serial
 from nanhunt.records._serial import JSONData, absent
 from nanhunt.records import (SCHEMA_VERSION, Comparison, Decision, FullStats, GuardEvent, Occurrence, Phase,
-                             Record, Regression, Report, Role, TensorDiff, Verdict)
+                             Record, Regression, Report, Role, Status, TensorDiff, Verdict, VerdictKind)
 
 
 class Colour(str, enum.Enum):
@@ -140,6 +140,36 @@ def test_report_layout() -> None:
     assert keys[keys.index("tie_rule") + 1] == "rule" and list(with_cmp)[-1] == "comparison"
     # a null among the origins is dropped
     assert Report.from_dict({"origins": [None]}).origins == ()
+
+
+def test_status_and_verdict_kind_read_as_their_enums_and_write_as_before() -> None:
+    # GIVEN a file's status and verdict kind
+    r = Report.from_dict({"status": "not-reproducible", "verdict": {"kind": "scale-induced"}})
+    # THEN they read back as enum members
+    assert r.status is Status.NOT_REPRODUCIBLE
+    assert r.verdict is not None and r.verdict.kind is VerdictKind.SCALE_INDUCED
+    assert Report.from_dict({}).status is Status.CLEAN and Verdict.from_dict({}).kind is VerdictKind.CLEAN
+    # and write and format as the same strings
+    d = json.loads(_json(r.to_dict()))
+    assert (d["status"], d["verdict"]["kind"]) == ("not-reproducible", "scale-induced")
+    assert json.dumps([Status.DIVERGED, VerdictKind.NOT_PRECISION]) == '["diverged", "not-precision"]'
+    assert f"{r.status}|{r.verdict.kind:>15}|{Status.CLEAN!s}" == "not-reproducible|  scale-induced|clean"
+    assert "%s" % VerdictKind.COMPILE_INDUCED == "compile-induced"
+
+
+def test_an_unknown_status_or_verdict_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="'finished' is not a valid Status"):
+        Report.from_dict({"status": "finished"})
+    with pytest.raises(ValueError, match="'precise' is not a valid VerdictKind"):
+        Report.from_dict({"verdict": {"kind": "precise"}})
+    with pytest.raises(ValueError, match="'clen' is not a valid Status"):
+        Report("clen", None)  # type: ignore[arg-type]
+
+
+def test_a_status_or_verdict_kind_given_as_text_is_held_as_the_member() -> None:
+    r = Report("nonfinite", None, verdict=Verdict("precision"))  # type: ignore[arg-type]
+    assert r.status is Status.NONFINITE and r.verdict is not None and r.verdict.kind is VerdictKind.PRECISION
+    assert (r.to_dict()["status"], r.to_dict()["verdict"]["kind"]) == ("nonfinite", "precision")
 
 
 def test_guard_event_round_trips() -> None:
