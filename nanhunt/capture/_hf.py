@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import re
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
+import torch
 from torch import nn
 
 from . import _peft
 from .._util._errors import InputError, first_line as _first_line
+from .._util._text import few as _few
 from .._util._wrappers import user_class
 from ._resolve import _refused, callable_path, resolve
 
@@ -43,11 +47,14 @@ def _hf_model_spec(model: nn.Module) -> dict[str, Any] | None:
             else None}
 
 
-def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = None) -> nn.Module:
+def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = None, *,
+              weights: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None, exact: bool = True,
+              config_label: str = "its config") -> nn.Module:
     """The ``transformers`` model a capture names, built from its config and nothing else from the file: the
     class must be a ``PreTrainedModel`` subclass of the transformers package (vetted as ``resolve`` vets any
     name), its config class the class's own ``config_class``, the config plain JSON that asks to fetch nothing,
-    and the attention kernel one of torch's."""
+    and the attention kernel one of torch's. ``weights`` (names -> dtype and shape): what the model is to hold,
+    checked before it is built (see ``_fits``; ``exact``: names and shapes too, not only the size)."""
     fix = "pass --model package.module:factory"
     path, text, attn = spec.get("class"), spec.get("config"), spec.get("attn_implementation")
     if not isinstance(path, str) or not isinstance(text, str) or not (attn is None or isinstance(attn, str)):
@@ -76,6 +83,11 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
     try:
         cfg = config_cls.from_dict(config)
         cfg._attn_implementation = attn  # what the run used, set on every sub-config: never what the JSON says
+    except Exception as e:
+        raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
+    if weights is not None:
+        _fits(cls, cfg, base, where, config_label, weights, exact)
+    try:
         model = cls(cfg)
     except Exception as e:
         raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
@@ -129,3 +141,81 @@ def _through_training_step(model: nn.Module) -> None:
         return out
 
     setattr(model, "forward", step)
+
+
+# Tensors a model built from the config may hold beyond the weights file (non-persistent buffers: rotary
+# frequencies, masks); beyond this many values it is not the model the weights were saved from.
+_UNSAVED = 1 << 24
+
+
+# a config's layer counts (GPT-2's n_layer, BART's encoder_layers, a vision tower's depth), each layer built
+_LAYER_COUNT = re.compile(r"depth|n_layers?|\w*_layers")
+
+
+def _most_layers(cfg: Any, base: type) -> tuple[str, int] | None:
+    """The largest layer count of the config ``cfg`` (a ``base``), or of a config inside it (a vision tower's),
+    with its key: read through the config class, so that ``num_hidden_layers`` is GPT-2's ``n_layer`` (its
+    attribute_map)."""
+    counts: list[tuple[str, int]] = []
+    todo = [cfg]
+    while todo:
+        c = todo.pop()
+        named = getattr(c, "num_hidden_layers", None)
+        if _count(named):
+            counts.append((str(c.attribute_map.get("num_hidden_layers", "num_hidden_layers")), named))
+        counts += [(k, v) for k, v in vars(c).items() if _LAYER_COUNT.fullmatch(k) and _count(v)]
+        todo += [v for v in vars(c).values() if isinstance(v, base)]
+    return max(counts, key=lambda kv: kv[1], default=None)
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shared(sd: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """A weight two names share (GPT-2's ``lm_head`` and its embedding) is saved once, under one of them: the
+    others get it too."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for group in names.values():
+        saved = next((n for n in group if n in sd), None)
+        if saved is not None:
+            for n in group:
+                sd.setdefault(n, sd[saved])
+
+
+def _fits(cls: Any, cfg: Any, base: type, where: str, label: str,
+          weights: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], exact: bool) -> None:
+    """The model ``cls(cfg)`` would be, checked against the weights it is to hold (names -> dtype and shape)
+    before it is built: its layers counted first (each takes the meta device some milliseconds to build, and each
+    holds at least one of the weights' tensors), then built on the meta device, where a config naming a hidden
+    size of a million allocates nothing. ``exact``: its names and shapes are the weights' (a PEFT capture's
+    adapters are not in the config: only its size is checked then)."""
+    fix = "the config does not belong to them: pass --model package.module:factory"
+    most = _most_layers(cfg, base)
+    if most is not None and most[1] > len(weights):
+        raise InputError(f"{where}: {label} names {most[1]:,} layers ({most[0]}), more than the "
+                         f"{len(weights):,} tensors its weights hold; {fix}")
+    try:
+        with torch.device("meta"):
+            probe = cls(copy.deepcopy(cfg))
+    except Exception as e:
+        raise InputError(f"cannot build {callable_path(cls)} from {label}: {_first_line(e)}; pass --model "
+                         "package.module:factory") from e
+    meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape) in weights.items()}
+    _shared(meta, probe)
+    want = probe.state_dict()
+    wrong = [(what, found) for what, found in (
+        ("missing", [k for k in want if k not in meta]),
+        ("unexpected", [k for k in meta if k not in want]),
+        ("shape mismatch", [f"{k} {tuple(meta[k].shape)} in the weights vs {tuple(t.shape)}" for k, t in want.items()
+                            if k in meta and meta[k].shape != t.shape])) if found] if exact else []
+    if wrong:
+        raise InputError(f"{where}: the model {label} describes does not fit its weights "
+                         f"({'; '.join(f'{what} {_few(found)}' for what, found in wrong)}); {fix}")
+    held = sum(t.numel() for t in {id(t): t for t in [*probe.parameters(), *probe.buffers()]}.values())
+    given = sum(t.numel() for t in {id(t): t for t in meta.values()}.values())
+    if held > given + _UNSAVED:
+        raise InputError(f"{where}: the model {label} describes holds {held:,} values, far more than its "
+                         f"weights' {given:,}; {fix}")

@@ -18,7 +18,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from .._util._json import read_json
 from .._util._safeload import load_file
 from .._util._safetensors import load_safetensors, safetensors_header
 from ._build import _build, _check_dtypes, _Loaded, _take_dtypes
-from ._hf import _hf_model
+from ._hf import _hf_model, _shared
 from ._resolve import callable_path
 from .._util._text import few as _few
 from ._statedict import map_state_dict
@@ -46,9 +46,6 @@ _PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _FSDP_SHARDS = "pytorch_model_fsdp_0"  # accelerate's SHARDED_STATE_DICT: a DCP directory
 _ADAMW = "torch.optim:AdamW"  # transformers' default optimizer (adamw_torch, adamw_torch_fused)
 _CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*")
-# Tensors a model built from the config may hold beyond the weights file (non-persistent buffers: rotary
-# frequencies, masks); beyond this many values it is not the model the weights were saved from.
-_UNSAVED = 1 << 24
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -159,37 +156,10 @@ def _weight_files(path: str, where: str) -> dict[str, list[str]]:
 
 def _from_config(path: str, where: str, header: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
                  notes: list[str]) -> nn.Module:
-    """The model ``config.json`` describes, checked on the meta device against the weights' shapes first: a
-    1 kB config naming a hidden size of a million over small weights allocates nothing. Its layers are counted
-    before: each takes the meta device some milliseconds to build, and each holds at least one of the weights'
-    tensors, so a config naming more layers than the weights hold tensors is refused unbuilt."""
-    spec, cls = _spec(path, where)
-    most = _most_layers(cls, json.loads(spec["config"]))
-    if most is not None and most[1] > len(header):
-        raise InputError(f"{where}: its {CONFIG} names {most[1]:,} layers ({most[0]}), more than the "
-                           f"{len(header):,} tensors its weights hold; the config does not belong to them: pass "
-                           "--model package.module:factory")
-    with torch.device("meta"):
-        probe = _hf_model(spec, where, [])
-    meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (dt, shape) in header.items()}
-    _shared(meta, probe)
-    want = probe.state_dict()
-    wrong = [(what, found) for what, found in (
-        ("missing", [k for k in want if k not in meta]),
-        ("unexpected", [k for k in meta if k not in want]),
-        ("shape mismatch", [f"{k} {tuple(meta[k].shape)} in the weights vs {tuple(t.shape)}" for k, t in want.items()
-                            if k in meta and meta[k].shape != t.shape])) if found]
-    if wrong:
-        raise InputError(f"{where}: the model its {CONFIG} describes does not fit its weights "
-                           f"({'; '.join(f'{what} {_few(found)}' for what, found in wrong)}); the config does not "
-                           "belong to them: pass --model package.module:factory")
-    held = sum(t.numel() for t in {id(t): t for t in [*probe.parameters(), *probe.buffers()]}.values())
-    given = sum(t.numel() for t in {id(t): t for t in meta.values()}.values())
-    if held > given + _UNSAVED:
-        raise InputError(f"{where}: the model its {CONFIG} describes holds {held:,} values, far more than its "
-                           f"weights' {given:,}; the config does not belong to these weights")
-    del probe, meta
-    return _hf_model(spec, where, notes)
+    """The model ``config.json`` describes, checked against the weights' names and shapes before it is built
+    (``_hf._fits``)."""
+    spec, _ = _spec(path, where)
+    return _hf_model(spec, where, notes, weights=header, config_label=f"its {CONFIG}")
 
 
 def _spec(path: str, where: str) -> tuple[dict[str, Any], Any]:
@@ -212,51 +182,6 @@ def _spec(path: str, where: str) -> tuple[dict[str, Any], Any]:
         raise InputError(f"{where}: its {CONFIG} names {archs[0]!r}, which transformers "
                            f"{transformers.__version__} does not have ({_first_line(e)}); {fix}") from e
     return {"class": callable_path(cls), "config": json.dumps(config), "attn_implementation": None}, cls
-
-
-# a config's layer counts (GPT-2's n_layer, BART's encoder_layers, a vision tower's depth), each layer built
-_LAYER_COUNT = re.compile(r"depth|n_layers?|\w*_layers")
-
-
-def _most_layers(cls: Any, config: dict[str, Any]) -> tuple[str, int] | None:
-    """The largest layer count of the config ``cls`` is built from, or of a config inside it (a vision tower's),
-    with its key: read through the config class, so that ``num_hidden_layers`` is GPT-2's ``n_layer`` (its
-    attribute_map). None when the config does not build: building the model says why."""
-    try:
-        import transformers
-        base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
-        cfg = cls.config_class.from_dict(config)
-        if not isinstance(cfg, base):
-            return None
-    except Exception:
-        return None
-    counts: list[tuple[str, int]] = []
-    todo = [cfg]
-    while todo:
-        c = todo.pop()
-        named = getattr(c, "num_hidden_layers", None)
-        if _count(named):
-            counts.append((str(c.attribute_map.get("num_hidden_layers", "num_hidden_layers")), named))
-        counts += [(k, v) for k, v in vars(c).items() if _LAYER_COUNT.fullmatch(k) and _count(v)]
-        todo += [v for v in vars(c).values() if isinstance(v, base)]
-    return max(counts, key=lambda kv: kv[1], default=None)
-
-
-def _count(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shared(sd: dict[str, torch.Tensor], model: nn.Module) -> None:
-    """A weight two names share (GPT-2's ``lm_head`` and its embedding) is saved once, under one of them: the
-    others get it too."""
-    names: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    for group in names.values():
-        saved = next((n for n in group if n in sd), None)
-        if saved is not None:
-            for n in group:
-                sd.setdefault(n, sd[saved])
 
 
 # ------------------------------------------------------------ the rest of the state

@@ -114,3 +114,21 @@ def test_a_config_that_is_no_json_object_is_refused(tmp_path: Path, config: str)
     _tampered(ck, config=config)
     with pytest.raises(InputError, match="JSON object"):
         load_step(ck, bt)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"n_layer": 1_000_000}, "names 1,000,000 layers (n_layer), more than the"),
+    ({"n_embd": 16_384, "n_head": 2}, "holds 3,222,126,592 values, far more than its weights' 4,464"),
+], ids=["a-million-layers", "a-huge-width"])
+def test_a_config_bigger_than_the_captures_weights_is_refused_before_it_is_built(
+        tmp_path: Path, change: dict[str, int], said: str) -> None:
+    # GIVEN a capture whose hf_model config names far more model than its weights hold
+    ck, bt = _capture(tmp_path)
+    data = torch.load(ck, weights_only=True)
+    config = json.loads(data["hf_model"]["config"])
+    config.update(change)
+    _tampered(ck, config=json.dumps(config))
+    # WHEN it is loaded  THEN it is refused in one line, nothing built (no memory for it, no minutes of layers)
+    with pytest.raises(InputError, match="the config does not belong to them: pass --model") as info:
+        load_step(ck, bt)
+    assert said in str(info.value) and "\n" not in str(info.value)
