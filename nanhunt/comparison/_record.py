@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._util._text import dtype_name
 from .._util._tree import map_tensors
-from ..records import Occurrence
+from ..records import Level, Occurrence
 from ..step._run import _backward, _call_model, _loss_of
 from ..tracing.tracer import Trace
 
@@ -183,7 +183,7 @@ def _absorbed(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[...
     origins (feeding only indices) and those inside modules the rule allows are left out."""
     from ..hunt.pipeline import _line_text
 
-    with Trace(model, level="op") as t:
+    with Trace(model, level=Level.OP) as t:
         with torch.autocast(device_type, dtype=dtype):
             out = _call_model(model, inputs)
             loss = _loss_of(out, targets, loss_fn)

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._util._text import dtype_name
 from ..tracing.graph import loss_index
-from ..records import Occurrence, Phase, Record, Role, Status
+from ..records import Level, Occurrence, Phase, Record, Role, Status
 from ..step.step import Step
 from ..tracing.tracer import Trace
 
@@ -46,7 +46,7 @@ class Replayed:
         return Status.NONFINITE
 
 
-def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> Replayed:
+def trace_twice(step: Step, *, level: Level = Level.OP, allow: Sequence[str] = ()) -> Replayed:
     """Run ``step`` twice under :func:`nanhunt.trace` from the same state; the second run measures the
     first run's culprit in full (its record and its inputs). The step's state is restored afterwards."""
     traces: list[Trace] = []
@@ -55,7 +55,7 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     with step.isolated():
         for _ in range(2):
             # the second run also keeps the culprit op's call (the repro's inputs): no third run
-            first = traces[0].first if traces and level == "op" else None
+            first = traces[0].first if traces and level == Level.OP else None
             catch = first if first is not None and first.op is not None else None
             # an op's culprit is measured in full where it is caught, by its key (record indices can shift); a
             # value entering the step (no op), by its record index
@@ -69,13 +69,13 @@ def trace_twice(step: Step, *, level: str = "op", allow: Sequence[str] = ()) -> 
     return Replayed((traces[0], traces[1]), loss_value)
 
 
-def step_config(step: Step, level: str) -> dict[str, Any]:
+def step_config(step: Step, level: Level) -> dict[str, Any]:
     """What the step is replayed with (read before it runs: the scaler's scale)."""
     loss_fn, optimizer, scaler = step.loss_fn, step.optimizer, step.scaler
     config: dict[str, Any] = {
         "dtype": dtype_name(step.dtype),
         "device_type": step.device_type,
-        "level": level,
+        "level": level.value,  # plain data, as a file reads back
         "train": step.model.training if step.train is None else step.train,
         "loss_fn": getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None),
         "optimizer": None if optimizer is None else type(optimizer).__name__,

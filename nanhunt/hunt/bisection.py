@@ -28,7 +28,7 @@ from .._util._dispatch import all_finite, local_tensor
 from .._util._wrappers import user_modules
 from ..step.precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from .._util._errors import InputError
-from ..records import Occurrence, Phase, Verdict, VerdictKind
+from ..records import Level, Occurrence, Phase, Verdict, VerdictKind
 from ..step.step import Step
 from ..tracing.tracer import Trace
 
@@ -58,7 +58,7 @@ class _Trials:
     """Runs one finite/non-finite trial of the step per call and counts them."""
 
     def __init__(self, step: Step, progress: Callable[[int, str], None] | None, team: Team | None = None, *,
-                 level: str = "op", allow: Sequence[str] = ()) -> None:
+                 level: Level = Level.OP, allow: Sequence[str] = ()) -> None:
         self.step, self.progress, self.team = step, progress, team
         self.level, self.allow = level, tuple(allow)  # the hunt's trace: what counts as an origin
         self.count = 0
@@ -96,7 +96,7 @@ class _Trials:
                 handles.extend(_record_calls(step.model, called))
 
         # the origin's module alone is traced (op level): the question is only whether it is still born
-        tracer = None if watch is None else Trace(step.model, level="op", scope=[watch.module] if watch.module else ())
+        tracer = None if watch is None else Trace(step.model, level=Level.OP, scope=[watch.module] if watch.module else ())
         try:
             # A Ctrl-C held while the state was put back arrives when the reset returns: inside this try,
             # so the search ends with what it found, as on a Ctrl-C during the step.
@@ -227,7 +227,7 @@ def bisect(
     progress: Callable[[int, str], None] | None = None,
     locate_fp32: Callable[[], Occurrence | None] | None = None,
     team: Team | None = None,
-    level: str = "op",
+    level: Level = Level.OP,
     allow: Sequence[str] = (),
 ) -> Verdict:
     """Find a minimal set of modules (and the regions ``<loss>``, ``<update>``) whose float32 execution makes

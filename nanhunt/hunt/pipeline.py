@@ -20,12 +20,12 @@ from .._util._env import environment
 from .advice import advise
 from .bisection import Team, bisect
 from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, HeadroomHistory, Occurrence, Phase, Record,
-                       Report, Repro, Role, Status, Verdict, VerdictKind)
+                       Report, Repro, Level, Role, Status, Verdict, VerdictKind)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
 from ..step.step import Step
-from ..tracing.tracer import Trace
+from ..tracing.tracer import Trace, as_level
 
 __all__ = ["hunt", "replay", "Ranks"]
 
@@ -67,13 +67,14 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
     if repeat < 1 or (ranks is not None and repeat != 1):
         raise ValueError(f"repeat={repeat}: at least 1, and 1 in a distributed replay")
     allow = tuple(allow)
-    config = step_config(step, level)
+    traced = as_level(level)  # as the command line and replay() give it: a ValueError for neither op nor module
+    config = step_config(step, traced)
     notes: tuple[str, ...] = ()
     with step.isolated():  # one snapshot for every run below
-        replayed = trace_twice(step, level=level, allow=allow)
+        replayed = trace_twice(step, level=traced, allow=allow)
         replays = 1
         while replayed.status == Status.CLEAN and replays < repeat:
-            replayed = trace_twice(step, level=level, allow=allow)
+            replayed = trace_twice(step, level=traced, allow=allow)
             replays += 1
         if replays > 1 and replayed.status != Status.CLEAN:
             notes = (f"replay {replays} of up to {repeat} was not finite: "
@@ -84,7 +85,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
             ranks.traced(replayed.final)
         ladder = climb(step, step.compile_spec, eager_runs=2 * replays, repeat=repeat, bundle=bundle) \
             if step.compile_spec is not None and replayed.status == Status.CLEAN and ranks is None else None
-        verdict = _prove(step, replayed, level, allow, progress, ranks) if prove else None
+        verdict = _prove(step, replayed, traced, allow, progress, ranks) if prove else None
         repro = None
         if bundle is not None:
             def make(directory: str) -> Repro | None:
@@ -137,7 +138,7 @@ def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:
     return origin_call(step, caught) if caught is not None and replayed.reproducible else None
 
 
-def _prove(step: Step, replayed: Replayed, level: str, allow: tuple[str, ...],
+def _prove(step: Step, replayed: Replayed, level: Level, allow: tuple[str, ...],
            progress: Callable[[int, str], None] | None, ranks: Ranks | None = None) -> Verdict:
     status = replayed.status if ranks is None else ranks.agreed_status(replayed.status)
     if status != Status.NONFINITE:

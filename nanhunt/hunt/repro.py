@@ -46,7 +46,7 @@ from .._util._text import dtype_name
 from ..capture.capture import split_batch
 from ..tracing._ops import read_tensors
 from ..tracing.locate import FACTORS, factor_negative, origin_kind
-from ..records import Occurrence, Phase, Record, Repro, Role
+from ..records import Level, Occurrence, Phase, Record, Repro, Role
 from ..tracing.stats import PendingStats
 from ..step.step import Step
 from ..tracing.tracer import Trace
@@ -158,7 +158,7 @@ def capture_origin_call(step: Step, occurrence: Occurrence) -> OriginCall | None
     The occurrence must come from an op-level trace of the same step. The step's state is restored."""
     if occurrence.op is None:
         return None
-    t = Trace._zooming(step.model, (), catch=occurrence, level="op", distributed=False)
+    t = Trace._zooming(step.model, (), catch=occurrence, level=Level.OP, distributed=False)
     with step.isolated():
         step.run(within=t)
     caught = t._caught

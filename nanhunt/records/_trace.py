@@ -58,6 +58,16 @@ class Role(str, enum.Enum):
         return self.value
 
 
+class Level(str, enum.Enum):
+    """What a trace records: every aten op, or module boundaries and gradients only (for speed)."""
+
+    OP = "op"
+    MODULE = "module"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # JSON (``to_dict`` / ``from_dict``, see ``_serial``): one key per field, in field order. ``field(metadata=absent(x))``
 # is what a file without that key (an older layout) reads as; a field with neither a default nor ``absent`` is
 # required in every file.

@@ -23,7 +23,7 @@ from ._scope import ScopeGate, in_scope
 from ._tensors import floatish, layout, tensors
 from ._watch import OriginWatch
 from .._util._wrappers import user_class, user_named_modules
-from ..records import Phase, Role
+from ..records import Level, Phase, Role
 
 __all__ = ["ModuleHooks"]
 
@@ -55,7 +55,7 @@ class ModuleHooks:
                  "layouts", "_store", "_phases", "_ops", "_gate", "_watch", "_handles")
 
     def __init__(self, store: RecordStore, phases: PhaseTracker, ops: OpRecorder, gate: ScopeGate | None,
-                 watch: OriginWatch, handles: list[Any], *, level: str = "op", scope: tuple[str, ...] = (),
+                 watch: OriginWatch, handles: list[Any], *, level: Level = Level.OP, scope: tuple[str, ...] = (),
                  stop_at_first: bool = False) -> None:
         self.level = level
         self.scope = scope
@@ -137,7 +137,7 @@ class ModuleHooks:
             return
         name = e[1]
         phases, ops, store = self._phases, self._ops, self._store
-        module_level = self.level == "module"
+        module_level = self.level == Level.MODULE
         ops.busy = True
         try:
             if self._gate is not None and not phases.stack:
@@ -202,7 +202,7 @@ class ModuleHooks:
         store = self._store
         self._ops.busy = True
         try:
-            module_level = self.level == "module"
+            module_level = self.level == Level.MODULE
             start, ins, children = self.mstack.pop() if module_level and self.mstack else (0, (), [])
             if in_backward:
                 return
@@ -282,7 +282,7 @@ class ModuleHooks:
             ent = store.known.get(g)
             if ent is not None and ent[1] == _version(g):
                 raw = Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, (int(ent[0]),), None, alias_of=int(ent[0]))
-            elif ent is None and self.level == "module" and _dispatch.local_tensor(g) is not g:
+            elif ent is None and self.level == Level.MODULE and _dispatch.local_tensor(g) is not g:
                 # A sharded (FSDP2) gradient: its hook runs after the reduce-scatter that summed every rank's
                 # part, which module level does not record, so it cannot tell this rank's part from the others'
                 # and does not call it an origin here (level="op" records the collective and tells them apart).

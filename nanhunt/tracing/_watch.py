@@ -34,7 +34,7 @@ from ._phases import PhaseTracker
 from ._records_store import RecordStore
 from ._tensors import floatish, input_shapes, tensors
 from .locate import LocateResult, locate, origin_kind
-from ..records import Occurrence
+from ..records import Level, Occurrence
 from .stats import full_stats
 
 __all__ = ["OriginWatch", "WINDOW", "land"]
@@ -60,7 +60,7 @@ class OriginWatch:
     __slots__ = ("level", "allow", "stop_at_first", "window", "stopped", "held", "_held_graph", "_keep", "_store",
                  "_phases")
 
-    def __init__(self, store: RecordStore, *, level: str = "op", allow: tuple[str, ...] = (),
+    def __init__(self, store: RecordStore, *, level: Level = Level.OP, allow: tuple[str, ...] = (),
                  stop_at_first: bool = False, keep_tensors: bool = False, phases: PhaseTracker | None = None) -> None:
         self.level = level
         self.allow = allow
@@ -71,7 +71,7 @@ class OriginWatch:
         self._held_graph = False  # its value has an autograd graph: a backward settles it
         self._keep = keep_tensors
         self._store = store
-        self._phases = phases if level == "op" else None
+        self._phases = phases if level == Level.OP else None
 
     def hold(self, new: list[int], args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor],
              node: Any) -> None:

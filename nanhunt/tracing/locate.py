@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from .graph import SINKS, loss_index, nonfinite_graph, propagation_path, reached_sinks
-from ..records import Occurrence, Phase, Record, RecordView, Role
+from ..records import Level, Occurrence, Phase, Record, RecordView, Role
 
 __all__ = ["LocateResult", "locate", "leading_origin", "origin_kind", "is_allowed", "FACTORS", "factor_negative"]
 
@@ -151,7 +151,7 @@ def is_allowed(module: str | None, op: str | None, allow: Sequence[str]) -> bool
 def locate(
     records: Sequence[RecordView],
     *,
-    level: str,
+    level: Level,
     classes: Mapping[str, str],
     root_outputs: frozenset[int],
     spans: Mapping[int, int],
@@ -184,7 +184,7 @@ def locate(
             assert isinstance(r, Record)
             return r
 
-    module_level = level == "module"
+    module_level = level == Level.MODULE
     masks: list[tuple[RecordView, str]] = []  # module level: the first module output holding only -inf
     found = _origin_records(records, module_level=module_level, start=start, spans=spans, not_masks=not_masks,
                             negated=negated, root_outputs=root_outputs, masks_out=masks)

@@ -37,11 +37,19 @@ from ._records_store import cast_value as _cast_value  # noqa: F401  (tests impo
 from ._scope import ScopeGate
 from ._watch import OriginWatch
 from .locate import LocateResult
-from ..records import Occurrence, Phase, Record, Role
+from ..records import Level, Occurrence, Phase, Record, Role
 
-__all__ = ["trace", "Trace"]
+__all__ = ["trace", "Trace", "as_level"]
 
-_LEVELS = ("op", "module")
+_LEVELS = tuple(lv.value for lv in Level)
+
+
+def as_level(level: str) -> Level:
+    """``level`` as :func:`trace` and :func:`nanhunt.replay` take it: ``"op"``, ``"module"`` or a :class:`Level`."""
+    try:
+        return Level(level)
+    except ValueError:
+        raise ValueError(f"level must be one of {_LEVELS}, not {level!r}") from None
 
 
 class Trace:
@@ -64,8 +72,7 @@ class Trace:
         full_stats: bool = False,
         distributed: bool | None = None,
     ) -> None:
-        if level not in _LEVELS:
-            raise ValueError(f"level must be one of {_LEVELS}, not {level!r}")
+        self.level = as_level(level)
         if isinstance(allow, str):
             allow = (allow,)
         if distributed and not _ranks.available():
@@ -73,7 +80,6 @@ class Trace:
         # stop_at_first leaves the block early on one rank: a gather there would meet other ranks' collectives
         self.distributed = _ranks.available() and not stop_at_first if distributed is None else distributed
         self._ranks: _ranks.RankView | None = None
-        self.level = level
         self.stop_at_first = stop_at_first
         self.full_stats = full_stats
         self.allow: tuple[str, ...] = tuple(allow)
@@ -85,7 +91,7 @@ class Trace:
             self.compiled = True
         self._model_ref = None if model is None else weakref.ref(model)
         self.scope: tuple[str, ...] = (scope,) if isinstance(scope, str) else tuple(scope)
-        if self.scope and (model is None or level != "op"):
+        if self.scope and (model is None or self.level != Level.OP):
             raise ValueError("scope= restricts an op-level trace of a model to some of its modules")
         self._state = "new"
         self._result: LocateResult | None = None
@@ -99,12 +105,12 @@ class Trace:
         self._phases = PhaseTracker(self._store)
         # Op level: the ops since the last read-back are kept with their tensors, so that the
         # culprit's full statistics can be measured while they are alive.
-        self._watch = OriginWatch(self._store, level=level, allow=self.allow, stop_at_first=stop_at_first,
-                                  keep_tensors=level == "op" and (full_stats or stop_at_first), phases=self._phases)
+        self._watch = OriginWatch(self._store, level=self.level, allow=self.allow, stop_at_first=stop_at_first,
+                                  keep_tensors=self.level == Level.OP and (full_stats or stop_at_first), phases=self._phases)
         self._ops = OpRecorder(self._store, self._phases, self._watch, scope=self.scope)
         self._gate = ScopeGate(self._ops, self._phases, self._handles) if self.scope else None
         self._modules = ModuleHooks(self._store, self._phases, self._ops, self._gate, self._watch, self._handles,
-                                    level=level, scope=self.scope, stop_at_first=stop_at_first)
+                                    level=self.level, scope=self.scope, stop_at_first=stop_at_first)
 
     @property
     def _on_op(self) -> Any:
@@ -218,7 +224,7 @@ class Trace:
             _dispatch.fsdp_fresh_buffers(_dispatch.fsdp_modules(model), reshard=False)
         # Casts autocast cached before the trace would enter as unknown tensors: recompute them.
         torch.clear_autocast_cache()
-        if self.level == "op":
+        if self.level == Level.OP:
             if self.stop_at_first:  # first: a stop held for its phase is raised before the step changes anything
                 self._handles.append(_optim.register_optimizer_step_pre_hook(self._watch.step_enter))
             self._handles.append(_optim.register_optimizer_step_pre_hook(self._phases.step_enter))

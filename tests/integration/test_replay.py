@@ -86,6 +86,19 @@ def test_replay_restores_everything() -> None:
     _same(before, _snapshot(m, opt, scaler))
 
 
+def test_replay_takes_the_level_as_text_and_names_a_bad_one() -> None:
+    from nanhunt.records import Level
+
+    m, opt, scaler, x, y = _trained_setup()
+    # GIVEN the level as text or as the member THEN the report's configuration holds its text
+    for level in ("module", Level.MODULE):
+        rep = nanhunt.replay(m, (x, y), loss_fn=F.cross_entropy, dtype=torch.float32, level=level)
+        assert type(rep.config["level"]) is str and rep.config["level"] == "module"
+    # GIVEN a level that is neither THEN a ValueError names the ones there are
+    with pytest.raises(ValueError, match=r"^level must be one of \('op', 'module'\), not 'modules'$"):
+        nanhunt.replay(m, (x, y), loss_fn=F.cross_entropy, level="modules")
+
+
 def test_replay_restores_on_exception() -> None:
     m, opt, scaler, x, y = _trained_setup()
     before = _snapshot(m, opt, scaler)

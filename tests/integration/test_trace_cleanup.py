@@ -381,9 +381,16 @@ def test_reading_results_before_start_raises() -> None:
 def test_bad_level_raises_before_installing_anything() -> None:
     m = M.clean_mlp()
     before = hook_counts(m)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^level must be one of \('op', 'module'\), not 'ops'$"):
         nanhunt.trace(m, level="ops")
     assert hook_counts(m) == before
+
+
+def test_level_given_as_text_is_held_as_the_member() -> None:
+    from nanhunt.records import Level
+
+    assert nanhunt.trace(M.clean_mlp(), level="module").level is Level.MODULE
+    assert nanhunt.trace(M.clean_mlp(), level=Level.OP).level is Level.OP
 
 
 def test_sequential_traces_are_independent() -> None:
