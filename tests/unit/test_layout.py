@@ -203,3 +203,23 @@ def test_dir_shows_the_public_api_only() -> None:
     assert dir(nanhunt) == sorted({*nanhunt.__all__, "last"})
     for name in ("Any", "sys", "importlib", "types", "annotations", "TYPE_CHECKING", "os"):
         assert not hasattr(nanhunt, name) or name in nanhunt.__all__, name
+
+
+# A reader takes in a module, a function or a command's module whole: past these sizes it is time to cut one.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CLI_LINES = 700, 80, 150
+
+
+def test_modules_and_functions_stay_readable() -> None:
+    too_long = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(PKG).as_posix()
+        limit = MAX_CLI_LINES if rel.startswith("cli/") else MAX_MODULE_LINES
+        if text.count("\n") > limit:
+            too_long.append(f"{rel}: {text.count(chr(10))} lines (at most {limit})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {n} lines (at most {MAX_FUNCTION_LINES})")
+    assert too_long == []
