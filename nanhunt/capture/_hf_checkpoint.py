@@ -30,7 +30,7 @@ from .._util._safetensors import load_safetensors, safetensors_header
 from ._build import _build, _check_dtypes, _Loaded, _take_dtypes
 from ._hf import _hf_model, _shared
 from ._resolve import callable_path
-from .._util._text import few as _few
+from .._util._text import dtype_name, few as _few
 from ._statedict import map_state_dict
 
 __all__ = ["is_checkpoint_dir", "read"]
@@ -232,7 +232,7 @@ def _autocast(weights: list[torch.dtype], *, scaler: bool, given: str | None, wh
         return "float16"
     floats = {d for d in weights if d.is_floating_point}
     if floats in ({torch.bfloat16}, {torch.float16}):
-        return str(floats.pop()).replace("torch.", "")
+        return dtype_name(floats.pop())
     notes.append(f"{where} does not say whether the run used fp16, bf16 or float32 (training_args.bin, which does, "
                  "is a pickle nanhunt does not read): replayed in float16 autocast; pass --dtype bfloat16 or "
                  "--dtype float32 for what it used")
