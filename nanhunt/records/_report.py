@@ -66,7 +66,7 @@ class Advice(JSONData):
 class Report(JSONData):
     """Everything one replay found, as plain data; renderers only format it.
 
-    ``status`` is ``"clean"`` (the step stayed finite), ``"nonfinite"``,
+    ``status`` (a :class:`Status`) is ``"clean"`` (the step stayed finite), ``"nonfinite"``,
     ``"not-reproducible"`` (two replays of the same step disagreed, or a Guard's capture
     whose event says the step failed replayed finite: see :class:`Verdict`) or
     ``"compile-induced"`` (a compiled model's step finite eager, non-finite compiled).
@@ -248,7 +248,7 @@ class GraphNode(JSONData):
 class Verdict(JSONData):
     """What the float32 bisection proved.
 
-    ``kind``: ``precision`` (``culprits`` in float32 make the step finite),
+    ``kind`` (a :class:`VerdictKind`): ``precision`` (``culprits`` in float32 make the step finite),
     ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
     scale overflows the gradients), ``compile-induced`` (a ``torch.compile``d model
     whose eager step is finite and whose compiled step is not: ``rungs``, ``graph_node``),

@@ -399,7 +399,8 @@ def trace(
             left out). ``None`` traces ops only. A ``torch.compile``d model is traced
             through its eager original (with a warning).
         level: ``"op"`` records every aten op (forward, loss, backward, update);
-            ``"module"`` records module boundaries and gradients only, for speed.
+            ``"module"`` records module boundaries and gradients only, for speed (or the
+            :class:`~nanhunt.records.Level`; ``t.level`` is one).
         stop_at_first: raise :class:`nanhunt.NonFiniteError` inside the op that
             created the first non-finite value, so a debugger lands there. Reads
             statistics back after every op: slow, for interactive use. An op outside
