@@ -25,10 +25,12 @@ from torch import nn
 
 from ..distributed import _dcp
 from . import _hf_checkpoint, _names
-from .._util._compiled import CompileSpec, read_record
+from .._util._compiled import TORCH_BACKENDS, CompileSpec, read_record
 from .._util._errors import InputError, visible
 from .._util._safeload import load_file
 from ..step.step import Step, rng_state, set_rng_state, split_batch
+from ._event import EventFile, read_event
+from ._options import LoadOptions
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
 from ._hf import _hf_model
 from ._nn_model import nn_model, nn_spec
@@ -40,6 +42,10 @@ __all__ = [
     "save_capture",
     "load_capture",
     "load_capture_dir",
+    "load_replay",
+    "Loaded",
+    "LoadOptions",
+    "given_spec",
     "unwrap_model",
     "load_file",
     "resolve",
@@ -85,25 +91,49 @@ def load_step(
     trust_pickle: bool = False,
 ) -> Step:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
-    names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
-    dev = _parse_device(device) if device else None
+    return _load_files(checkpoint, batch, LoadOptions(
+        model_factory=model_factory, loss=loss, optimizer=optimizer, trust_names=tuple(trust_names), device=device,
+        dtype=dtype, no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)).step
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A capture loaded for its replay: the :class:`~nanhunt.step.step.Step`, complete, and what the Guard's event
+    file beside the capture gave (None: there is none)."""
+
+    step: Step
+    event: EventFile | None = None
+
+
+def load_replay(checkpoint: str, batch: str | None, options: LoadOptions, *, rank: int | None = None,
+                shard: Callable[[nn.Module], None] | None = None) -> Loaded:
+    """What ``nanhunt replay CHECKPOINT BATCH`` replays, or with no ``batch`` ``nanhunt replay DIR``: the capture
+    directory ``checkpoint``, rank ``rank``'s batch (``shard``: see :func:`load_capture_dir`)."""
+    if batch is None:
+        return _load_dir(checkpoint, rank, options, shard)
+    if rank is not None:
+        raise InputError("--rank picks a batch of a capture directory; with a checkpoint and a batch file, "
+                           "leave it out")
+    return _load_files(checkpoint, batch, options)
+
+
+def _load_files(checkpoint: str, batch: str, options: LoadOptions) -> Loaded:
+    dev = _parse_device(options.device) if options.device else None
     notes: list[str] = []
     rng = None
     if _hf_checkpoint.is_checkpoint_dir(checkpoint):  # a Trainer's checkpoint-N/: read whole, its model loaded
-        ck, rng = _hf_checkpoint.read(checkpoint, model_factory=model_factory, optimizer=optimizer, dtype=dtype,
-                                      no_scaler=no_scaler, trust_pickle=trust_pickle, notes=notes)
+        ck, rng = _hf_checkpoint.read(checkpoint, model_factory=options.model_factory, optimizer=options.optimizer,
+                                      dtype=options.dtype, no_scaler=options.no_scaler,
+                                      trust_pickle=options.trust_pickle, notes=notes)
     else:
-        ck = load_file(checkpoint, what="checkpoint", trust_pickle=trust_pickle)
-    bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
+        ck = load_file(checkpoint, what="checkpoint", trust_pickle=options.trust_pickle)
+    bt = load_file(batch, what="batch", trust_pickle=options.trust_pickle)
     _check_not_batch(ck, bt, checkpoint, batch)
     with _names.recorded(ck, f"checkpoint {checkpoint!r}", notes):  # a script name runs with its recorded argv
-        step = _step_of(ck, bt, checkpoint, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler,
-                        train=train, notes=notes)
-    if step.rng is None:  # a nanhunt batch file's own RNG state first
-        step.rng = rng
-    if checkpoint.endswith("checkpoint.pt"):  # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
-        step.event_file = checkpoint[: -len("checkpoint.pt")] + "event.json"
-    return step
+        step = _step_of(ck, bt, checkpoint, batch, dev=dev, options=options, notes=notes, rng=rng)
+    # step{N}[-rank{R}]-checkpoint.pt: the Guard's event beside it
+    event = checkpoint[: -len("checkpoint.pt")] + "event.json" if checkpoint.endswith("checkpoint.pt") else None
+    return Loaded(step, read_event(event) if event is not None else None)
 
 
 def load_capture_dir(
@@ -131,7 +161,12 @@ def load_capture_dir(
     moved and handed to ``shard``, which wraps it as the capture was, and the optimizer is built on its
     parameters with the capture's groups and hyperparameters but no state: the caller loads the shards into
     both (``_dcp.load_sharded``)."""
-    path = os.fspath(path)
+    return _load_dir(os.fspath(path), rank, LoadOptions(
+        model_factory=model_factory, loss=loss, optimizer=optimizer, trust_names=tuple(trust_names), device=device,
+        dtype=dtype, no_scaler=no_scaler, train=train, trust_pickle=trust_pickle), shard).step
+
+
+def _load_dir(path: str, rank: int | None, options: LoadOptions, shard: Callable[[nn.Module], None] | None) -> Loaded:
     if _hf_checkpoint.is_checkpoint_dir(path):
         raise InputError(f"{path!r} is a Trainer checkpoint directory, which replays with the batch of the step to "
                            "replay: nanhunt replay DIR batch.pt (a .pt of the model's keyword arguments, labels "
@@ -142,11 +177,10 @@ def load_capture_dir(
             else ": it does not exist; check the path"))
     man = _dcp.read_manifest(path)
     r = _dcp.pick_rank(man, rank, path)
-    dev = _parse_device(device) if device else None
-    names = _Names(model_factory, loss, optimizer, _names.trusted_prefixes(trust_names))
+    dev = _parse_device(options.device) if options.device else None
     where = f"capture directory {path!r}"
     with _names.recorded(man, where, []):  # (what a script you confirm runs with is said in the question)
-        _confirm_all(man, names)  # before reading megabytes of shards
+        _confirm_all(man, options)  # before reading megabytes of shards
     state = _dcp.load_state(os.path.join(path, _dcp.STATE), tensors=shard is None)
     model_sd = {} if shard is not None else state.get("model")
     if not isinstance(model_sd, dict) or not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
@@ -158,7 +192,7 @@ def load_capture_dir(
         if shard is not None:
             ck["optimizer"]["state"] = {}  # loaded into the sharded optimizer by the caller
     batch = _dcp.not_linked(os.path.join(path, _dcp.batch_file(r)), f"{where}: its {_dcp.batch_file(r)}")
-    bt = load_file(batch, what="batch", trust_pickle=trust_pickle)
+    bt = load_file(batch, what="batch", trust_pickle=options.trust_pickle)
     _check_not_batch(ck, bt, path, batch)
     seen = man["ranks_seen"]
     why = ("the first rank that saw the failure" if seen and r == min(seen) else
@@ -166,27 +200,25 @@ def load_capture_dir(
     note = f"capture of {man['world_size']} ranks ({man['wrapper']}): rank {r}'s batch replayed ({why})"
     notes = [note]
     with _names.recorded(ck, where, notes):  # a script's names: run with the argv it recorded
-        step = _step_of(ck, bt, path, batch, dev=dev, names=names, dtype=dtype, no_scaler=no_scaler, train=train,
-                        notes=notes, shard=shard)
-    step.event_file = os.path.join(path, f"event-rank{r}.json")
-    return step
+        step = _step_of(ck, bt, path, batch, dev=dev, options=options, notes=notes, shard=shard)
+    return Loaded(step, read_event(os.path.join(path, f"event-rank{r}.json")))
 
 
-def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, names: _Names,
-             dtype: str | None, no_scaler: bool, train: bool | None, notes: list[str],
+def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device | None, options: LoadOptions,
+             notes: list[str], rng: Mapping[str, Any] | None = None,
              shard: Callable[[nn.Module], None] | None = None) -> Step:
-    """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory); ``shard``:
-    see :func:`load_capture_dir`."""
-    model_factory, loss = names.model, names.loss
+    """The Step of a loaded checkpoint and batch (two files, or the parts of a capture directory); ``rng``: the
+    checkpoint's RNG state, for a batch file without its own; ``shard``: see :func:`load_capture_dir`."""
+    model_factory, loss = options.model_factory, options.loss
     if isinstance(ck, _Loaded):  # a Trainer checkpoint directory: its model built and loaded (--model too)
         got, model_factory = ck, None
         got.loss_path = loss
     elif isinstance(ck, nn.Module):
         got = _Loaded(model=ck, loss_path=loss)
     elif isinstance(ck, Mapping) and "nanhunt_capture" in ck:
-        _confirm_all(ck, names)
+        _confirm_all(ck, options)
         # sharded, the weights are read into the wrapped model by the caller: none here to check shapes against
-        got = _read_capture(ck, checkpoint, names=names, dev=dev, notes=notes, shapes=shard is None)
+        got = _read_capture(ck, checkpoint, options=options, dev=dev, notes=notes, shapes=shard is None)
     elif isinstance(ck, Mapping):
         got = _read_plain_checkpoint(ck, loss)
     else:
@@ -194,27 +226,30 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
 
     if dev is None:
         dev = torch.device("cpu")
-    model = _ready_model(got, ck, dev, model_factory=model_factory, train=train, notes=notes, shard=shard)
+    model = _ready_model(got, ck, dev, model_factory=model_factory, train=options.train, notes=notes, shard=shard)
 
     if isinstance(bt, nn.Module):
         raise InputError("the batch file holds a model, not a batch")
     inputs, targets = split_batch(bt)
-    rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None
+    own_rng = _batch_rng(bt, batch) if isinstance(bt, Mapping) and "nanhunt_batch" in bt else None  # first
     inputs, targets = to_device(inputs, dev), to_device(targets, dev)
 
-    loss_fn = _loss_fn(got.loss_path, trusted=loss is not None, trust=names.trust) if got.loss_path else None
+    loss_fn = _loss_fn(got.loss_path, trusted=loss is not None, trust=options.trust) if got.loss_path else None
 
     optimizer = None
     if got.opt_sd is not None:
-        optimizer = _build_optimizer(model, got.opt_sd, names.optimizer or got.opt_class, got.opt_names,
-                                     trusted=names.optimizer is not None, trust=names.trust)
+        optimizer = _build_optimizer(model, got.opt_sd, options.optimizer or got.opt_class, got.opt_names,
+                                     trusted=options.optimizer is not None, trust=options.trust)
         if optimizer is None:
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
-    scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not no_scaler else None
-    dt = parse_dtype(dtype or str(got.autocast.get("dtype", "float16")))
+    scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not options.no_scaler else None
+    dt = parse_dtype(options.dtype or str(got.autocast.get("dtype", "float16")))
     compiled = _compiled(ck, checkpoint, notes) if isinstance(ck, Mapping) and "nanhunt_capture" in ck else None
+    if options.compile is not None:
+        compiled = given_spec(options.compile, compiled)
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
-                optimizer=optimizer, rng=rng, compile_spec=compiled, notes=tuple(notes))
+                optimizer=optimizer, rng=own_rng if own_rng is not None else rng, compile_spec=compiled,
+                notes=tuple(notes), snapshot=options.snapshot)
 
 
 def _compiled(ck: Mapping[str, Any], checkpoint: str, notes: list[str]) -> CompileSpec | None:
@@ -232,22 +267,24 @@ def _compiled(ck: Mapping[str, Any], checkpoint: str, notes: list[str]) -> Compi
     return got
 
 
-@dataclass(frozen=True)
-class _Names:
-    """The names you gave (``--model``, ``--loss``, ``--optimizer``: trusted) and the package prefixes you trust
-    (``--trust-names``, NANHUNT_TRUST_NAMES), checked."""
+def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:
+    """The backend ``--compile NAME`` names: one of torch's own, or ``package.module:function`` imported (you gave
+    the name: that is the confirmation); the recorded settings are kept when it is the recorded backend."""
+    if recorded is not None and recorded.backend == name:
+        return recorded
+    if name in TORCH_BACKENDS:
+        return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic)
+    if ":" not in name:
+        raise InputError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
+                           "own as package.module:function")
+    return CompileSpec(name, fn=resolve(name, what="compile backend", trusted=True))
 
-    model: str | None = None
-    loss: str | None = None
-    optimizer: str | None = None
-    trust: tuple[str, ...] = ()
 
-
-def _confirm_all(ck: Mapping[str, Any], names: _Names) -> None:
+def _confirm_all(ck: Mapping[str, Any], names: LoadOptions) -> None:
     """Every name of the file that the replay will use unconfirmed, judged before any is imported or called: one
     error naming all the confirmations they need, not one per run."""
     pending_names: list[tuple[str, Any]] = []
-    if names.model is None and not isinstance(ck.get("hf_model"), Mapping):
+    if names.model_factory is None and not isinstance(ck.get("hf_model"), Mapping):
         pending_names.append(("model factory", ck.get("model_factory")))
     if names.loss is None:
         pending_names.append(("loss function", ck.get("loss_fn")))
@@ -282,11 +319,11 @@ def _check_not_batch(ck: Any, bt: Any, checkpoint: str, batch: str) -> None:
                            "checkpoint.pt written beside it first")
 
 
-def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev: torch.device | None,
+def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, options: LoadOptions, dev: torch.device | None,
                   notes: list[str], shapes: bool = True) -> _Loaded:
     """The fields of a nanhunt capture, each checked; the model built from the file's factory (untrusted)
     unless ``--model`` names one; with ``shapes``, checked against the file's weights before it is allocated."""
-    model_factory, loss = names.model, names.loss
+    model_factory, loss = options.model_factory, options.loss
     def checked(name: str, types: type, expected: str, fix: str, *, required: bool = False) -> Any:
         return _capture_field(ck, name, types, expected, f"checkpoint {checkpoint!r}", fix, required=required)
 
@@ -319,12 +356,16 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, names: _Names, dev:
         layers = checked("nn_model", Mapping, "torch.nn layers' classes and arguments, or null",
                          "pass --model package.module:factory")
         if hf is not None:
-            got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes)
+            # its size checked against the capture's weights before it is built (a PEFT model's adapters are
+            # not in the config: the names are checked when the weights are loaded)
+            weights = {k: (t.dtype, tuple(t.shape)) for k, t in got.sd.items() if isinstance(t, torch.Tensor)}
+            got.model = _hf_model(hf, f"checkpoint {checkpoint!r}", notes, weights=weights if shapes else None,
+                                  exact=False)
         elif layers is not None and _names.torch_own(factory.partition(":")[0], "model factory"):
             # (written only for a model of torch.nn's own class; another factory's name builds its own model)
             got.model = nn_model(layers, f"checkpoint {checkpoint!r}", got.sd if shapes else None)
         else:
-            got.model = _build(factory, kwargs or {}, trusted=False, trust=names.trust, sd=got.sd if shapes else None)
+            got.model = _build(factory, kwargs or {}, trusted=False, trust=options.trust, sd=got.sd if shapes else None)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                      "so the result may differ")

@@ -6,15 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._util._errors import InputError, NanhuntError, visible
+from .._util._errors import NanhuntError, visible
 from ._common import command_line, name_options, step_failed, warn_trust_pickle
 from ._output import Progress, ReplayOutput
 
 if TYPE_CHECKING:
+    from ..capture.capture import Loaded
+    from ..hunt._options import ReplayOptions
     from ..records import Report
-    from ..step.step import Step
 
 
 class ReplayCommand:
@@ -58,23 +59,27 @@ class ReplayCommand:
                        "recorded), each --repeat times")
 
     def run(self, args: argparse.Namespace) -> int:
+        from ..capture._options import LoadOptions
         from ..hunt._dist_replay import under_torchrun
+        from ..hunt._options import ReplayOptions
 
         torchrun = under_torchrun()  # every rank replays its own batch (_dist_replay); rank 0 alone shows it
         output = ReplayOutput(args.report, args.bundle, speaks=not torchrun or os.environ.get("RANK", "0") == "0")
         if args.trust_pickle and output.speaks:
             warn_trust_pickle()
-        options = dict(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
-                       trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
-                       no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle)
+        load = LoadOptions(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
+                           trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
+                           no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle,
+                           snapshot=None if args.snapshot == "auto" else args.snapshot, compile=args.compile)
+        options = ReplayOptions(load, level=args.level, allow=tuple(args.allow), prove=not args.no_bisect,
+                                repeat=args.repeat)
         with output.staging():
             return self._replay(args, options, torchrun=torchrun, output=output)
 
-    def _replay(self, args: argparse.Namespace, options: dict[str, Any], *, torchrun: bool,
+    def _replay(self, args: argparse.Namespace, options: ReplayOptions, *, torchrun: bool,
                 output: ReplayOutput) -> int:
-        from ..capture.capture import load_capture_dir, load_step
+        from ..capture.capture import load_replay
         from ..hunt._dist_replay import replay_ranks
-        from ..hunt._compiled import given_spec
         from ..hunt._ranks import other_ranks, received_note
         from ..hunt.pipeline import hunt
         from ..records import Status
@@ -84,54 +89,36 @@ class ReplayCommand:
                 print(visible(n), file=sys.stderr)
             return output.show(report)
 
-        directory = args.batch is None
-        if torchrun and args.snapshot != "auto":
-            raise InputError("--snapshot applies to a replay in one process; under torchrun leave it out")
-        if args.repeat < 1:
-            raise InputError(f"--repeat {args.repeat}: replay at least once (--repeat 1, the default)")
-        if torchrun and args.repeat != 1:
-            raise InputError("--repeat applies to a replay in one process; under torchrun leave it out")
-        if torchrun and args.compile is not None:
-            raise InputError("--compile applies to a replay in one process; under torchrun leave it out")
         if torchrun:
             try:
                 with Progress() as progress:
-                    return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, level=args.level,
-                                        allow=args.allow, prove=not args.no_bisect, progress=progress.update,
-                                        command=command_line(_dist_launcher()), show=show_ranks,
-                                        bundle=output.bundle_dir, **options)
+                    return replay_ranks(args.checkpoint, batch=args.batch, rank=args.rank, options=options,
+                                        progress=progress.update, command=command_line(_dist_launcher()),
+                                        show=show_ranks, bundle=output.bundle_dir)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
                 raise step_failed("replaying the step", e) from e
-        if directory:  # a capture directory; its first note says which rank's batch is replayed
-            step = load_capture_dir(args.checkpoint, rank=args.rank, **options)
-        elif args.rank is not None:
-            raise InputError("--rank picks a batch of a capture directory; with a checkpoint and a batch file, "
-                               "leave it out")
-        else:
-            step = load_step(args.checkpoint, args.batch, **options)
-        if args.compile is not None:
-            step.compile_spec = given_spec(args.compile, step.compile_spec)
-        for i, n in enumerate(step.notes):
+        directory = args.batch is None  # a capture directory; its first note says which rank's batch is replayed
+        loaded = load_replay(args.checkpoint, args.batch, options.load, rank=args.rank)
+        for i, n in enumerate(loaded.step.notes):
             print(visible(n if directory and i == 0 else f"warning: {n}"), file=sys.stderr)
 
-        def hunted(step: Step) -> Report:
-            step.snapshot = "disk" if args.snapshot == "disk" else "memory" if args.snapshot == "memory" else None
+        def hunted(loaded: Loaded) -> Report:
             try:
                 with Progress() as progress:
-                    return hunt(step, level=args.level, allow=args.allow, prove=not args.no_bisect,
+                    return hunt(loaded.step, level=options.level, allow=options.allow, prove=options.prove,
                                 progress=progress.update, bundle=output.bundle_dir, command=command_line(),
-                                repeat=args.repeat)
+                                repeat=options.repeat, event=loaded.event)
             except NanhuntError:
                 raise
             except Exception as e:  # the user's model failed on this batch: an input problem, not ours
                 raise step_failed("replaying the step", e) from e
 
-        report = hunted(step)
+        report = hunted(loaded)
         if directory and args.rank is None and report.status == Status.CLEAN:
-            del step  # one model in memory at a time
-            report = other_ranks(args.checkpoint, report, hunted, options, _say)
+            del loaded  # one model in memory at a time
+            report = other_ranks(args.checkpoint, report, hunted, options.load, _say)
         elif report.status == Status.CLEAN:
             report = received_note(report, _say)
         return output.show(report)

@@ -20,17 +20,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .._util._compiled import (TORCH_BACKENDS, CompileSpec, GraphCapture, compile_module,
+from .._util._compiled import (CompileSpec, GraphCapture, compile_module,
                                emulating_precision_casts, reset)
 from .._util._dispatch import all_finite
-from .._util._errors import InputError
-from ..capture._resolve import resolve
 from ..records import GraphNode, Repro, Rung, Verdict, VerdictKind
 from ..step.step import Step
 from ..tracing._graph_nodes import Found, first_nonfinite_node
 from ._graph_repro import make_graph_repro
 
-__all__ = ["Ladder", "climb", "given_spec"]
+__all__ = ["Ladder", "climb"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,15 +129,3 @@ def _locate(step: Step, spec: CompileSpec) -> Found | str:
     finally:
         reset()
 
-
-def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:
-    """The backend ``--compile NAME`` names: one of torch's own, or ``package.module:function`` imported (you gave
-    the name: that is the confirmation); the recorded settings are kept when it is the recorded backend."""
-    if recorded is not None and recorded.backend == name:
-        return recorded
-    if name in TORCH_BACKENDS:
-        return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic)
-    if ":" not in name:
-        raise InputError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
-                           "own as package.module:function")
-    return CompileSpec(name, fn=resolve(name, what="compile backend", trusted=True))

@@ -30,7 +30,8 @@ from torch import nn
 
 from ..distributed import _dcp
 from .._util._errors import InputError
-from ..capture.capture import load_capture_dir
+from ..capture.capture import load_replay
+from ._options import ReplayOptions
 from .pipeline import hunt
 from ..records import Occurrence, Report, Repro, Status
 from ..tracing.tracer import Trace
@@ -51,16 +52,13 @@ def under_torchrun() -> bool:
         return False
 
 
-def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, allow: Iterable[str], prove: bool,
+def replay_ranks(path: str, *, batch: str | None, rank: int | None, options: ReplayOptions,
                  progress: Callable[[int, str], None] | None, command: str, show: Callable[[Report], int],
-                 bundle: str | None = None,
-                 model_factory: str | None = None, loss: str | None = None, optimizer: str | None = None,
-                 trust_names: tuple[str, ...] = (), device: str | None = None,
-                 dtype: str | None = None, no_scaler: bool = False, train: bool | None = None,
-                 trust_pickle: bool = False) -> int:
+                 bundle: str | None = None) -> int:
     """This rank's part of the distributed replay of the capture directory ``path``. Rank 0 hands the report
     (the same on every rank) to ``show``, which returns the exit code; every rank returns that code, once rank 0
     is done (a launcher that stops the others when one exits then finds them all done)."""
+    options.check_ranks()
     world, me = _env_int("WORLD_SIZE"), _env_int("RANK")
     local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else me
     if batch is not None:
@@ -81,7 +79,7 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
         raise InputError(f"captured on {captured} ranks, run with --nproc-per-node {captured}, or without torchrun "
                            f"to replay rank {seen}'s batch in one process")
     layout = _layout(man, path)
-    dev = _device(device, local)
+    dev = _device(options.load.device, local)
     own_group = not dist.is_initialized()
     if own_group:
         if dev.type == "cuda":
@@ -92,20 +90,21 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, level: str, 
             raise InputError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
                                "start the replay with torchrun alone")
         ranks = _Ranks(me, world, dev)
-        options: dict[str, Any] = dict(model_factory=model_factory, loss=loss, optimizer=optimizer,
-                                       trust_names=trust_names, device=str(dev), dtype=dtype,
-                                       no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)
+        load = dataclasses.replace(options.load, device=str(dev))  # this rank's device (under cuda, its own GPU)
         if layout is None:  # DDP: every rank loads the whole state, then wraps (a collective: all loaded by then)
-            step = ranks.together(lambda: load_capture_dir(path, rank=me, **options))
-            step = dataclasses.replace(step, model=_ddp(step.model, _ddp_options(man, path), dev))
+            loaded = ranks.together(lambda: load_replay(path, None, load, rank=me))
+            step = dataclasses.replace(loaded.step, model=_ddp(loaded.step.model, _ddp_options(man, path), dev))
         else:
-            step = ranks.together(lambda: load_capture_dir(path, rank=me, shard=lambda m: _wrap(m, layout, dev), **options))
+            loaded = ranks.together(lambda: load_replay(path, None, load, rank=me,
+                                                        shard=lambda m: _wrap(m, layout, dev)))
+            step = loaded.step
             _dcp.load_sharded(os.path.join(path, _dcp.STATE), step.model, step.optimizer)  # a collective: raises on all
         said = (f"capture of {world} ranks ({man['wrapper']}) replayed on {world} ranks under torchrun, each rank "
                 "its own batch and RNG state")
         step = dataclasses.replace(step, notes=(said, *step.notes[1:]))
-        report = hunt(step, level=level, allow=allow, prove=prove, progress=progress if me == 0 else None,
-                      bundle=bundle, command=command, ranks=ranks)
+        report = hunt(step, level=options.level, allow=options.allow, prove=options.prove,
+                      progress=progress if me == 0 else None, bundle=bundle, command=command, ranks=ranks,
+                      event=loaded.event)
         code = ranks.finish(ranks.merged(report), show)
         # every rank done with every collective before any tears the group down: gloo aborts a process
         # (std::terminate) whose peer closes the connection while it is still being used

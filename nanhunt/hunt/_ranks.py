@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
-from ..capture.capture import load_capture_dir
+from ..capture._options import LoadOptions
+from ..capture.capture import Loaded, load_replay
 from ..distributed import _dcp
 from ..records import Report, Status
-from ..step.step import Step
 
 __all__ = ["MAX_OTHER_RANKS", "other_ranks", "received_note"]
 
 MAX_OTHER_RANKS = 8  # replayed in turn when the first rank that saw a failure replays finite
 
 
-def other_ranks(path: str, report: Report, hunted: Callable[[Step], Report], options: dict[str, Any],
+def other_ranks(path: str, report: Report, hunted: Callable[[Loaded], Report], options: LoadOptions,
                 say: Callable[[str], None]) -> Report:
     """``report``: the clean replay of the capture directory ``path``'s first rank that saw the failure. The
     other ranks' batches are replayed in turn (those that saw it first), each loaded with ``options`` and
@@ -36,9 +35,9 @@ def other_ranks(path: str, report: Report, hunted: Callable[[Step], Report], opt
     for r in order[:MAX_OTHER_RANKS]:
         done = f"rank {finite[0]}'s batch replays" if len(finite) == 1 else f"ranks {_few_ranks(finite)} replay"
         say(f"{done} finite; replaying rank {r}'s")
-        step = load_capture_dir(path, rank=r, **options)
-        got = hunted(step)
-        del step  # one model in memory at a time
+        loaded = load_replay(path, None, options, rank=r)
+        got = hunted(loaded)
+        del loaded  # one model in memory at a time
         if got.status != Status.CLEAN:
             who = (f"rank {finite[0]}'s replays finite: the failure it saw" if len(finite) == 1 else
                    f"ranks {_few_ranks(finite)} replay finite: the failure they saw")

@@ -5,11 +5,9 @@ both call :func:`hunt`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import linecache
 import math
 import os
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -17,9 +15,10 @@ import torch
 from torch import nn
 
 from .._util._env import environment
+from ..capture._event import EventFile
 from .advice import advise
 from .bisection import Team, bisect
-from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, HeadroomHistory, Occurrence, Phase, Record,
+from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record,
                        Report, Repro, Level, Role, Status, Verdict, VerdictKind)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
@@ -55,15 +54,17 @@ class Ranks(Team, Protocol):
 
 def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: bool = False,
          progress: Callable[[int, str], None] | None = None, bundle: str | None = None,
-         command: str | None = None, ranks: Ranks | None = None, repeat: int = 1) -> Report:
+         command: str | None = None, ranks: Ranks | None = None, repeat: int = 1,
+         event: EventFile | None = None) -> Report:
     """Where the step's first non-finite value was born (two traced runs that must agree), with
     ``prove`` why (the bisection's verdict), and with ``bundle`` a verified repro of the culprit op
     written into that directory. The step's state is restored afterwards, also on Ctrl-C. ``ranks``: every
     rank of a distributed replay calls this at once (the bisection's trials then run on all of them).
 
     ``repeat``: replay (the two traced runs) up to that many times while it stays finite; the first replay
-    that is not is the one reported. A Guard's capture whose event says the step failed, replayed finite every
-    time, is ``not-reproducible`` (its status and verdict)."""
+    that is not is the one reported. ``event``: the Guard's event of the capture the step was loaded from
+    (:func:`nanhunt.capture.capture.load_replay` reads it), carried into the report; a capture whose event says
+    the step failed, replayed finite every time, is ``not-reproducible`` (its status and verdict)."""
     if repeat < 1 or (ranks is not None and repeat != 1):
         raise ValueError(f"repeat={repeat}: at least 1, and 1 in a distributed replay")
     allow = tuple(allow)
@@ -95,10 +96,10 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
     report = _report(step, replayed, config, verdict, repro, command)
     if ladder is not None:
         report = _compiled_report(report, ladder)
-    event, headroom, why = _guard_event(step.event_file)
-    report = dataclasses.replace(report, notes=(*report.notes, *notes, *([why] if why is not None else [])),
-                                 guard_event=event, headroom=headroom)
-    if report.status == Status.CLEAN and event is not None and _failed_here(event):
+    guard = event or EventFile()
+    report = dataclasses.replace(report, notes=(*report.notes, *notes, *([guard.note] if guard.note else [])),
+                                 guard_event=guard.event, headroom=guard.headroom)
+    if report.status == Status.CLEAN and guard.event is not None and _failed_here(guard.event):
         report = dataclasses.replace(report, status=Status.NOT_REPRODUCIBLE,
                                      verdict=Verdict(kind=VerdictKind.NOT_REPRODUCIBLE, replays=replays))
     return dataclasses.replace(report, advice=advise(report))
@@ -264,88 +265,6 @@ def _forward_ops(o: Occurrence, records: Sequence[Record], depth: int = 3) -> tu
         seen.update(nxt)
         frontier = list(dict.fromkeys(nxt))
     return ()
-
-
-_EVENT_BYTES = 64 * 1024  # a Guard's event is about 1 kB; its scale history at most 50 pairs
-_EVENT_TEXT = 500  # characters kept of its kind and detail
-
-
-def _guard_event(path: str | None) -> tuple[GuardEvent | None, HeadroomHistory | None, str | None]:
-    """The Guard's event of a capture (``step{N}[-rank{R}]-event.json`` next to ``-checkpoint.pt``, a capture
-    directory's ``event-rank{R}.json``), the headroom history written with it, and a note when one is there but
-    cannot be used. The file came with the capture, so it is untrusted: bounded in size, a regular file, every
-    field used type-checked (text is escaped where it is shown)."""
-    if path is None:
-        return None, None, None
-    try:
-        st = os.lstat(path)  # a symbolic link is no file the Guard wrote: it could point at any file of the machine
-    except OSError:
-        return None, None, None  # no event: not a Guard's capture
-    refused = f"the Guard event {path!r} beside the checkpoint was ignored"
-    if not stat.S_ISREG(st.st_mode):
-        return None, None, f"{refused}: it is not a regular file"
-    if st.st_size > _EVENT_BYTES:
-        return None, None, f"{refused}: {st.st_size} bytes, more than a Guard writes ({_EVENT_BYTES})"
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(_EVENT_BYTES + 1).decode("utf-8"))
-        event = _event_of(data)
-    except OSError as e:
-        return None, None, f"{refused}: {e.strerror}"
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        return None, None, f"{refused}: {_why(e)}"
-    raw = data.get("headroom")
-    if raw is None:  # an older Guard's, or nothing was sampled
-        return event, None, None
-    try:
-        if not isinstance(raw, dict):
-            raise ValueError(f"it holds a JSON {type(raw).__name__}, not an object")
-        return event, HeadroomHistory.from_dict(raw), None
-    except (KeyError, TypeError, ValueError) as e:  # the event stands without it
-        return event, None, f"the headroom history in the Guard event {path!r} was ignored: {_why(e)}"
-
-
-def _why(e: Exception) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-
-def _event_of(d: Any) -> GuardEvent:
-    """A :class:`GuardEvent` of the fields nanhunt shows, each checked; ``ValueError`` names the first bad one."""
-    if not isinstance(d, dict):
-        raise ValueError(f"it holds a JSON {type(d).__name__}, not an object")
-
-    def count(key: str, *, optional: bool = False) -> Any:
-        v = d.get(key)
-        if v is None and (optional or key not in d):
-            return None if optional else 0
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2 ** 63:
-            raise ValueError(f"its {key!r} is not a non-negative integer")
-        return v
-
-    def text(key: str) -> str:
-        v = d.get(key)
-        if not isinstance(v, str):
-            raise ValueError(f"its {key!r} is not a string")
-        return v if len(v) <= _EVENT_TEXT else v[:_EVENT_TEXT] + "..."
-
-    if "step" not in d:
-        raise ValueError("it has no 'step'")
-    ranks = d.get("ranks", [])
-    if not isinstance(ranks, list) or len(ranks) > 4096 or not all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2 ** 31 for r in ranks):
-        raise ValueError("its 'ranks' is not a list of ranks")
-    scale = d.get("scale")
-    if isinstance(scale, str) and scale in ("inf", "-inf", "nan"):
-        scale = float(scale)  # JSON has no Inf: nanhunt writes it as a string
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError("its 'scale' is not a number")
-    pre_update = d.get("pre_update", False)
-    if not isinstance(pre_update, bool):
-        raise ValueError("its 'pre_update' is not true or false")
-    return GuardEvent(step=count("step"), kind=text("kind"), detail=text("detail"), rank=count("rank", optional=True),
-                      ranks=tuple(ranks), captured_step=count("captured_step", optional=True), pre_update=pre_update,
-                      iterations=count("iterations"), updates=count("updates"), skipped=count("skipped"),
-                      scale=None if scale is None else float(scale))
 
 
 def _corrupted(records: Sequence[Record], origin: Occurrence) -> tuple[str, ...]:

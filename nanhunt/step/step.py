@@ -62,8 +62,6 @@ class Step:
     notes: tuple[str, ...] = ()
     host_snapshot: bool | None = None
     snapshot: Snapshot | None = None
-    # where the Guard's event of the capture the step was loaded from would be (the replay's report reads it)
-    event_file: str | None = None
     _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
     _start_rng: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -17,8 +17,8 @@ from torch import fx, nn
 import nanhunt
 from nanhunt._util._compiled import CompileSpec, record_of
 from nanhunt._util._errors import InputError
+from nanhunt.capture.capture import given_spec
 from nanhunt.cli import main
-from nanhunt.hunt._compiled import given_spec
 from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Report
 from nanhunt.step.step import Step

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
+from nanhunt.capture._event import read_event
 from nanhunt.cli import main as cli_main
 from nanhunt.guard._headroom import PICTURED
 from nanhunt.guard.guard import HeadroomWarning
-from nanhunt.hunt.pipeline import _guard_event
 from nanhunt.records import GuardEvent, HeadroomHistory, HeadroomNote, HeadroomSeries, Report
 from nanhunt.report.console import render_text
 from nanhunt.report.html import render as render_html
@@ -129,7 +129,9 @@ def test_a_bad_history_in_an_event_file_is_dropped_with_a_note_and_the_event_kep
     path = tmp_path / "step000005-event.json"
     path.write_text(json.dumps({**event.to_dict(), "headroom": {"step": 5, "series": [series]}}))
     # WHEN it is read beside a capture
-    read, headroom, note = _guard_event(str(path))
+    got = read_event(str(path))
+    assert got is not None
+    read, headroom, note = got.event, got.headroom, got.note
     # THEN the event stands, the history is dropped, and a note says why
     assert read == event and headroom is None
     assert note == (f"the headroom history in the Guard event {str(path)!r} was ignored: headroom series of "

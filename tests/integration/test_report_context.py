@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import nanhunt
-from nanhunt.capture.capture import load_step
+from nanhunt.capture.capture import LoadOptions, load_replay
 from nanhunt.cli import main as cli_main
 from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Advice, GuardEvent, Report
@@ -99,7 +99,8 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def _replay(files: tuple[str, str]) -> Report:
-    return hunt(load_step(*files))
+    loaded = load_replay(*files, LoadOptions())
+    return hunt(loaded.step, event=loaded.event)
 
 
 def _event_path(files: tuple[str, str]) -> Path:
