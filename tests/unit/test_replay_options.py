@@ -15,6 +15,7 @@ import nanhunt
 from nanhunt._util._compiled import CompileSpec
 from nanhunt._util._errors import InputError
 from nanhunt.capture.capture import LoadOptions, load_replay
+from nanhunt.cli import main
 from nanhunt.hunt._options import ReplayOptions
 from nanhunt.records import Level
 
@@ -93,3 +94,18 @@ def test_a_capture_without_an_event_loads_with_none(tmp_path: Path) -> None:
 
 def test_the_level_is_held_as_its_member() -> None:
     assert ReplayOptions(LoadOptions(), level="module").level is Level.MODULE  # type: ignore[arg-type]
+
+
+def test_the_output_plan_is_judged_before_the_options_and_the_files(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a report path under a file, a repeat count of 0 and checkpoint files that do not exist
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    report = blocker / "r.json"
+    # WHEN replayed
+    code = main(["replay", str(tmp_path / "no-ck.pt"), str(tmp_path / "no-b.pt"), "--repeat", "0",
+                 "--report", str(report)])
+    # THEN the one error is where the report would go: it is judged first, before anything is read or replayed
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (f"nanhunt: error: cannot write {str(report)!r}: {str(blocker)!r} is "
+                                               "not a directory; give a path in a directory")
