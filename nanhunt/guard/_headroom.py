@@ -58,6 +58,8 @@ _NOTE_TEXT = 500  # characters kept of each (a capture's event is read back boun
 
 _FIX_GROWTH = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping, weight decay; or run the "
                "step in bfloat16 (its range reaches 3.4e38), or keep this module in float32 (nanhunt.keep_fp32)")
+_FIX_GROWTH_WIDE = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping, weight decay, a norm "
+                    "on the growing activation; float32 has the same range, so keeping the module in it does not help")
 _FIX_SCALE = ("usual fixes: a lower learning rate or gradient clipping; the output gradient warnings name the "
               "module whose gradients grow")
 _FIX_SPIKE = ("usual fixes: a lower learning rate or a longer warmup, gradient clipping; look at this step's batch "
@@ -244,9 +246,9 @@ class Headroom:
         for t in tensors(output):
             if not t.is_floating_point() or not t.numel():
                 continue
-            limit = _limit_of(t.dtype)
+            limit = _room(t.dtype)
             if cast is not None and t.dtype != torch.float64:
-                limit = min(limit, _limit_of(cast))
+                limit = min(limit, _room(cast))
             self._limit[i] = min(self._limit[i], limit)
             # detached: the maximum holds no graph (nor the output); float32 out of the reduction itself, so the
             # step's maxima stack in one op at its end
@@ -336,7 +338,7 @@ class Headroom:
         value = 2.0 ** y
         detail = (f"{name} {cond}: max {_num(value)} (headroom {_num(limit / value)}x to {_limit_name(limit)}), "
                   f"growing {_num(_per_100(slope))}x per 100 steps: overflow expected near step {at:,}; "
-                  f"{_FIX_GROWTH}")
+                  f"{_FIX_GROWTH if limit < _SQUARED_FROM else _FIX_GROWTH_WIDE}")
         return Finding(cond, name, detail, value, limit, at)
 
     def _state(self, what: str, dtype: torch.dtype, value: float) -> Finding | None:
@@ -475,10 +477,25 @@ def _limit_of(dtype: torch.dtype) -> float:
     return limit
 
 
+# A dtype whose limit is past this is judged at the limit's square root: a value squared on its way (a norm's
+# variance, the x ** 3 of GELU's tanh approximation and its backward's 3 x ** 2) overflows there, 1.84e19 for
+# bfloat16 and float32, long before 3.4e38. float16's 65504 comes first (autocast runs its norms in float32),
+# and its square root, 256, is no limit for an activation.
+_SQUARED_FROM = 1e10
+
+
+def _room(dtype: torch.dtype) -> float:
+    """The largest magnitude a module's output or gradient of ``dtype`` is judged against (see _SQUARED_FROM)."""
+    limit = _limit_of(dtype)
+    return math.sqrt(limit) if limit > _SQUARED_FROM else limit
+
+
 def _limit_name(limit: float) -> str:
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         if limit == _limit_of(dtype):
             return dtype_name(dtype)
+        if limit == _room(dtype):
+            return f"{_num(limit)}, where its square overflows {dtype_name(dtype)}"
     return f"{limit:.3g}"
 
 

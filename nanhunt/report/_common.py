@@ -400,8 +400,11 @@ HEADROOM_CAPTION = ("x: the training steps the Guard sampled; y: the largest mag
 
 
 def limit_name(limit: float) -> str:
-    """``float16`` for 65504, and so on; the number itself for another limit."""
-    return next((name for name, v in DTYPE_MAX.items() if v == limit), f"{limit:.3g}")
+    """``float16`` for 65504, and so on; for the square root of a dtype's limit (what the Guard judges a bfloat16
+    or float32 value against), the number and where its square overflows; the number itself for another limit."""
+    return next((name for name, v in DTYPE_MAX.items() if v == limit),
+                next((f"{limit:.3g}, where its square overflows {name}" for name, v in DTYPE_MAX.items()
+                      if math.sqrt(v) == limit), f"{limit:.3g}"))
 
 
 def series_label(s: HeadroomSeries) -> str:

@@ -293,6 +293,30 @@ def test_states_of_mixed_dtypes_are_read_together_and_a_replaced_weight_keeps_it
     assert [(f.condition, f.module, f.value) for f in found] == [("weights", "1.weight", 9000.0)]
 
 
+def test_a_bfloat16_output_is_judged_where_its_square_overflows() -> None:
+    # GIVEN a bfloat16 output growing 5% a step from 2e15: far from bfloat16's 3.4e38, near 1.84e19, where its
+    # square (a norm's variance, GELU's x ** 3 and its backward's 3 x ** 2) overflows bfloat16 and float32
+    model = nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(2e15)
+    watch = Headroom(model, torch.optim.SGD(model.parameters(), lr=0.0), every=1, horizon=1000, device_type="cpu")
+    found = []
+    for step in range(watch.rows):
+        watch.begin(step)
+        model(torch.ones(1, 1, dtype=torch.bfloat16)).float().sum().backward()
+        found += watch.end(step, None)
+        with torch.no_grad():
+            model.weight.mul_(1.05)
+    # THEN its output is warned, against that square root, and says so
+    [f] = [f for f in found if f.condition == "output"]
+    root = math.sqrt(torch.finfo(torch.bfloat16).max)
+    assert f.module == "(model)" and f.limit == root
+    assert "x to 1.84e+19, where its square overflows bfloat16), growing" in f.detail
+    assert f.detail.endswith("a norm on the growing activation; float32 has the same range, so keeping the module "
+                             "in it does not help")
+    assert f.forecast_step is not None and 150 < f.forecast_step < 250
+
+
 def test_scale_falling_steadily_and_loss_spikes_warn_once() -> None:
     watch = Headroom(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), every=None,
                      horizon=1000, device_type="cpu")
@@ -383,3 +407,11 @@ def test_growing_gradients_are_warned_only_without_a_gradscaler(scale: float | N
                                           "132x per 100 steps: overflow expected near step 132; usual fixes: ")
     else:
         assert grads == []
+
+
+def test_the_reports_name_a_square_root_limit_as_the_warning_does() -> None:
+    from nanhunt.report._common import limit_name
+
+    root = math.sqrt(torch.finfo(torch.bfloat16).max)
+    assert limit_name(65504.0) == "float16"
+    assert limit_name(root) == "1.84e+19, where its square overflows bfloat16"
