@@ -2,7 +2,8 @@
 
 Written: one key per field, in field order; enums by value; tuples as lists; a nested dataclass through its own
 ``to_dict`` (so a class that adds a key adds it wherever it is nested); ``float`` NaN/Inf as ``"nan"``/``"inf"``/
-``"-inf"`` (JSON has neither: the files stay strict JSON), also anywhere inside an ``Any`` value.
+``"-inf"`` (JSON has neither: the files stay strict JSON), also anywhere inside an ``Any`` value. A ``TypedDict``
+is written and read as the ``dict[str, Any]`` it is at run time.
 
 Read: the inverse, converting each value to its field's type (``int(...)``, ``str(...)``, ``Phase(...)``, a null
 ``float`` is NaN). A key the file lacks, as in a file an older version wrote, takes the field's default; a field
@@ -140,6 +141,8 @@ def _items(hint: Any) -> tuple[tuple[Any, ...], bool]:
 
 @functools.cache
 def _writer(hint: Any) -> _Convert:
+    if typing.is_typeddict(hint):  # a plain dict at run time, its keys checked by mypy alone
+        return _writer(dict[str, Any])
     inner = _optional(hint)
     if inner is not None:
         w = _writer(inner)
@@ -170,6 +173,8 @@ def _writer(hint: Any) -> _Convert:
 
 @functools.cache
 def _reader(hint: Any) -> _Convert:
+    if typing.is_typeddict(hint):  # as a dict[str, Any]: a file's values are not checked against its keys' types
+        return _reader(dict[str, Any])
     inner = _optional(hint)
     if inner is not None:
         r = _reader(inner)

@@ -6,7 +6,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
@@ -39,6 +39,16 @@ class Outer(JSONData):
     names: dict[str, bool] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     maybe: float | None = None
+
+
+class Settings(TypedDict, total=False):
+    scale: float | None
+    name: str
+
+
+@dataclass(frozen=True)
+class Configured(JSONData):
+    settings: Settings = field(default_factory=Settings)
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,27 @@ def test_values_are_converted_to_the_field_type() -> None:
 def test_a_type_without_a_json_form_is_refused() -> None:
     with pytest.raises(TypeError, match="no JSON form"):
         _serial.to_dict(Unsupported({1}))
+
+
+def test_a_typeddict_field_is_written_and_read_as_the_dict_it_is() -> None:
+    # GIVEN a TypedDict field (a plain dict at run time) holding a non-finite float
+    obj = Configured(Settings(name="n", scale=math.inf))
+    # WHEN written THEN as a dict[str, Any] field is: in its order, NaN/Inf as strings
+    assert obj.to_dict() == {"settings": {"name": "n", "scale": "inf"}}
+    assert list(obj.to_dict()["settings"]) == ["name", "scale"]
+    # WHEN read back THEN the same plain dict, its values as the file holds them
+    back = Configured.from_dict(json.loads(_json(obj.to_dict())))
+    assert back.settings == {"name": "n", "scale": "inf"} and type(back.settings) is dict
+    assert Configured.from_dict({}).settings == {}
+    # and a value that is no JSON object is refused as a dict[str, Any] field refuses it
+    for bad in ([1, 2], "x", None):
+        with pytest.raises(AttributeError) as typed:
+            Configured.from_dict({"settings": bad})
+        with pytest.raises(AttributeError) as plain:
+            Outer.from_dict({"colour": "red", "extra": bad})
+        assert str(typed.value) == str(plain.value)
+    with pytest.raises(AttributeError, match="'list' object has no attribute 'items'"):
+        Report.from_dict({"config": [1, 2]})
 
 
 # ------------------------------------------------------------------ the records' own rules
