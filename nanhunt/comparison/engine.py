@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .._util._errors import InputError
-from ..records import Comparison, Report, Rule, Speed, Status
+from ..records import Comparison, Report, ReportConfig, Rule, Speed, Status
 from .._util._env import environment
 from .._util._text import dtype_name
 from ..step.step import Step, split_batch
@@ -151,7 +151,7 @@ class _Comparer:
         self.sets = _batch_sets(named, self.low)
         self.names = [dtype_name(d) for d in self.dts]
 
-    def config(self, speed: int) -> dict[str, Any]:
+    def config(self, speed: int) -> ReportConfig:
         rule, dts, loss_fn = self.rule, self.dts, self.loss_fn
         loss_name = getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None)
         return {

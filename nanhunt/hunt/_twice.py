@@ -7,11 +7,10 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .._util._text import dtype_name
 from ..tracing.graph import loss_index
-from ..records import Level, Occurrence, Phase, Record, Role, Status
+from ..records import Level, Occurrence, Phase, Record, ReportConfig, Role, Status
 from ..step.step import Step
 from ..tracing.tracer import Trace
 
@@ -69,10 +68,10 @@ def trace_twice(step: Step, *, level: Level = Level.OP, allow: Sequence[str] = (
     return Replayed((traces[0], traces[1]), loss_value)
 
 
-def step_config(step: Step, level: Level) -> dict[str, Any]:
+def step_config(step: Step, level: Level) -> ReportConfig:
     """What the step is replayed with (read before it runs: the scaler's scale)."""
     loss_fn, optimizer, scaler = step.loss_fn, step.optimizer, step.scaler
-    config: dict[str, Any] = {
+    config: ReportConfig = {
         "dtype": dtype_name(step.dtype),
         "device_type": step.device_type,
         "level": level.value,  # plain data, as a file reads back
@@ -104,10 +103,10 @@ def _occurrence_key(o: Occurrence, records: Sequence[Record]) -> tuple[object, .
 COMPILED_NOTE = "the model is torch.compile'd: the eager original was replayed"
 
 
-def state_notes(config: Mapping[str, Any], compiled: bool) -> tuple[str, ...]:
+def state_notes(config: ReportConfig, compiled: bool) -> tuple[str, ...]:
     """What the step was replayed from that the findings alone do not say."""
     out: list[str] = []
-    scale = config.get("scaler_scale")
+    scale: float | None = config.get("scaler_scale")  # typed: a misspelt key is a mypy error
     if isinstance(scale, float) and not math.isfinite(scale):
         # GradScaler makes its scale tensor inside the step, as a literal: no op is its origin
         out.append(f"the GradScaler's scale is {scale}: every scaled loss and gradient is non-finite before any "

@@ -17,7 +17,8 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
-from ..records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, Occurrence, Phase, Record, Report, Role
+from ..records import (DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, BackwardUnderflow, Occurrence, Phase, Record,
+                       Report, Role)
 
 __all__ = ["advise", "PATTERNS"]
 
@@ -226,7 +227,7 @@ def _fp16_matmul(occ: Occurrence, report: Report) -> Advice | None:
     bf16 = v.alternatives.get("bfloat16") if v is not None else None
     if bf16 is not None:
         measured += f"; the whole step in bfloat16: {'finite' if bf16 else 'still non-finite'}"
-    device = report.config.get("device_type")
+    device: str | None = report.config.get("device_type")  # typed: a misspelt key is a mypy error
     device = device if isinstance(device, str) and device.isidentifier() else "cuda"
     lines = ["# bfloat16: its range reaches 3.4e38 (float16: 65504)",
              f'with torch.autocast("{device}", dtype=torch.bfloat16):',
@@ -249,12 +250,12 @@ def _fp16_matmul(occ: Occurrence, report: Report) -> Advice | None:
 
 
 def _fp16_eps(occ: Occurrence, report: Report) -> Advice | None:
-    eps = report.config.get("optimizer_eps")
+    eps: float | None = report.config.get("optimizer_eps")
     if occ.phase is not Phase.UPDATE or occ.output.dtype != "float16" or not _real(eps):
         return None
     if not eps < FP16_SMALLEST_NORMAL:
         return None
-    name = report.config.get("optimizer")
+    name: str | None = report.config.get("optimizer")
     name = name if isinstance(name, str) and name.isidentifier() else "Adam"
     as_fp16 = struct.unpack("<e", struct.pack("<e", eps))[0]
     rounded = "0" if as_fp16 == 0 else f"the subnormal {as_fp16:.3g}"
@@ -302,7 +303,7 @@ def _grad_underflow(report: Report) -> Advice | None:
     """Float16 gradients below the smallest normal with no GradScaler (``config["fp16_backward_underflow"]``:
     what ``hunt`` counted over the backward's records)."""
     cfg = report.config
-    u = cfg.get("fp16_backward_underflow")
+    u: BackwardUnderflow | None = cfg.get("fp16_backward_underflow")
     if "scaler_scale" in cfg and cfg["scaler_scale"] is not None:  # an enabled scaler
         return None
     if not isinstance(u, dict):
@@ -311,7 +312,7 @@ def _grad_underflow(report: Report) -> Advice | None:
     if not (isinstance(n, int) and isinstance(of, int) and n > 0 and _real(largest) and isinstance(at, str)):
         return None
     scaler = "a disabled GradScaler" if "scaler_scale" in cfg else "no GradScaler"
-    device = cfg.get("device_type")
+    device: str | None = cfg.get("device_type")
     device = device if isinstance(device, str) and device.isidentifier() else "cuda"
     return Advice(
         pattern="fp16-grad-underflow",

@@ -18,8 +18,8 @@ from .._util._env import environment
 from ..capture._event import EventFile
 from .advice import advise
 from .bisection import Team, bisect
-from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, GuardEvent, Occurrence, Phase, Record,
-                       Report, Repro, Level, Role, Status, Verdict, VerdictKind)
+from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, BackwardUnderflow, GuardEvent, Occurrence, Phase, Record,
+                       Report, ReportConfig, Repro, Level, Role, Status, Verdict, VerdictKind)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
 from .repro import OriginCall, make_repro, origin_call
@@ -108,7 +108,7 @@ def hunt(step: Step, *, level: str = "op", allow: Iterable[str] = (), prove: boo
 def _compiled_report(report: Report, ladder: Ladder) -> Report:
     """A compiled step's report: the ladder in its configuration; a compile-induced verdict and status when a
     compiled rung failed (the graph node with its line's text)."""
-    config = {**report.config, "compiled_rungs": {
+    config: ReportConfig = {**report.config, "compiled_rungs": {
         r.backend: f"{r.nonfinite}/{r.runs} non-finite" if r.error is None else "could not run"
         for r in ladder.rungs}}
     ran = ", ".join(r.backend for r in ladder.rungs[1:] if r.error is None)
@@ -159,7 +159,7 @@ def _prove(step: Step, replayed: Replayed, level: Level, allow: tuple[str, ...],
                   level=level, allow=allow)
 
 
-def _report(step: Step, replayed: Replayed, config: dict[str, Any], verdict: Verdict | None, repro: Repro | None,
+def _report(step: Step, replayed: Replayed, config: ReportConfig, verdict: Verdict | None, repro: Repro | None,
             command: str | None) -> Report:
     final = replayed.final
     records = final.records
@@ -212,7 +212,7 @@ def _optimizer_eps(optimizer: torch.optim.Optimizer | None) -> float | None:
     return min(found) if found else None
 
 
-def _fp16_backward_underflow(records: Sequence[Record]) -> dict[str, Any] | None:
+def _fp16_backward_underflow(records: Sequence[Record]) -> BackwardUnderflow | None:
     """How many float16 tensors of the backward lie wholly below float16's smallest normal (their values
     subnormal, or flushed to 0), of how many, and the largest of them; None when there is none."""
     backward = [r for r in records if r.phase is Phase.BACKWARD and r.dtype == "float16" and r.finite]

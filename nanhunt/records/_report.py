@@ -7,7 +7,7 @@ import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from . import _serial
 from ._serial import JSONData, absent
@@ -62,6 +62,53 @@ class Advice(JSONData):
     because: str = ""
 
 
+class BackwardUnderflow(TypedDict):
+    """``ReportConfig.fp16_backward_underflow``: ``tensors`` float16 tensors of the backward lie wholly below
+    float16's smallest normal, ``of`` those the backward holds; ``largest`` the largest |x| among them, ``at``
+    where it is."""
+
+    tensors: int
+    of: int
+    largest: float
+    at: str
+
+
+class ReportConfig(TypedDict, total=False):
+    """``Report.config``: what the step ran with and a few measurements of it, each key present only when its
+    writer set it (a plain dict at run time, written in the order it was filled).
+
+    Written by a replay (``nanhunt.hunt``): ``dtype``, ``device_type``, ``level``, ``train``, ``loss_fn`` and
+    ``optimizer`` (their class names), with a GradScaler ``scaler_scale`` and ``scaler_growth_tracker`` (None:
+    disabled); after it, ``grads_finite``, ``scaler_would_skip`` (with a GradScaler), ``optimizer_eps`` (the
+    smallest eps of its groups), ``fp16_backward_underflow`` and, for a compiled model, ``compiled_rungs``
+    (backend -> ``"1/2 non-finite"`` or ``"could not run"``). Written by ``nanhunt compare``: ``dtype`` (the
+    compared dtypes, comma-separated), ``device_type``, ``train``, ``loss_fn``, ``scaler_scale`` and its rule's
+    ``task``, ``rtol``, ``atol``, ``max_flips``, ``fail_on_tolerance``, ``metric``, with ``batches`` and
+    ``speed_repeats`` (None: a single batch, no timing)."""
+
+    dtype: str
+    device_type: str
+    level: str  # a records.Level's value
+    train: bool
+    loss_fn: str | None
+    optimizer: str | None
+    scaler_scale: float | None
+    scaler_growth_tracker: int | None
+    grads_finite: bool
+    scaler_would_skip: bool
+    optimizer_eps: float
+    fp16_backward_underflow: BackwardUnderflow
+    compiled_rungs: dict[str, str]
+    task: str
+    rtol: float | None
+    atol: float | None
+    max_flips: int
+    fail_on_tolerance: bool
+    metric: str | None
+    batches: int | None
+    speed_repeats: int | None
+
+
 @dataclass(frozen=True)
 class Report(JSONData):
     """Everything one replay found, as plain data; renderers only format it.
@@ -74,9 +121,9 @@ class Report(JSONData):
     JSON layout (``to_json``; key names are stable, numbers stay numbers, and
     NaN/Inf are the strings ``"nan"``/``"inf"``/``"-inf"`` so files are strict
     JSON): ``schema_version``, ``status``, ``first`` (an occurrence or null),
-    ``origins``, ``path`` (records), ``runs``, ``loss``, ``config`` (dtype,
-    device_type, level, train, loss_fn, optimizer, scaler_scale,
-    scaler_growth_tracker, grads_finite, scaler_would_skip), ``modules``
+    ``origins``, ``path`` (records), ``runs``, ``loss``, ``config`` (a
+    :class:`ReportConfig`: dtype, device_type, level, train, loss_fn, optimizer,
+    scaler_scale, scaler_growth_tracker, grads_finite, scaler_would_skip ...), ``modules``
     (module -> "finite" / "nan in backward" ...), ``module_classes``,
     ``environment``, ``command``, ``notes``, ``n_records``, ``verdict``,
     ``timeline`` (``[index, phase, max |x| or "nan", "finite"|"nan"|"inf"]``
@@ -94,7 +141,7 @@ class Report(JSONData):
     path: tuple[Record, ...] = ()
     runs: tuple[Occurrence | None, ...] = ()
     loss: float | None = None
-    config: dict[str, Any] = field(default_factory=dict)
+    config: ReportConfig = field(default_factory=ReportConfig)
     modules: dict[str, str] = field(default_factory=dict)  # module -> "nan" / "inf" / "finite"
     module_classes: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)

@@ -8,10 +8,10 @@ that each format can set them as code and escape them its own way.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from ..records import (DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, Status, Verdict,
-                       VerdictKind, role_text)
+from ..records import (DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, ReportConfig, Status,
+                       Verdict, VerdictKind, role_text)
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
            "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans",
@@ -234,14 +234,15 @@ def alternatives(report: Report) -> list[tuple[str, str]]:
     return [(k, "finite" if ok else "still non-finite") for k, ok in v.alternatives.items()]
 
 
-def scaler_text(config: dict[str, Any]) -> str:
+def scaler_text(config: ReportConfig) -> str:
     if "scaler_scale" not in config:
         return "No GradScaler in this step (backward ran unscaled)."
-    scale = config.get("scaler_scale")
+    # typed: a misspelt key is a mypy error (.get of a key ReportConfig lacks gives an object)
+    scale: float | None = config.get("scaler_scale")
     if scale is None:
         return "GradScaler present but disabled."
-    tracker = config.get("scaler_growth_tracker")
-    skip = config.get("scaler_would_skip")
+    tracker: int | None = config.get("scaler_growth_tracker")
+    skip: bool | None = config.get("scaler_would_skip")
     head = f"scale {num(float(scale))}, growth tracker {tracker if tracker is not None else '-'}"
     if skip:
         return head + ": the gradients hold inf/NaN, so GradScaler would skip this optimizer step and halve the scale."
