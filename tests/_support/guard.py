@@ -53,10 +53,11 @@ def guard_for(model: MLP, opt: torch.optim.Optimizer, scaler: torch.amp.GradScal
 
 def train_step(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler | None, b: tuple[torch.Tensor, torch.Tensor], *,
-               dtype: torch.dtype = torch.float16, check_grads: bool = True, hand_loss: bool = True) -> None:
-    """One ordinary AMP step inside ``guard.step``."""
+               dtype: torch.dtype = torch.float16, check_grads: bool = True, hand_loss: bool = True,
+               indices: Any = None) -> None:
+    """One ordinary AMP step inside ``guard.step`` (given the batch's dataset ``indices``, if any)."""
     x, y = b
-    with guard.step(b):
+    with guard.step(b, indices=indices):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss = F.mse_loss(model(x), y)

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import nanhunt
 from nanhunt.guard._skip_list import WHAT
 from nanhunt.guard.guard import GuardWarning
 
-from tests._support.guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup
+from tests._support.guard import BIG_INPUT, D_IN, batch, guard_for, mlp_setup, train_step
 
 BAD = 13  # the sample that overflows float16
 
@@ -45,15 +44,7 @@ def _amp_loop(guard: nanhunt.Guard, model: torch.nn.Module, opt: torch.optim.Opt
     seen: dict[int, list[int]] = {}
     for step, (idx, x, y) in enumerate(loader):
         seen[step] = idx.tolist()
-        with guard.step((x, y), indices=idx if give_indices else None):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = guard.loss(F.mse_loss(model(x), y))
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            guard.check_grads()
-            scaler.step(opt)
-            scaler.update()
+        train_step(guard, model, opt, scaler, (x, y), indices=idx if give_indices else None)
     return seen
 
 
@@ -138,14 +129,9 @@ def test_a_rollback_from_the_snapshot_lists_every_step_it_undid(tmp_path: Path) 
     for step in range(6):
         for group in opt.param_groups:
             group["lr"] = 1e36 if step == 3 else 1e-2
-        x, y = batch(step, big_target=step == 3)  # finite gradients, an Inf update
-        with guard.step((x, y), indices=range(8 * step, 8 * step + 8)):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = guard.loss(F.mse_loss(model(x), y))
-            loss.backward()
-            guard.check_grads()
-            opt.step()
+        # finite gradients, an Inf update
+        train_step(guard, model, opt, None, batch(step, big_target=step == 3), dtype=torch.bfloat16,
+                   indices=range(8 * step, 8 * step + 8))
         if guard.events and guard.events[-1].kind == "params":
             guard.rollback(change="lr back to 1e-2")
     # THEN the entry names the detection at step 4, restored to step 3's start, both batches with their indices
