@@ -149,11 +149,15 @@ class Workload:
     def step(self) -> torch.Tensor:
         """One training step; returns the (detached) loss."""
         self.model.zero_grad(set_to_none=True)
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             out = self.model(self.x)
             loss = self.loss_fn(out, self.y)
         self.scaler.scale(loss).backward()
         return loss.detach()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "float32, no autocast" if dtype == torch.float32 else f"autocast {str(dtype)[6:]}"
 
 
 def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -167,7 +171,7 @@ def make_gpt(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, *, batch:
     model = GPT(vocab, d_model, n_heads, n_layers, seq).to(device).train()
     x = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     y = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-    desc = f"GPT {n_layers}L d{d_model} {n_heads}h seq{seq} batch{batch} vocab{vocab}, autocast {str(dtype)[6:]}"
+    desc = f"GPT {n_layers}L d{d_model} {n_heads}h seq{seq} batch{batch} vocab{vocab}, {_precision(dtype)}"
     return Workload("gpt", desc, model, x, y, _gpt_loss, dtype, device)
 
 
@@ -177,7 +181,7 @@ def make_convnet(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, *, ba
     model = ConvNet(width).to(device).train()
     x = torch.randn(batch, 3, 64, 64, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    desc = f"ResNet-like convnet w{width} 64x64 batch{batch}, autocast {str(dtype)[6:]}"
+    desc = f"ResNet-like convnet w{width} 64x64 batch{batch}, {_precision(dtype)}"
     return Workload("convnet", desc, model, x, y, F.cross_entropy, dtype, device)
 
 

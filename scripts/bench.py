@@ -492,7 +492,7 @@ def _mem_subprocess(workload: str, variant: str, device: str) -> tuple[float, fl
         "import resource,sys;sys.argv=['bench'];"
         f"sys.path.insert(0,{os.path.dirname(os.path.abspath(__file__))!r});"
         "import bench;"
-        f"w=bench.models.WORKLOADS[{workload!r}](device={device!r});"
+        f"w=bench.models.WORKLOADS[{workload!r}](device={device!r},dtype=bench.torch.{WORKLOAD_DTYPE[0]});"
         f"r=bench.VARIANTS[{variant!r}];r(w);"
         "a=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
         "r(w);b=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;print(a,b)"
@@ -648,7 +648,7 @@ def rss():
         if l.startswith('VmRSS:'): return int(l.split()[1]) / 1024
 t0 = time.perf_counter(); import torch, nanhunt; imp = time.perf_counter() - t0
 import _bench_models as m
-w = m.make_gpt(device={device!r}); w.step(); w.step()
+w = m.make_gpt(device={device!r}, dtype=torch.{WORKLOAD_DTYPE[0]}); w.step(); w.step()
 r0 = rss(); t0 = time.perf_counter(); w.step(); plain = time.perf_counter() - t0
 out = {{"import_s": imp}}
 for lvl in ("module", "op"):
@@ -707,6 +707,33 @@ def _best_step_s(w: models.TrainStep, reps: int = 3) -> float:
         w.step()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+# The workloads' dtype: bfloat16 autocast, or float32 where this CPU has no fast bfloat16 (a matmul some 20x
+# slower: the whole run would measure that); (name, what the tables say of it). Set by main().
+WORKLOAD_DTYPE: list[str] = ["bfloat16", ""]
+
+
+def _workload_dtype(device: str) -> tuple[str, str]:
+    """bfloat16, unless this CPU multiplies bfloat16 matrices more than HALF_SLOWDOWN_LIMIT x slower than float32
+    ones (a 256x256 matmul, timed a few times each): then float32, and the reason, said in each table's title."""
+    if not device.startswith("cpu"):
+        return "bfloat16", ""
+    g = torch.Generator().manual_seed(0)
+    best: dict[torch.dtype, float] = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a = torch.randn(256, 256, generator=g).to(dt)
+        a @ a  # warm
+        t = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ a
+            t = min(t, time.perf_counter() - t0)
+        best[dt] = t
+    ratio = best[torch.bfloat16] / best[torch.float32]
+    if ratio <= HALF_SLOWDOWN_LIMIT:
+        return "bfloat16", ""
+    return "float32", f" (this CPU's bfloat16 matmul is {ratio:.0f}x slower than float32: float32 steps)"
 
 
 def _pick_dtype(kind: str, n: int) -> tuple[torch.dtype, dict[str, Any]]:
@@ -1139,7 +1166,9 @@ def main(argv: list[str] | None = None) -> int:
 
     wl_names = [s for s in args.workloads.split(",") if s]
     if args.profile:
-        profile_variant(models.WORKLOADS[wl_names[0]](device=args.device), args.profile, args.profile_steps, args.profile_top)
+        WORKLOAD_DTYPE[:] = _workload_dtype(args.device)
+        profile_variant(models.WORKLOADS[wl_names[0]](device=args.device, dtype=getattr(torch, WORKLOAD_DTYPE[0])),
+                        args.profile, args.profile_steps, args.profile_top)
         return 0
 
     names = list(VARIANTS) if args.variants is None else ["plain"] + [v for v in args.variants.split(",") if v and v != "plain"]
@@ -1163,6 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped["replay at scale"] = "CPU only (it measures RSS); run it without --device"
         else:
             res["scale"] = bench_scale(args, t_start, rss_floor)
+    WORKLOAD_DTYPE[:] = _workload_dtype(args.device)
     if args.only == "replay":
         wl_names = []
     elif not args.quick and not args.no_cold and not args.device.startswith("cuda"):
@@ -1173,7 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
         now = time.perf_counter() - t_budget
         share = (args.budget_s - now) / (len(wl_names) - i)
         deadline = time.perf_counter() + max(share, 0.0)
-        w = models.WORKLOADS[wn](device=args.device)
+        w = models.WORKLOADS[wn](device=args.device, dtype=getattr(torch, WORKLOAD_DTYPE[0]))
+        w.desc += WORKLOAD_DTYPE[1]
         print(f"[{time.perf_counter() - t_start:6.1f}s] {wn}: {', '.join(names)}", file=sys.stderr, flush=True)
         hard = deadline + 0.25 * max(share, 0.0)
         res["workloads"].append(bench_workload(w, names, args, deadline, rss_floor, hard))
