@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import math
 import shlex
 from collections.abc import Mapping
@@ -13,7 +12,7 @@ from . import _serial
 from ._serial import JSONData, absent
 from ._comparison import Comparison
 from ._guard import GuardEvent, HeadroomHistory
-from ._trace import DTYPE_MAX, Occurrence, Record
+from ._trace import DTYPE_MAX, Occurrence, Record, TextEnum
 
 
 # Version 1: the first released layout. Version 2 adds ``Report.repro`` (a :class:`Repro` or null).
@@ -21,7 +20,7 @@ from ._trace import DTYPE_MAX, Occurrence, Record
 SCHEMA_VERSION = 2
 
 
-class Status(str, enum.Enum):
+class Status(TextEnum):
     """A report's outcome: a replay's (see :class:`Report`) or a comparison's (``nanhunt compare``)."""
 
     CLEAN = "clean"
@@ -31,11 +30,8 @@ class Status(str, enum.Enum):
     REFERENCE_NONFINITE = "reference-nonfinite"  # compare: the float32 reference itself went non-finite
     DIVERGED = "diverged"  # compare: both runs finite, another clause of the rule failed
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class VerdictKind(str, enum.Enum):
+class VerdictKind(TextEnum):
     """What the float32 bisection proved (see :class:`Verdict`)."""
 
     PRECISION = "precision"
@@ -45,9 +41,6 @@ class VerdictKind(str, enum.Enum):
     NOT_REPRODUCIBLE = "not-reproducible"
     CLEAN = "clean"
     INTERRUPTED = "interrupted"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,14 @@ DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3
 FP16_SMALLEST_NORMAL = 2.0 ** -14
 
 
-class Phase(str, enum.Enum):
+class TextEnum(str, enum.Enum):
+    """An enum whose members are their text: ``str()``, f-strings and JSON give the value."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)  # the member's text is its value
+
+
+class Phase(TextEnum):
     """Where in a step a value was seen, in execution order."""
 
     INPUT = "input"
@@ -30,14 +37,11 @@ class Phase(str, enum.Enum):
     BACKWARD = "backward"
     UPDATE = "update"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 
 
-class Role(str, enum.Enum):
+class Role(TextEnum):
     """What a recorded tensor was to the op or module that produced or consumed it."""
 
     INPUT = "input"  # entered the step from outside (batch, target, ...)
@@ -54,18 +58,12 @@ class Role(str, enum.Enum):
     UNWRITTEN = "unwritten"
     RECEIVED = "received"  # arrived from another rank through a collective (all-reduce, ...): never an origin here
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Level(str, enum.Enum):
+class Level(TextEnum):
     """What a trace records: every aten op, or module boundaries and gradients only (for speed)."""
 
     OP = "op"
     MODULE = "module"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # JSON (``to_dict`` / ``from_dict``, see ``_serial``): one key per field, in field order. ``field(metadata=absent(x))``
