@@ -217,7 +217,11 @@ class Headroom:
             # a module called twice has two entries: the max over its calls (magnitudes are >= 0)
             row.scatter_reduce_(0, self._index[1], found, "amax")
         self._rows.append((index, scale, list(self._limit)))
-        findings = self._given(index, self.read()) if len(self._rows) >= self.rows else []
+        findings: list[Finding] = []
+        if len(self._rows) >= self.rows:
+            findings = self._given(index, self.read())  # the picture redrawn there when it warned
+            if not findings:
+                self._picture()
         self._timed(sampled=True)
         return findings
 
@@ -243,12 +247,13 @@ class Headroom:
                 else torch.get_autocast_dtype(self.device_type) if torch.is_autocast_enabled(self.device_type)
                 else None)
         grads = torch.is_grad_enabled()
+        cap = math.inf if cast is None else _room(cast)
         for t in tensors(output):
             if not t.is_floating_point() or not t.numel():
                 continue
             limit = _room(t.dtype)
-            if cast is not None and t.dtype != torch.float64:
-                limit = min(limit, _room(cast))
+            if t.dtype != torch.float64:
+                limit = min(limit, cap)
             self._limit[i] = min(self._limit[i], limit)
             # detached: the maximum holds no graph (nor the output); float32 out of the reduction itself, so the
             # step's maxima stack in one op at its end
@@ -299,7 +304,6 @@ class Headroom:
             f = self._state(what, t.dtype, data[offset + k])
             if f is not None:
                 findings.append(f)
-        self._picture()
         return findings
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -316,8 +320,9 @@ class Headroom:
                 for k, s in self._optimizer.state.get(p, {}).items():
                     if isinstance(s, torch.Tensor) and s.is_floating_point() and s.numel() > 1:
                         out.append((f"{k} of {name}", s))
-        key = {k: i for i, k in enumerate(dict.fromkeys((local_tensor(t).device, t.dtype) for _, t in out))}
-        return sorted(out, key=lambda nt: key[(local_tensor(nt[1]).device, nt[1].dtype)])
+        keyed = [((local_tensor(t).device, t.dtype), n, t) for n, t in out]
+        order = {k: i for i, k in enumerate(dict.fromkeys(k for k, _, _ in keyed))}
+        return [(n, t) for _, n, t in sorted(keyed, key=lambda knt: order[knt[0]])]
 
     def _trend(self, cond: str, i: int) -> Finding | None:
         name = self.names[i]

@@ -129,8 +129,7 @@ def _compiled_report(report: Report, ladder: Ladder) -> Report:
 def _failed_here(event: GuardEvent) -> bool:
     """The Guard's event says this capture's step failed on this rank alone: a finite replay did not reproduce it.
     (Other ranks that saw it too may have sent it through a collective: their captures are the ones to replay.)"""
-    return (event.kind in ("loss", "grads", "params", "skips")
-            and not [r for r in event.ranks if r != event.rank])
+    return event.is_detection() and not [r for r in event.ranks if r != event.rank]
 
 
 def _caught_call(step: Step, replayed: Replayed) -> OriginCall | None:

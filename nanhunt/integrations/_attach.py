@@ -237,7 +237,7 @@ class Attached:
             try:
                 begin(*args, **kwargs)
             except Unwatchable as e:
-                reason = str(e).strip().splitlines()[0]  # the refusal's own words: its type says nothing more
+                reason = first_line(e).partition(": ")[2]  # the refusal's own words: its type says nothing more
                 self.gave_up = f"nanhunt did not watch the {self.framework} run: {reason}"
                 print(f"nanhunt run: {visible(self.gave_up)}; the script goes on unwatched", file=sys.stderr)
                 return

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from . import _serial
 from ._serial import JSONData, absent
+from ._trace import DTYPE_MAX
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class HeadroomSeries(JSONData):
             raise ValueError(f"headroom series of {self.module!r}: {len(self.steps)} steps, "
                              f"{len(self.log2max)} values")
         _check_steps(*self.steps)
-        if not (all(-1074 <= v < 1024 for v in self.log2max) and 0 < self.limit <= _FLOAT_MAX):
+        if not (all(-1074 <= v < 1024 for v in self.log2max) and 0 < self.limit <= DTYPE_MAX["float64"]):
             raise ValueError(f"headroom series of {self.module!r}: a value or its limit is not a positive finite "
                              f"number")
 
@@ -176,8 +177,6 @@ class HeadroomHistory(JSONData):
     def __post_init__(self) -> None:
         _check_steps(self.step)
 
-
-_FLOAT_MAX = 1.7976931348623157e308
 
 
 def _check_steps(*steps: int) -> None:
