@@ -275,9 +275,9 @@ def test_the_capture_holds_the_autocast_dtype_of_its_own_step(tmp_path: Path, mo
     script = _script(tmp_path, WARMUP)
     # WHEN it runs under nanhunt run and stops at step 2
     rc = cli_main(["run", "--dump-dir", str(tmp_path / "caps"), str(script)])
-    capsys.readouterr()
+    err = capsys.readouterr().err
     # THEN the capture of step 2 records the dtype step 2 ran in, not the warm-up's
-    assert rc == 1
+    assert rc == 1, err
     [checkpoint] = (tmp_path / "caps").glob("*checkpoint.pt")
     assert torch.load(checkpoint, weights_only=True)["autocast"]["dtype"] == "bfloat16"
 
