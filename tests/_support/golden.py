@@ -1,4 +1,10 @@
-"""Golden-file helpers shared by the renderer tests (regenerate with NANHUNT_UPDATE_GOLDEN=1)."""
+"""Golden-file helpers shared by the renderer tests (regenerate with NANHUNT_UPDATE_GOLDEN=1).
+
+A golden holds only what every machine computes the same. Most goldens render hand-built records; a golden made
+from a real run (``compare.nonfinite.*``) needs inputs whose float32 results are exact (powers of two, one-hot
+rows: no kernel, fused multiply-add or summation order, rounds them), and any number it shows that cannot be exact
+(a loss: log and exp) must sit far from the rounding boundary of its printed digits: :func:`prints_alike`.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,17 @@ ENVIRONMENT = {"nanhunt": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "o
 def fixed_environment(report: Report) -> Report:
     """``report`` with :data:`ENVIRONMENT` in place of the machine's."""
     return dataclasses.replace(report, environment=dict(ENVIRONMENT))
+
+
+# Relative slack a printed float32 result must keep from its rounding boundary: kernels differ by a few ulp
+# (float32's is 1.2e-07 relative), and a sum over many terms by more; 1e-5 leaves a wide margin over both.
+KERNEL_SLACK = 1e-5
+
+
+def prints_alike(x: float, digits: int = 4, slack: float = KERNEL_SLACK) -> bool:
+    """Whether ``x`` printed with ``digits`` significant digits (the renderers' ``.4g``) reads the same when a kernel
+    moves it by up to ``slack`` relative: what a golden may show of a result that is not exact."""
+    return len({f"{x * (1 + d):.{digits}g}" for d in (-slack, 0.0, slack)}) == 1
 
 
 def check_golden(name: str, text: str) -> None:

@@ -23,18 +23,23 @@ from torch import nn
 from nanhunt import compare
 from nanhunt.cli import main
 from nanhunt.records import Comparison, Report
-from tests._support.golden import check_golden, fixed_environment, render
+from tests._support.golden import check_golden, fixed_environment, prints_alike, render
 from tests._support.compare import FLIP_SCORES, FLIP_X, FLIP_Y, Flip
 
 ROOT = Path(__file__).resolve().parents[2]
 CE = "torch.nn.functional:cross_entropy"
 N_BAD = 20  # samples whose float16 scores are NaN
+MIX = 2.0 ** -13  # exact in float32 and float16 (above float16's smallest normal, 2**-14)
 
 
 class Mixed(nn.Module):
-    """Scores of ``FLIP_SCORES`` (the first four features pick a row), plus ``mix(big(x[:, 4:]))``: 0 in float32
-    (300 * 300 = 90000 twice, times 1e-4 and -1e-4), NaN under float16 autocast where x[:, 4] = 300
-    (90000 > 65504 gives inf; inf * 1e-4 - inf * 1e-4 and inf * 0 are NaN)."""
+    """Scores of ``FLIP_SCORES`` (the first four features pick a row), plus ``mix(big(x[:, 4:]))``: exactly 0 in
+    float32 (300 * 300 = 90000 twice, times 2**-13 and -2**-13), NaN under float16 autocast where x[:, 4] = 300
+    (90000 > 65504 gives inf; inf * 2**-13 - inf * 2**-13 and inf * 0 are NaN).
+
+    The mix weights are powers of two so that 90000 * 2**-13 is exact: with 1e-4 (not exact in float32) a kernel
+    that fuses the multiply-add (MKL's AVX-512 sgemm) leaves the product's rounding error, 2.3e-07, in place of
+    0, and the goldens' margins read 0.0002998 where other kernels give 0.0003."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +50,7 @@ class Mixed(nn.Module):
             self.head.weight.copy_(torch.tensor(FLIP_SCORES).T)
             self.head.bias.zero_()
             self.big.weight.fill_(300.0)
-            self.mix.weight.copy_(torch.tensor([[1e-4, -1e-4], [0.0, 0.0], [0.0, 0.0]]))
+            self.mix.weight.copy_(torch.tensor([[MIX, -MIX], [0.0, 0.0], [0.0, 0.0]]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x[:, :4]) + self.mix(self.big(x[:, 4:]))  # type: ignore[no-any-return]
@@ -73,6 +78,18 @@ def _cmp(report: Report) -> Comparison:
 def _mixed() -> Report:
     return fixed_environment(
         compare(Mixed(), mixed_batch(), loss_fn=F.cross_entropy, dtype=torch.float16, task="classify"))
+
+
+def test_the_goldens_run_computes_the_same_on_every_machine() -> None:
+    # GIVEN the model and batch the goldens come from
+    m, (x, _) = Mixed(), mixed_batch()
+    with torch.no_grad():
+        f32, f64 = m(x), m.double()(x.double())
+    # THEN its float32 scores equal float64's: exact, so no kernel (fused multiply-add, another order) changes them
+    assert torch.equal(f32.double(), f64)
+    # AND the one number the goldens show that cannot be exact, the reference loss, is far from a rounding boundary
+    ref_loss = _cmp(_mixed()).ref_loss
+    assert ref_loss is not None and prints_alike(ref_loss) and f"{ref_loss:.4g}" == "0.5285"
 
 
 def test_nonfinite_samples_are_no_flips() -> None:
