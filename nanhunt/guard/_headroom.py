@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._util._dispatch import foreach_norm, local_tensor
+from .._util._limits import SQUARED_FROM, squared_limit
 from .._util._text import dtype_name
 from .._util._wrappers import user_modules
 from ..records import HeadroomNote, HeadroomSeries
@@ -343,7 +344,7 @@ class Headroom:
         value = 2.0 ** y
         detail = (f"{name} {cond}: max {_num(value)} (headroom {_num(limit / value)}x to {_limit_name(limit)}), "
                   f"growing {_num(_per_100(slope))}x per 100 steps: overflow expected near step {at:,}; "
-                  f"{_FIX_GROWTH if limit < _SQUARED_FROM else _FIX_GROWTH_WIDE}")
+                  f"{_FIX_GROWTH if limit < SQUARED_FROM else _FIX_GROWTH_WIDE}")
         return Finding(cond, name, detail, value, limit, at)
 
     def _state(self, what: str, dtype: torch.dtype, value: float) -> Finding | None:
@@ -482,17 +483,12 @@ def _limit_of(dtype: torch.dtype) -> float:
     return limit
 
 
-# A dtype whose limit is past this is judged at the limit's square root: a value squared on its way (a norm's
-# variance, the x ** 3 of GELU's tanh approximation and its backward's 3 x ** 2) overflows there, 1.84e19 for
-# bfloat16 and float32, long before 3.4e38. float16's 65504 comes first (autocast runs its norms in float32),
-# and its square root, 256, is no limit for an activation.
-_SQUARED_FROM = 1e10
-
-
 def _room(dtype: torch.dtype) -> float:
-    """The largest magnitude a module's output or gradient of ``dtype`` is judged against (see _SQUARED_FROM)."""
-    limit = _limit_of(dtype)
-    return math.sqrt(limit) if limit > _SQUARED_FROM else limit
+    """The largest magnitude a module's output or gradient of ``dtype`` is judged against: any of them may be
+    squared on its way (a norm's variance, the x ** 3 of GELU's tanh approximation and its backward's 3 x ** 2),
+    so a wide dtype's at its limit's square root (:func:`nanhunt._util._limits.squared_limit`, the rule the
+    report's op table judges a squared input by)."""
+    return squared_limit(_limit_of(dtype))
 
 
 def _limit_name(limit: float) -> str:

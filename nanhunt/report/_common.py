@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .._util._limits import squared_inputs, squared_limit
 from ..records import (DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, ReportConfig, Status,
                        Verdict, VerdictKind, role_text)
 
 __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_text", "scaler_text",
-           "environment_rows", "birth_rows", "tensor_rows", "TENSOR_COLUMNS", "repro_text", "occurrence_spans",
+           "environment_rows", "birth_rows", "tensor_rows", "tensor_levels", "tensor_note", "TENSOR_COLUMNS",
+           "repro_text", "occurrence_spans",
            "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "GUARD_TITLE", "BORN_TITLE", "TENSORS_TITLE", "PATH_TITLE",
            "BISECTION_TITLE", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
            "origin_alone", "HEADROOM_TITLE", "HEADROOM_COLUMNS", "headroom_intro", "headroom_rows",
@@ -48,15 +50,31 @@ def limit_of(dtype: str) -> float | None:
     return LIMITS.get(dtype)
 
 
-def headroom(r: Record) -> str:
-    """How many times larger the values could grow before the dtype overflows."""
+SQUARED_MARK = " (x²)"  # a headroom judged against where the value's square overflows
+
+
+def _room(r: Record, squared: bool) -> tuple[float, bool] | None:
+    """What ``r``'s largest magnitude is judged against, and whether that is where its square overflows (an
+    input the op squares, of a dtype judged so: :func:`nanhunt._util._limits.squared_limit`, the Guard's rule);
+    None for a dtype without a known limit."""
     limit = LIMITS.get(r.dtype)
     if limit is None:
+        return None
+    room = squared_limit(limit) if squared else limit
+    return room, room != limit
+
+
+def headroom(r: Record, squared: bool = False) -> str:
+    """How many times larger the values could grow before the dtype overflows; ``squared`` (an input the op
+    squares on its way: a norm's variance): before their square does, marked ``(x²)``."""
+    judged = _room(r, squared)
+    if judged is None:
         return "-"
     if not r.finite:
         return "overflowed" if r.has_inf else "-"
     a = r.absmax
-    return "inf" if a == 0 else f"{limit / a:.3g}x"
+    room, of_square = judged
+    return "inf" if a == 0 else f"{room / a:.3g}x" + (SQUARED_MARK if of_square else "")
 
 
 def _kind(kind: str) -> str:
@@ -300,21 +318,58 @@ TENSOR_COLUMNS = ("tensor", "dtype", "shape", "min", "max", "max |x|", "dtype ma
                   "-inf", "zeros")
 
 
+def _squared(occ: Occurrence) -> frozenset[int]:
+    """The positions of the inputs the origin's op squares (:func:`nanhunt._util._limits.squared_inputs`)."""
+    return squared_inputs(occ.op, tuple(r.index for r in occ.inputs))
+
+
 def tensor_rows(occ: Occurrence) -> list[tuple[str, ...]]:
-    """The op's inputs and output against the limits of their dtype."""
+    """The op's inputs and output against the limits of their dtype (an input the op squares: against where its
+    square overflows, as the Guard judges it)."""
     rows: list[tuple[str, ...]] = []
     seen = occ.output.input_shapes  # as the op saw them (a record may be a view's base)
-    named = [(f"input {i}", r, seen[i] if seen is not None and i < len(seen) else r.shape)
-             for i, r in enumerate(occ.inputs)] + [("output", occ.output, occ.output.shape)]
-    for name, r, shape in named:
+    squared = _squared(occ)
+    named = [(f"input {i}", r, seen[i] if seen is not None and i < len(seen) else r.shape, i in squared)
+             for i, r in enumerate(occ.inputs)] + [("output", occ.output, occ.output.shape, False)]
+    for name, r, shape, sq in named:
         f = r.full
         limit = limit_of(r.dtype)
         rows.append((
             name, r.dtype, str(list(shape)), num(r.min), num(r.max), num(r.absmax),
-            "-" if limit is None else f"{limit:.6g}", headroom(r),
+            "-" if limit is None else f"{limit:.6g}", headroom(r, sq),
             *(("-",) * 4 if f is None else (str(f.nan), str(f.posinf), str(f.neginf), str(f.zeros))),
         ))
     return rows
+
+
+NEAR = 16.0  # a headroom below this is near the limit (marked in the HTML table)
+
+
+def tensor_levels(occ: Occurrence) -> list[str]:
+    """Each row of :func:`tensor_rows`'s headroom: ``"over"`` (it overflowed; an input whose square passed the
+    limit), ``"near"`` (within :data:`NEAR` times of it) or ``""``."""
+    squared = _squared(occ)
+    out = []
+    for i, r in enumerate((*occ.inputs, occ.output)):
+        judged = _room(r, i in squared)  # the output's position is past every input's
+        if judged is None:
+            out.append("")
+        elif not r.finite:
+            out.append("over" if r.has_inf else "")
+        else:
+            factor = math.inf if r.absmax == 0 else judged[0] / r.absmax
+            out.append("over" if factor < 1 else "near" if factor < NEAR else "")
+    return out
+
+
+def tensor_note(occ: Occurrence) -> str | None:
+    """What ``(x²)`` in the headroom column means, when a row holds it; else None."""
+    at = TENSOR_COLUMNS.index("headroom")
+    if not any(row[at].endswith(SQUARED_MARK) for row in tensor_rows(occ)):
+        return None
+    return (f"{SQUARED_MARK.strip()}: the op squares this input on its way (a norm's variance, a sum of squares, "
+            "x * x), so its headroom is how many times larger it could grow before its square overflows: against "
+            "the square root of its dtype's max (1.84e+19 for float32 and bfloat16), as the Guard judges it.")
 
 
 def path_label(r: Record) -> list[Span]:

@@ -20,6 +20,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from .._util._errors import visible
+from .._util._text import cut
 from . import _common as _c
 from . import _compare_text as _ct
 from ..records import Comparison, HeadroomHistory, Inspection, Occurrence, Report, Status, TensorDiff
@@ -41,11 +42,18 @@ def _m(text: str) -> str:
 
 
 def _text(spans: list[_c.Span], style: str = "") -> Text:
-    """Spans as rich Text: user names in a code style, never parsed as markup."""
+    """Spans as rich Text: user names in a code style (cut past ``NAME_SHOWN`` characters), never parsed as
+    markup."""
     t = Text(style=style)
     for sp in spans:
-        t.append(visible(sp.text), style="bold cyan" if sp.code else "")
+        t.append(visible(cut(sp.text) if sp.code else sp.text), style="bold cyan" if sp.code else "")
     return t
+
+
+def _code(code: str, style: str = "cyan") -> Text:
+    """Code to paste (a fix): its line breaks kept, every line indented, so that no line of it, read from a
+    file, starts where nanhunt's own lines do (a forged ``nanhunt: error:``)."""
+    return Text("\n".join("    " + line for line in visible(code, multiline=True).splitlines()), style=style)
 
 
 def summary_line(report: Report) -> str:
@@ -80,7 +88,7 @@ def _tree(report: Report) -> Tree | None:
     nodes: dict[str, Tree] = {}
     for name in sorted(report.modules, key=lambda n: (n.count("."), n)):
         status = report.modules[name]
-        label = _t(f"{name or '<root>'} ({report.module_classes.get(name, '')}) ", style=style_of(status))
+        label = _t(f"{cut(name) or '<root>'} ({cut(report.module_classes.get(name, ''))}) ", style=style_of(status))
         label.append(visible(status), style=style_of(status))
         parent_name = name.rpartition(".")[0] if "." in name else ("" if name else None)
         parent = nodes.get(parent_name) if parent_name is not None else None
@@ -111,6 +119,9 @@ def render(report: Report) -> RenderableType:
     if occ is not None:
         parts.append(_key_values(_c.birth_rows(occ)))
         parts.append(_stats_table(occ))
+        note = _c.tensor_note(occ)
+        if note is not None:
+            parts.append(_t(note, style="dim"))
     if report.path:
         path = Text("propagation: ", style="bold")
         for i, r in enumerate(report.path[:12]):
@@ -121,10 +132,14 @@ def render(report: Report) -> RenderableType:
         parts.append(path)
     others = [o for o in report.origins if o is not occ]
     if others:
-        parts.append(_t(f"{len(others)} other origin(s): " + "; ".join(o.describe() for o in others[:5])))
+        line = _text([_c.Span(f"{len(others)} other origin(s): ")])
+        for i, other in enumerate(others[:5]):
+            line.append_text(_text([_c.Span("; " if i else ""), *_c.occurrence_spans(other)]))
+        parts.append(line)
     if report.status == Status.NOT_REPRODUCIBLE:
-        for i, o in enumerate(report.runs):
-            parts.append(_t(f"run {i + 1}: {o.describe() if o else 'finite'}"))
+        for i, run in enumerate(report.runs):
+            said = _c.occurrence_spans(run) if run is not None else [_c.Span("finite")]
+            parts.append(_text([_c.Span(f"run {i + 1}: "), *said]))
     if report.verdict is not None:
         parts.append(_text([_c.Span("verdict: ")] + _c.verdict_text(report), style="bold"))
         v = report.verdict
@@ -135,7 +150,7 @@ def render(report: Report) -> RenderableType:
         if alts:
             parts.append(_t("alternatives: " + ", ".join(f"{k}: {state}" for k, state in alts)))
         if v.fix:
-            parts.append(Text("suggested fix:\n" + visible(v.fix, multiline=True), style="cyan"))
+            parts += [Text("suggested fix:", style="cyan"), _code(v.fix)]
     parts += _advice(report)
     parts.append(_t("GradScaler: " + _c.scaler_text(report.config)))
     if report.repro is not None:
@@ -179,8 +194,7 @@ def _advice(report: Report) -> list[RenderableType]:
     for a in report.advice:
         parts.append(_t(f"- {a.advice}", style="bold cyan"))
         parts.append(_t(f"  because: {a.because}", style="dim"))
-        code = "\n".join("    " + line for line in visible(a.fix, multiline=True).splitlines())
-        parts.append(Text(code, style="cyan"))
+        parts.append(_code(a.fix))
     return parts
 
 
@@ -224,7 +238,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         for col in ("tensor", "dtype", "shape", "nan", "inf", "max |x| (finite)", "fp16 headroom"):
             t.add_column(col)
         for s in found.flagged[:limit]:
-            t.add_row(_m(s.name), _m(s.dtype), _m(str(list(s.shape))), str(s.nan), str(s.inf), _c.num(s.absmax),
+            t.add_row(_m(cut(s.name)), _m(s.dtype), _m(str(list(s.shape))), str(s.nan), str(s.inf), _c.num(s.absmax),
                       f"{s.fp16_headroom:.3g}x")
         parts.append(t)
         if len(found.flagged) > limit:
@@ -232,14 +246,14 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
     finite = not bad
     rows: list[tuple[str, ...]]
     if found.largest and finite:
-        rows = [(s.name, s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax), _factor(s.fp16_headroom),
+        rows = [(cut(s.name), s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax), _factor(s.fp16_headroom),
                  _factor(s.bf16_headroom), _min_text(s.min_nonzero)) for s in found.largest]
         title = ("closest to the dtype limits" + (" among the other tensors" if found.flagged else "")
                  + ": the largest magnitudes (headroom = the dtype's max / max |x|)")
         parts.append(_inspect_table(title, ("tensor", "dtype", "shape", "max |x|", "fp16 headroom",
                                             "bf16 headroom", "min |x|>0"), rows))
     if found.tiniest and finite:
-        rows = [(s.name, s.dtype, str(list(s.shape)).replace(" ", ""), f"{s.below_fp16_normal} of {s.numel}",
+        rows = [(cut(s.name), s.dtype, str(list(s.shape)).replace(" ", ""), f"{s.below_fp16_normal} of {s.numel}",
                  _min_text(s.min_nonzero)) for s in found.tiniest]
         parts.append(_inspect_table("non-zero values below float16's smallest normal (6.1e-05: fewer bits of "
                                     "precision; below 6e-08 they round to 0)",
@@ -248,7 +262,7 @@ def render_inspection(found: Inspection, limit: int = 20) -> RenderableType:
         rows = []
         for s in found.moments:
             low = None if s.min_nonzero is None else math.sqrt(s.min_nonzero)
-            rows.append((s.name, s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax),
+            rows.append((cut(s.name), s.dtype, str(list(s.shape)).replace(" ", ""), _c.num(s.absmax),
                          _c.num(math.sqrt(s.absmax)), _min_text(low), "-" if s.eps is None else f"{s.eps:g}",
                          "-" if s.eps is None else f"{s.below_eps} of {s.numel}"))
         parts.append(_inspect_table("optimizer second moments v, largest first (Adam's update is m / (sqrt(v) + "

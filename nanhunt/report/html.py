@@ -13,6 +13,7 @@ import dataclasses
 import html as _html
 
 from .._util._errors import visible
+from .._util._text import cut
 from ..records import Comparison, HeadroomHistory, Occurrence, Report, Status, TensorDiff, VerdictKind
 from . import _common as c
 from . import _compare_text as ct
@@ -64,8 +65,14 @@ def _pre(s: str) -> str:
     return _html.escape(visible(s, multiline=True), quote=True)
 
 
+def _command(s: str) -> str:
+    """A shell command to paste, in a code block of one line (a line break read from a file as ``\\n``)."""
+    return f"<pre><code>{_e(s)}</code></pre>"
+
+
 def _spans(spans: list[Span]) -> str:
-    return "".join(f"<code>{_e(s.text)}</code>" if s.code else _e(s.text) for s in spans)
+    """User names (cut past ``NAME_SHOWN`` characters) as code, the rest as text."""
+    return "".join(f"<code>{_e(cut(s.text))}</code>" if s.code else _e(s.text) for s in spans)
 
 
 def _kv(rows: list[tuple[str, str]]) -> str:
@@ -76,12 +83,12 @@ def _kv(rows: list[tuple[str, str]]) -> str:
 def _tensor_table(occ: Occurrence) -> str:
     head = "".join(f'<th class="{"num" if i >= 3 else ""}">{_e(h)}</th>' for i, h in enumerate(c.TENSOR_COLUMNS))
     rows = []
-    for row in c.tensor_rows(occ):
+    for row, level in zip(c.tensor_rows(occ), c.tensor_levels(occ)):
         cells = []
         for i, cell in enumerate(row):
             cls = "num" if i >= 3 else ""
-            if c.TENSOR_COLUMNS[i] == "headroom" and cell not in ("-", "inf"):
-                cls += " bad" if cell == "overflowed" else (" warn" if cell.endswith("x") and float(cell[:-1]) < 16 else "")
+            if c.TENSOR_COLUMNS[i] == "headroom" and level:
+                cls += " bad" if level == "over" else " warn"
             if c.TENSOR_COLUMNS[i] in ("min", "max", "max |x|") and cell in ("nan", "inf", "-inf"):
                 cls += " bad"
             cells.append(f'<td class="{cls.strip()}">{_e(cell)}</td>')
@@ -113,10 +120,10 @@ def _tree(report: Report) -> str:
 
     def item(n: str) -> str:
         st = report.modules[n]
-        cls = report.module_classes.get(n, "")
+        cls = cut(report.module_classes.get(n, ""))
         kids = children.get(n, [])
         sub = f"<ul>{''.join(item(k) for k in kids)}</ul>" if kids else ""
-        return (f'<li><code>{_e(c.label(n))}</code> <span class="dim">{_e(cls)}</span> '
+        return (f'<li><code>{_e(cut(c.label(n)))}</code> <span class="dim">{_e(cls)}</span> '
                 f'<span class="{_status_class(st)}">{_e(st)}</span>{sub}</li>')
 
     return f'<ul class="tree">{"".join(item(n) for n in children.get(None, []))}</ul>'
@@ -194,7 +201,7 @@ def render(report: Report, *, png: bytes | None = None, draw: bool = True) -> st
 
 def _page_head(report: Report) -> list[str]:
     """The document head and the page header: badges and the one-sentence summary."""
-    title = "".join(s.text for s in c.sentence(report))
+    title = "".join(cut(s.text) if s.code else s.text for s in c.sentence(report))
     return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -210,10 +217,11 @@ def _page_head(report: Report) -> list[str]:
 def _birth_sections(occ: Occurrence) -> list[str]:
     """Where the first non-finite value was born, and the op's tensors against their dtype's limits."""
     rows = [(k, _spans(v)) for k, v in c.birth_rows(occ)]
+    note = c.tensor_note(occ)
     return [f"<section><h2>{c.BORN_TITLE}</h2>", _kv(rows), "</section>",
             f"<section><h2>{c.TENSORS_TITLE}</h2>", _tensor_table(occ),
             '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
-            "overflows (65504 for float16).</p></section>"]
+            "overflows (65504 for float16)." + ("" if note is None else f" {_e(note)}") + "</p></section>"]
 
 
 def _headroom(h: HeadroomHistory) -> list[str]:
@@ -222,7 +230,7 @@ def _headroom(h: HeadroomHistory) -> list[str]:
 
     parts = [f"<section><h2>{_e(c.HEADROOM_TITLE)}</h2>", f"<p>{_e(c.headroom_intro(h))}</p>"]
     if h.series:
-        rows = "".join(f"<tr><td><code>{_e(row[0])}</code></td><td>{_e(row[1])}</td>"
+        rows = "".join(f"<tr><td><code>{_e(cut(row[0]))}</code></td><td>{_e(row[1])}</td>"
                        f"{''.join(_num_cell(x) for x in row[2:])}</tr>" for row in c.headroom_rows(h))
         parts += [f"<figure>{chart(h)}<figcaption>{_e(c.HEADROOM_CAPTION)}</figcaption></figure>",
                   f"<table><thead><tr>{_head_row(c.HEADROOM_COLUMNS, (0, 1))}</tr></thead><tbody>{rows}</tbody>"
@@ -276,12 +284,12 @@ def _reproduce(report: Report) -> list[str]:
     """How to replay the step, and the op alone when a repro was written."""
     parts = [f"<section><h2>{c.REPRODUCE_TITLE}</h2>"]
     if report.command:
-        parts.append(f"<p>Replay the step:</p><pre><code>{_pre(report.command)}</code></pre>")
+        parts.append(f"<p>Replay the step:</p>{_command(report.command)}")
     rp = report.repro
     if rp is not None:
         parts += [f"<p>{_spans(c.repro_text(report))}</p>",
                   "<p>Run the op alone (needs only torch; exit status 1 when the output is non-finite):</p>",
-                  f"<pre><code>{_pre(rp.command)}</code></pre>"]
+                  _command(rp.command)]
     elif not report.command:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")
@@ -551,7 +559,7 @@ def _render_comparison(report: Report, cmp: Comparison, *, png: bytes | None, dr
         parts += [f"<section><h2>{ct.CONFIG_TITLE}</h2>", _kv(cfg + env), "</section>"]
     parts.append(f"<section><h2>{c.REPRODUCE_TITLE}</h2>")
     if report.command:
-        parts.append(f"<p>Compare again:</p><pre><code>{_pre(report.command)}</code></pre>")
+        parts.append(f"<p>Compare again:</p>{_command(report.command)}")
     else:
         parts.append("<p>No command was recorded.</p>")
     parts.append("</section>")

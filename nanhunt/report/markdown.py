@@ -18,12 +18,13 @@ import re
 from collections.abc import Sequence
 
 from .._util._errors import visible
+from .._util._text import cut
 from ..records import Comparison, HeadroomHistory, Occurrence, Report, Status, TensorDiff
 from . import _common as c
 from . import _compare_text as ct
 from ._common import Span
 
-__all__ = ["render", "escape", "code", "fence"]
+__all__ = ["render", "escape", "code", "fence", "command"]
 
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&#!])")
 _PATH_SHOWN = 40
@@ -89,8 +90,15 @@ def fence(text: str, lang: str = "") -> str:
     return f"{ticks}{lang}\n{text.rstrip()}\n{ticks}"
 
 
+def command(text: str) -> str:
+    """A shell command to paste, as a code block of one line: a line break read from a file is written as
+    ``\\n``, so that the block runs what its one line shows, nothing more."""
+    return fence(visible(text), "sh")
+
+
 def _spans(spans: list[Span], *, table: bool = False) -> str:
-    return "".join(code(s.text, table=table) if s.code else escape(s.text) for s in spans)
+    """User names (cut past ``NAME_SHOWN`` characters) as code spans, the rest as text."""
+    return "".join(code(cut(s.text), table=table) if s.code else escape(s.text) for s in spans)
 
 
 def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]], *, right_from: int = 0) -> str:
@@ -113,7 +121,7 @@ def _headroom(h: HeadroomHistory) -> list[str]:
     """The Guard's headroom history: the table of its series, its warnings folded."""
     out = ["", f"#### {escape(c.HEADROOM_TITLE)}", "", escape(c.headroom_intro(h))]
     if h.series:
-        rows = [(code(row[0], table=True), *(escape(x) for x in row[1:])) for row in c.headroom_rows(h)]
+        rows = [(code(cut(row[0]), table=True), *(escape(x) for x in row[1:])) for row in c.headroom_rows(h)]
         out += ["", _cells_table(c.HEADROOM_COLUMNS, rows, right_from=2)]
     if h.warnings:
         out += ["", _details(f"Warnings ({len(h.warnings)})", "\n".join(f"- {escape(w)}" for w in
@@ -150,6 +158,9 @@ def render(report: Report) -> str:
         out += [f"- **{escape(k)}:** {_spans(v)}" for k, v in c.birth_rows(occ)]
         out += ["", f"#### {c.TENSORS_TITLE}", ""]
         out.append(_table(c.TENSOR_COLUMNS, c.tensor_rows(occ), right_from=3))
+        note = c.tensor_note(occ)
+        if note is not None:
+            out += ["", escape(note)]
     if report.path:
         items = [f"{i + 1}. {_spans(c.path_label(r))}" for i, r in enumerate(report.path[:_PATH_SHOWN])]
         if len(report.path) > _PATH_SHOWN:
@@ -179,10 +190,10 @@ def render(report: Report) -> str:
                                                       _table(("", ""), env))]
     out += ["", f"#### {c.REPRODUCE_TITLE}", ""]
     if report.command:
-        out += ["Replay the step:", "", fence(report.command, "sh")]
+        out += ["Replay the step:", "", command(report.command)]
     if rp is not None:
         out += ["", _spans(c.repro_text(report)), "", "Run the op alone (needs only torch; exit status 1 when the "
-                "output is non-finite):", "", fence(rp.command, "sh")]
+                "output is non-finite):", "", command(rp.command)]
     elif not report.command:
         out.append("No command was recorded.")
     others = [o for o in report.origins if o is not occ and o != occ]
@@ -196,7 +207,8 @@ def render(report: Report) -> str:
     bad = [(m, s) for m, s in report.modules.items() if s != "finite"]
     if bad:
         body = "\n".join(
-            f"- {code(c.label(m))} ({escape(report.module_classes.get(m, '?'))}): {escape(s)}" for m, s in bad[:_LIST_SHOWN]
+            f"- {code(cut(c.label(m)))} ({escape(cut(report.module_classes.get(m, '?')))}): {escape(s)}"
+            for m, s in bad[:_LIST_SHOWN]
         )
         if len(bad) > _LIST_SHOWN:
             body += f"\n- ... and {len(bad) - _LIST_SHOWN} more"
@@ -350,7 +362,7 @@ def _render_comparison(report: Report, cmp: Comparison) -> str:
                 _details("Configuration, nanhunt, torch, Python, OS, device", _table(("", ""), cfg + env))]
     out += ["", f"#### {c.REPRODUCE_TITLE}", ""]
     if report.command:
-        out += ["Compare again:", "", fence(report.command, "sh")]
+        out += ["Compare again:", "", command(report.command)]
     else:
         out.append("No command was recorded.")
     if report.notes:

@@ -25,6 +25,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from .._util._errors import visible
+from .._util._text import cut
 from ..records import DTYPE_MAX, Comparison, Report, TensorDiff
 
 __all__ = ["figure", "comparison_figure", "png", "svg", "FP16_MAX", "BF16_MAX"]
@@ -47,9 +48,9 @@ def _origin_label(report: Report) -> str:
     occ = report.first
     if occ is None:
         return ""
-    where = "outside the model" if occ.module is None else f"in {occ.module or '<root>'}"
+    where = "outside the model" if occ.module is None else f"in {cut(occ.module, 80) or '<root>'}"
     what = "NaN" if occ.kind == "nan" else "Inf"
-    return _tex_safe(f"origin: {what} {where} · {occ.op or occ.output.role.value}")
+    return _tex_safe(f"origin: {what} {where} · {cut(occ.op or occ.output.role.value, 80)}")
 
 
 _Point = tuple[int, str, float, str]

@@ -113,13 +113,28 @@ def sample_report(module: str = "blocks.1.ff.wo", *, with_repro: bool = True) ->
 HOSTILE = "enc.[bold red]lay[/].<script>alert(1)</script>|`x``y`|$x$"
 
 
+# A line break, then a line that passes for nanhunt's own, an escape sequence that clears the screen and a bidi
+# override: in a free-text field of a report file, it must stay one line (escaped) where a line is expected.
+FORGED = "\nnanhunt: error: forged\x1b[2J\u202e"
+
+
 def hostile_report() -> Report:
+    from nanhunt.records import Advice
+
     r = sample_report(HOSTILE)
-    first = r.first
-    assert first is not None
-    first = dataclasses.replace(first, source=f"/src/{HOSTILE}.py:3 in <lambda>")
-    return dataclasses.replace(r, first=first, notes=(f"note about {HOSTILE} **bold** _it_ [link](x)",),
-                               command=f"nanhunt replay 'a|b.pt' '{HOSTILE}' --bundle out")
+    first, verdict, repro = r.first, r.verdict, r.repro
+    assert first is not None and verdict is not None and verdict.fix is not None and repro is not None
+    first = dataclasses.replace(first, source=f"/src/{HOSTILE}.py:3 in <lambda>{FORGED}",
+                                source_text=f"return self.wo(h){FORGED}", op=f"aten::addmm{FORGED}")
+    long_name = "blocks." + "L" * 300  # cut at 200 characters, its length said
+    advice = Advice(pattern="p", advice=f"do this{FORGED}", because=f"measured{FORGED}", fix=f"x = 1{FORGED}")
+    return dataclasses.replace(
+        r, first=first, origins=(first, *r.origins[1:]), notes=(f"note about {HOSTILE} **bold** _it_ [link](x)",
+                                                                f"a note{FORGED}"),
+        command=f"nanhunt replay 'a|b.pt' '{HOSTILE}' --bundle out{FORGED}",
+        verdict=dataclasses.replace(verdict, fix=verdict.fix + FORGED),
+        repro=dataclasses.replace(repro, command=f"python repro.py{FORGED}"), advice=(advice,),
+        modules={**r.modules, long_name: "nan in forward"}, module_classes={**r.module_classes, long_name: "X" * 300})
 
 
 # ------------------------------------------------------------------ goldens
@@ -445,8 +460,8 @@ def test_cli_report_refuses_an_unknown_status(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_report_layer_imports_no_torch() -> None:
-    # report/* imports only nanhunt.records (and _errors, _files: safe writes), rich in console.py, matplotlib in
-    # picture.py.
+    # report/* imports only nanhunt.records (and _errors, _files: safe writes; _text: names cut; _limits: the
+    # Guard's overflow rule, all torch-free), rich in console.py, matplotlib in picture.py.
     import sys
 
     import nanhunt.report as pkg
@@ -458,7 +473,8 @@ def test_report_layer_imports_no_torch() -> None:
                 roots |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom):
                 if node.level == 2:
-                    assert node.module in ("records", "_util._errors", "_util._files", "_util._bundle"), (path.name, node.module)
+                    assert node.module in ("records", "_util._errors", "_util._files", "_util._bundle", "_util._text",
+                                           "_util._limits"), (path.name, node.module)
                 elif node.level == 0:
                     roots.add((node.module or "").split(".")[0])
         third = roots - set(sys.stdlib_module_names) - {"__future__"}
