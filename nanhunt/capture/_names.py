@@ -6,30 +6,33 @@ capture records it by the script's absolute path (``/home/me/train.py:my_loss``)
 imports it only when you confirm that name (``--loss /home/me/train.py:my_loss``), and then runs, in the script's
 order, in a module of its own (:func:`load_script`):
 
-- the script's definitions: its imports (the modules they import run), function and class definitions (their
-  decorators, default values and class bodies run), the assignments that call nothing (``EPS = 1e-6``), and
-  the ``if`` / ``try`` blocks made of these;
-- and the module-level statements these need, found by the names they read (a def-use slice): an assignment,
-  whatever it calls, of a name that a definition reads as it runs (``HIDDEN = args.hidden`` for
-  ``def __init__(self, hidden=HIDDEN)``) or that the confirmed name, or anything it needs, reads when called
-  (``args`` in ``my_loss``'s body), transitively (``args = parser.parse_args()``, then ``parser = ...``); a
-  method called as a statement on such a name, or an attribute or item assigned on it
+- the script's imports (the modules they import run) and its inert statements: function and class definitions,
+  assignments, and ``if`` / ``try`` blocks of these, that call none of the script's code and read only names
+  imports, builtins or other inert statements bind (``EPS = 1e-6``; :func:`._slice._inert` says what they may
+  hold: a decorator or metaclass imported from a library, ``@dataclass(frozen=True)``, but no call anywhere else,
+  annotations included);
+- and the module-level statements these or the confirmed name need, found by the names they read (a def-use
+  slice): an assignment or definition, whatever it calls, of a name that a statement that runs reads as it runs
+  (``HIDDEN = args.hidden`` for ``def __init__(self, hidden=HIDDEN)``) or that the confirmed name, or anything
+  it needs, reads when called (``args`` in ``my_loss``'s body), transitively (``args = parser.parse_args()``,
+  then ``parser = ...``); a method called as a statement on such a name, or an attribute or item assigned on it
   (``parser.add_argument(...)``, ``args.lr *= 2``), never on an imported module (``torch.manual_seed(0)`` does
   not run); an ``if`` / ``try`` block (not the main block) made only of such statements and definitions, whole,
   test included, when it assigns or changes a needed name. A comprehension counts as an expression.
 
-It never runs a loop, a ``with`` block, a plain call as a statement (``fit(model)``, ``main()``), the
-``if __name__ == "__main__":`` block, or a statement nothing needs (``model = Net()``, unless a definition
-reads ``model``), so confirming the name does not train again (what runs may still register an ``atexit``
-function). While it runs, ``sys.argv`` is the argv the capture recorded for that script's path (without one: the
-script's path alone, so its defaults), the working directory is the script's own (where the capture recorded
-one: a file does not choose where your statements read and write), the script's directory is first on the
-import path, and what it prints goes to stderr; all of them are put back after. The message asking you to
-confirm the name shows that argv and directory, and the replay says them in a note. A script whose sha256
-differs from the recorded one is run as it is now, and the replay says so in a note. argparse's exit on an argv
-the script no longer parses, and any failure, is one error line; a name that the slice cannot assign is named
-with where the script assigns it. The Guard, when it is made, reads the same slice, running none of it, and
-warns when the replay would lack a name (:func:`replay_problem`).
+It never runs a loop, a ``with`` or ``match`` block, ``del``, ``assert``, a plain call as a statement
+(``fit(model)``, ``main()``), the ``if __name__ == "__main__":`` block, or a statement nothing needs
+(``model = Net()``, unless a statement that runs reads ``model``), so confirming the name does not train again
+(what runs may still register an ``atexit`` function). While it runs, ``sys.argv`` is the argv the capture
+recorded for that script's path (without one: the script's path alone, so its defaults), the working directory
+is the script's own (where the capture recorded one: a file does not choose where your statements read and
+write), the script's directory is first on the import path, and what it prints goes to stderr; all of them are
+put back after. The script compiles with its own ``__future__`` imports, not this module's. The message asking
+you to confirm the name shows that argv, whole, and directory, and the replay says them in a note. A script
+whose sha256 differs from the recorded one is run as it is now, and the replay says so in a note. argparse's
+exit on an argv the script no longer parses, and any failure, is one error line; a name that the slice cannot
+assign is named with where the script assigns it. The Guard, when it is made, reads the same slice, running none
+of it, and warns when the replay would lack a name (:func:`replay_problem`).
 A name defined in a notebook or an interactive session cannot be imported at all: it is recorded as
 ``__main__:name`` and the replay asks for your own module's.
 
@@ -68,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._util._errors import InputError, first_line, visible
-from ._slice import ELSEWHERE, RUNS_ONLY, def_use_slice, where_set
+from ._slice import ELSEWHERE, MODULE_NAMES, RUNS_ONLY, def_use_slice, where_set
 
 __all__ = ["NeedsConfirmation", "capture_name", "is_script", "is_session", "load_script", "confirmations", "recognised",
            "loaded_from", "torch_own", "is_main_module", "trusted_prefixes", "trusted_by", "FLAGS", "TRUST_ENV"]
@@ -342,15 +345,13 @@ def replay_problem(name: str, what: str) -> str | None:
     if root not in plan.bound:
         return head + f"script {file!r} defines no {root!r} at its top level; {ELSEWHERE}"
     missing = sorted(n for n in plan.needed - plan.set_later - plan.bound - {root}
-                     if n not in _MODULE_NAMES and not hasattr(builtins, n))
+                     if n not in MODULE_NAMES and not hasattr(builtins, n))
     if not missing:
         return None
     return head + (f"it uses {missing[0]!r}, which the script assigns {where_set(tree, missing[0])}; {RUNS_ONLY}: "
                    f"assign {missing[0]} at the module level, or put {root} in a module")
 
 
-# what a module holds before its first statement runs (and its annotations once one is annotated)
-_MODULE_NAMES = frozenset(vars(types.ModuleType("m"))) | {"__file__", "__builtins__", "__annotations__"}
 # calls that bind module-level names no statement names
 _OPAQUE = frozenset({"globals", "vars", "locals", "exec", "eval"})
 
@@ -363,13 +364,17 @@ def _opaque(body: list[ast.stmt]) -> bool:
                for node in body for n in ast.walk(node))
 
 
-_ARGV_SHOWN = 2000  # characters of an argv a message shows; a longer one is said to be longer
+_ARGV_LONG = 2000  # characters past which a shown argv says its size before it
 
 
 def _argv_text(argv: Iterable[str]) -> str:
-    """An argv as a command line, its control characters escaped: what a file recorded, shown to be confirmed."""
-    text = visible(shlex.join(argv))
-    return text if len(text) <= _ARGV_SHOWN else text[:_ARGV_SHOWN] + f"... ({len(text)} characters in all)"
+    """An argv as a command line, its control characters escaped: what a file recorded, shown to be confirmed.
+    Always whole, every argument to its last character: a cut could hide the argument that acts
+    (``--log /victim`` after padding). A long one first says how many arguments and characters it holds, so
+    that whoever confirms it knows to read it to its end."""
+    args = list(argv)
+    text = visible(shlex.join(args))
+    return text if len(text) <= _ARGV_LONG else f"{len(args)} arguments, {len(text)} characters, all shown: {text}"
 
 
 def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | None, key: str, *, said: str,
@@ -381,7 +386,8 @@ def _run(path: str, text: bytes, name: str | None, argv: list[str], cwd: str | N
     try:
         tree = ast.parse(text, filename=path)
         plan = def_use_slice(tree, name)
-        code = compile(ast.Module(body=plan.body, type_ignores=[]), path, "exec")
+        # dont_inherit: the script's own __future__ imports decide how it compiles, not this module's
+        code = compile(ast.Module(body=plan.body, type_ignores=[]), path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
         raise InputError(f"cannot read script {path!r} ({type(e).__name__}: {e})") from e
     spec = importlib.util.spec_from_loader(key, loader=None, origin=path)
