@@ -17,8 +17,8 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
-from ..records import (DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, BackwardUnderflow, Occurrence, Phase, Record,
-                       Report, Role)
+from ..records import (DTYPE_MAX, FP16_SMALLEST_NORMAL, Advice, BackwardUnderflow, LastUpdate, Occurrence, Phase,
+                       Record, Report, Role, VerdictKind)
 
 __all__ = ["advise", "PATTERNS"]
 
@@ -38,6 +38,8 @@ PATTERNS: dict[str, str] = {
                           "smallest normal (6.1e-05)",
     "fp16-grad-underflow": "no (enabled) GradScaler, and float16 tensors of the backward whose largest |x| is "
                            "below float16's smallest normal",
+    "learning-rate": "the optimizer's last update before the step, measured from its state (Adam's moments, SGD's "
+                     "momentum buffer), moved some parameter by at least its own norm (||update|| / ||weight|| >= 1)",
     "uninitialised-read": "the origin is a read of memory allocated uninitialised (torch.empty) and written only in "
                           "part, non-finite while every write into it since was finite",
 }
@@ -64,9 +66,10 @@ def advise(report: Report) -> tuple[Advice, ...]:
             a = rule(occ, report)
             if a is not None and a.pattern not in found:
                 found[a.pattern] = a
-    a = _grad_underflow(report)
-    if a is not None:
-        found[a.pattern] = a
+    for step_rule in (_grad_underflow, _learning_rate):
+        a = step_rule(report)
+        if a is not None:
+            found[a.pattern] = a
     return tuple(found.values())
 
 
@@ -325,4 +328,42 @@ def _grad_underflow(report: Report) -> Advice | None:
         because=(f"{scaler}; {n} of {of} float16 tensors of the backward have their largest |x| below float16's "
                  f"smallest normal {_num(FP16_SMALLEST_NORMAL)} (largest {_num(largest)}, at {at}): subnormal, "
                  "or flushed to 0"),
+    )
+
+
+_TOO_LARGE = 1.0  # an update at least as large as the weight it moves: no learning rate a run means to use
+
+
+def _learning_rate(report: Report) -> Advice | None:
+    """The last update moved a parameter by at least its own norm (``config["last_update"]``, measured from the
+    optimizer's state by the replay), with the learning rate it ran at."""
+    cfg = report.config
+    u: LastUpdate | None = cfg.get("last_update")
+    if not isinstance(u, dict) or not isinstance(u.get("ratio"), (int, float)) or not u["ratio"] >= _TOO_LARGE:
+        return None
+    settings = cfg.get("optimizer_settings") or {}
+    hyper = settings.get("hyper") if isinstance(settings, dict) else None
+    lr = hyper.get("lr") if isinstance(hyper, dict) else None
+    name = settings.get("optimizer") if isinstance(settings, dict) else None
+    name = name if isinstance(name, str) and name.isidentifier() else "the optimizer"
+    lr_text = (f"lr={_num(lr)}" if _real(lr) else f"lr per group {lr}" if isinstance(lr, list) else "its lr")
+    v = report.verdict
+    not_precision = v is not None and v.kind == VerdictKind.NOT_PRECISION
+    because = (f"{name}'s last update ({u.get('how', 'from its state')}) moved {u.get('at', '?')} by "
+               f"{_num(float(u['ratio']))} times its own norm at {lr_text} (median over {u.get('params', '?')} "
+               f"parameters: {_num(float(u.get('median', math.nan)))})")
+    if not_precision:
+        because += "; the step fails in float32 too, so no precision change fixes it"
+    # a tenth as a start: the state that made the update grew with the learning rate too (the gradients of weights
+    # it inflated), so no single measurement gives the lr that would have been safe
+    rate = f"{_num(lr / 10)}" if _real(lr) and lr > 0 else "lr / 10"
+    return Advice(
+        pattern="learning-rate",
+        advice="Lower the learning rate (resume from a checkpoint before the weights grew), warm it up over the "
+               "first steps, and clip the gradient norm.",
+        fix=("for group in optimizer.param_groups:  # the optimizer's other settings kept\n"
+             f"    group['lr'] = {rate}  # a tenth; again while it diverges\n"
+             "scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=1000)  # warm-up\n"
+             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before optimizer.step()"),
+        because=because,
     )

@@ -22,6 +22,7 @@ from ..records import (FP16_SMALLEST_NORMAL, PHASE_ORDER, BackwardUnderflow, Gua
                        Report, ReportConfig, Repro, Level, Role, Status, Verdict, VerdictKind)
 from ._twice import COMPILED_NOTE, Replayed, module_status, state_notes, step_config, trace_twice
 from ._compiled import Ladder, climb
+from ._update import last_update, optimizer_settings
 from .repro import OriginCall, make_repro, origin_call
 from ..step.step import Step
 from ..tracing.tracer import Trace, as_level
@@ -169,6 +170,12 @@ def _report(step: Step, replayed: Replayed, config: ReportConfig, verdict: Verdi
     eps = _optimizer_eps(step.optimizer)
     if eps is not None:
         config["optimizer_eps"] = eps
+    settings = optimizer_settings(step.optimizer)
+    if settings is not None:
+        config["optimizer_settings"] = settings
+    update = last_update(step.optimizer, step.model)
+    if update is not None:
+        config["last_update"] = update
     underflow = _fp16_backward_underflow(records)
     if underflow is not None:
         config["fp16_backward_underflow"] = underflow

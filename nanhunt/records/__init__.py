@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from . import _serial
 from ._trace import DTYPE_MAX, FP16_SMALLEST_NORMAL, FullStats, Occurrence, PHASE_ORDER, Phase, RangeStats, Record, RecordView, Role, Level, role_text
-from ._report import Advice, BackwardUnderflow, GraphNode, Inspection, Report, ReportConfig, Repro, Rung, SCHEMA_VERSION, Status, TensorSummary, Verdict, VerdictKind
+from ._report import Advice, BackwardUnderflow, GraphNode, Inspection, LastUpdate, OptimizerSettings, Report, ReportConfig, Repro, Rung, SCHEMA_VERSION, Status, TensorSummary, Verdict, VerdictKind
 from ._comparison import CLAUSES, Comparison, Decision, Failure, Quality, Regression, Rule, Speed, TensorDiff
 from ._guard import GuardEvent, HeadroomHistory, HeadroomNote, HeadroomSeries
 
-__all__ = ["SCHEMA_VERSION", "Phase", "Role", "Level", "Status", "VerdictKind", "role_text", "FullStats", "Record", "Occurrence", "Advice", "Report", "ReportConfig", "BackwardUnderflow", "TensorSummary", "Inspection", "Verdict", "Rung", "GraphNode", "Repro", "PHASE_ORDER",
+__all__ = ["SCHEMA_VERSION", "Phase", "Role", "Level", "Status", "VerdictKind", "role_text", "FullStats", "Record", "Occurrence", "Advice", "Report", "ReportConfig", "BackwardUnderflow", "LastUpdate", "OptimizerSettings", "TensorSummary", "Inspection", "Verdict", "Rung", "GraphNode", "Repro", "PHASE_ORDER",
            "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent", "HeadroomHistory",
            "HeadroomNote", "HeadroomSeries", "Rule",
            "Quality", "Failure", "Speed", "CLAUSES", "DTYPE_MAX", "FP16_SMALLEST_NORMAL"]

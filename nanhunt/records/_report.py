@@ -66,6 +66,28 @@ class BackwardUnderflow(TypedDict):
     at: str
 
 
+class OptimizerSettings(TypedDict, total=False):
+    """``ReportConfig.optimizer_settings``: the optimizer's class, how many parameter groups it has, and its
+    hyper-parameters (``lr``, ``weight_decay``, ``momentum``, ``betas``, ``eps``...) as the step began: one value
+    when every group holds the same, else the list of each group's."""
+
+    optimizer: str
+    groups: int
+    hyper: dict[str, Any]
+
+
+class LastUpdate(TypedDict):
+    """``ReportConfig.last_update``: the optimizer's last update before the step, measured from its state
+    (``how``: which state, e.g. Adam's moments): ``ratio`` the largest ``||update|| / ||weight||`` over the
+    ``params`` parameters it could tell, at the parameter ``at``, and their ``median``."""
+
+    ratio: float
+    at: str
+    median: float
+    params: int
+    how: str
+
+
 class ReportConfig(TypedDict, total=False):
     """``Report.config``: what the step ran with and a few measurements of it, each key present only when its
     writer set it (a plain dict at run time, written in the order it was filled).
@@ -73,7 +95,8 @@ class ReportConfig(TypedDict, total=False):
     Written by a replay (``nanhunt.hunt``): ``dtype``, ``device_type``, ``level``, ``train``, ``loss_fn`` and
     ``optimizer`` (their class names), with a GradScaler ``scaler_scale`` and ``scaler_growth_tracker`` (None:
     disabled); after it, ``grads_finite``, ``scaler_would_skip`` (with a GradScaler), ``optimizer_eps`` (the
-    smallest eps of its groups), ``fp16_backward_underflow`` and, for a compiled model, ``compiled_rungs``
+    smallest eps of its groups), ``optimizer_settings`` and ``last_update`` (its hyper-parameters and the size of its
+    last update, :mod:`nanhunt.hunt._update`), ``fp16_backward_underflow`` and, for a compiled model, ``compiled_rungs``
     (backend -> ``"1/2 non-finite"`` or ``"could not run"``). Written by ``nanhunt compare``: ``dtype`` (the
     compared dtypes, comma-separated), ``device_type``, ``train``, ``loss_fn``, ``scaler_scale`` and its rule's
     ``task``, ``rtol``, ``atol``, ``max_flips``, ``fail_on_tolerance``, ``metric``, with ``batches`` and
@@ -90,6 +113,8 @@ class ReportConfig(TypedDict, total=False):
     grads_finite: bool
     scaler_would_skip: bool
     optimizer_eps: float
+    optimizer_settings: OptimizerSettings
+    last_update: LastUpdate
     fp16_backward_underflow: BackwardUnderflow
     compiled_rungs: dict[str, str]
     task: str
@@ -192,7 +217,6 @@ class Report(JSONData):
         same = next((o for o in self.origins if o.output.index == self.first.output.index
                      and _serial.to_dict(o) == written), None)
         return self if same is None else replace(self, first=same)
-
 
     def to_json(self) -> str:
         import json

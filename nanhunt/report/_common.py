@@ -281,8 +281,39 @@ def environment_rows(report: Report) -> list[tuple[str, str]]:
     for k in ("train", "loss_fn", "optimizer", "level"):
         if cfg.get(k) is not None:
             rows.append((k, str(cfg[k])))
+    rows += optimizer_rows(cfg)
     rows += [(k, v) for k, v in env.items() if k not in {r[0] for r in rows} and k != "device_type"]
     return rows
+
+
+def optimizer_rows(cfg: ReportConfig) -> list[tuple[str, str]]:
+    """The optimizer's hyper-parameters and its last update's size, as the replay measured them."""
+    rows: list[tuple[str, str]] = []
+    settings = cfg.get("optimizer_settings")
+    hyper = settings.get("hyper") if isinstance(settings, dict) else None
+    if isinstance(hyper, dict) and hyper:
+        shown = ", ".join(f"{k}={_hyper(v)}" for k, v in hyper.items() if k in _HYPER_SHOWN)
+        if shown:
+            rows.append(("optimizer settings", shown))
+    u = cfg.get("last_update")
+    if isinstance(u, dict) and isinstance(u.get("ratio"), (int, float)):
+        rows.append(("last update", f"{float(u['ratio']):.3g} x the weight at {label(str(u.get('at', '?')))} "
+                                    f"(median {float(u.get('median', math.nan)):.3g} over {u.get('params', '?')} "
+                                    f"parameters; {u.get('how', '')})"))
+    return rows
+
+
+_HYPER_SHOWN = ("lr", "momentum", "betas", "eps", "weight_decay")
+
+
+def _hyper(v: object) -> str:
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, (int, float)):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_hyper(x) for x in v) + "]"
+    return "?"
 
 
 def reached_text(occ: Occurrence) -> str:
