@@ -4,6 +4,11 @@ graph again the same way, inductor's precision-cast emulation, and the graphs dy
 torch keeps the backend a ``torch.compile``d module runs with inside its wrapper (``OptimizedModule``), behind
 private attributes; this module reads them and nothing else does. What it reads becomes a :class:`CompileSpec`,
 plain data but for a backend given as a callable, which a capture records by its name only.
+
+A capture's record is untrusted: inductor's options reach the C++ compiler's command line (``cpp.cxx``,
+``cpp.march``) and the disk (``trace.debug_dir``). :func:`settle` keeps of a record only what cannot name a
+program, a path, a compiler flag or a directory (:data:`SAFE_OPTIONS`, :data:`SAFE_MODES`, the dynamic flag),
+unless you confirm the file's settings.
 """
 
 from __future__ import annotations
@@ -12,20 +17,48 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ._dispatch import all_finite
+from ._text import escaped
 from ._tree import iter_tensors
 
-__all__ = ["CompileSpec", "TORCH_BACKENDS", "spec_of", "record_of", "read_record", "compile_module", "compile_graph",
-           "reset", "emulating_precision_casts", "GraphCapture", "GraphCall", "RngState", "rng_state",
-           "set_rng_state", "graph_source"]
+__all__ = ["CompileSpec", "TORCH_BACKENDS", "SAFE_OPTIONS", "SAFE_MODES", "settle", "replay_flags", "spec_of",
+           "record_of", "read_record", "compile_module", "compile_graph", "reset", "emulating_precision_casts",
+           "GraphCapture", "GraphCall", "RngState", "rng_state", "set_rng_state", "graph_source"]
 
 # torch's own backends: a name from a file that is one of these is used as it is; any other needs confirming
 TORCH_BACKENDS = ("inductor", "aot_eager", "eager")
+
+# The options a capture's file may set unconfirmed, each with why it is safe. Every one is a bool that changes
+# which of torch's own kernels runs, or how one rounds, orders or draws what it computes (what a compiled NaN
+# depends on); none names a path, a program, a compiler flag or a directory, and a bool cannot smuggle one in.
+# Any other option is used only when you confirm the file's settings: cpp.cxx and cpp.march reach the C++
+# compiler's command line, trace.debug_dir and the cache options the disk, and most of the rest are strings,
+# numbers or lists whose effect nobody has read line by line.
+SAFE_OPTIONS: Mapping[str, str] = MappingProxyType({
+    "max_autotune": "picks among torch's own kernels by timing them: another kernel, other rounding",
+    "max_autotune_pointwise": "the same choice for element-wise ops and reductions",
+    "max_autotune_gemm": "the same choice for matrix multiplications",
+    "coordinate_descent_tuning": "tunes the block sizes of torch's own kernels: another order of their sums",
+    "split_reductions": "splits a long reduction over several kernels: another order of its sums",
+    "aggressive_fusion": "fuses more ops into one kernel: more intermediates stay float32",
+    "epilogue_fusion": "fuses element-wise ops into a matmul's kernel: its result is not rounded in between",
+    "emulate_precision_casts": "rounds float32 intermediates to the half dtype where eager stores them",
+    "fallback_random": "draws random numbers with eager's generator instead of inductor's own",
+    "deterministic": "skips the on-device benchmarks whose choice changes the numbers from run to run",
+    "triton.cudagraphs": "launches the same kernels as one CUDA graph (mode reduce-overhead), whose reused "
+                         "output buffers are themselves a known source of wrong values",
+})
+
+# torch.compile's documented modes: each names a fixed set of options from torch's own table (all of them on
+# SAFE_OPTIONS), never the file's; any other mode needs confirming. The dynamic flag (True, False, None) is used
+# as recorded: it decides whether kernels are specialised to the shapes, which changes only what they compute.
+SAFE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +86,56 @@ class CompileSpec:
     def target(self) -> str | Callable[..., Any]:
         """What ``torch.compile(backend=)`` takes."""
         return self.fn if self.fn is not None else self.backend
+
+    def settings(self) -> dict[str, Any]:
+        """What ``torch.compile`` takes besides the backend and the dynamic flag: the options, else the mode.
+        Inductor given both gets its mode's options under them, as torch itself folds them."""
+        if self.options and self.mode not in (None, "default") and self.backend == "inductor":
+            from torch._inductor import list_mode_options
+
+            modes = list_mode_options(None, self.dynamic)
+            if self.mode not in modes:
+                raise ValueError(f"unknown mode {self.mode!r}: torch's are {', '.join(modes)}")
+            return {"options": {**modes[self.mode], **self.options}}
+        if self.options:
+            return {"options": dict(self.options)}
+        return {"mode": self.mode} if self.mode is not None else {}
+
+
+def settle(spec: CompileSpec, *, trusted: bool) -> tuple[CompileSpec, tuple[str, ...]]:
+    """The settings of a recorded ``spec`` that its replay uses, and those it leaves out (``key=value``, escaped
+    and cut short). ``trusted`` (you confirmed the file's settings): all of them. Else its dynamic flag, its mode
+    when one of :data:`SAFE_MODES` and its options on :data:`SAFE_OPTIONS` with a bool value."""
+    if trusted:
+        return spec, ()
+
+    def safe(key: str, value: Any) -> bool:
+        return key in SAFE_OPTIONS and isinstance(value, bool)
+
+    left = [f"{_short(escaped(k), 60)}={_short(json.dumps(v), 100)}" for k, v in spec.options.items()
+            if not safe(k, v)]
+    if spec.mode is not None and spec.mode not in SAFE_MODES:
+        left.insert(0, f"mode={_short(json.dumps(spec.mode), 100)}")  # JSON text: ASCII, every control escaped
+    used = CompileSpec(spec.backend, spec.mode if spec.mode in SAFE_MODES else None,
+                       {k: v for k, v in spec.options.items() if safe(k, v)}, spec.dynamic, fn=spec.fn)
+    return used, tuple(left)
+
+
+def replay_flags(record: Mapping[str, Any]) -> list[str]:
+    """The flags a replay of a capture holding ``record`` (what :func:`record_of` gave) needs to compile as the
+    step ran: ``--compile NAME`` for a backend of yours, ``--trust-compile-options`` for settings that
+    :func:`settle` leaves out (a backend you name gets none of them unconfirmed)."""
+    spec = read_record(record)
+    if spec is None:
+        return []
+    own = spec.backend in TORCH_BACKENDS
+    left = settle(spec, trusted=False)[1] if own else spec.options or spec.mode is not None
+    return ([] if own else ["--compile", spec.backend]) + (["--trust-compile-options"] if left else [])
+
+
+def _short(text: str, n: int) -> str:
+    """``text`` cut at ``n`` characters (a value from a file may be megabytes long)."""
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def _json_value(v: Any) -> bool:
@@ -115,10 +198,10 @@ def record_of(model: nn.Module) -> dict[str, Any] | None:
     return None
 
 
-def read_record(d: Any) -> CompileSpec | str | None:
-    """The :class:`CompileSpec` a capture recorded (untrusted: every field type-checked), when its backend is one
-    of torch's own; the backend's name when it is not (a name from a file is imported only when confirmed:
-    ``--compile NAME``); None when the step did not run compiled."""
+def read_record(d: Any) -> CompileSpec | None:
+    """The :class:`CompileSpec` a capture recorded, as the file says (untrusted: every field type-checked, nothing
+    imported; a backend that is not one of :data:`TORCH_BACKENDS` is a name only, which ``--compile NAME``
+    confirms, and what is used of the settings :func:`settle` says); None when the step did not run compiled."""
     if d is None:
         return None
     if not isinstance(d, Mapping) or not isinstance(d.get("backend"), str):
@@ -128,29 +211,20 @@ def read_record(d: Any) -> CompileSpec | str | None:
             or not isinstance(options, Mapping) or not all(isinstance(k, str) and _json_value(v)
                                                            for k, v in options.items()):
         raise ValueError("its 'compile' holds a mode, options or dynamic flag of the wrong type")
-    if d["backend"] not in TORCH_BACKENDS:
-        return str(d["backend"])
-    return CompileSpec(d["backend"], mode, dict(options), dynamic)
+    return CompileSpec(str(d["backend"]), mode, dict(options), dynamic)
 
 
 def compile_module(module: nn.Module, spec: CompileSpec) -> nn.Module:
     """``module`` compiled as ``spec`` says (it shares the module's parameters and buffers)."""
-    kw: dict[str, Any] = {"backend": spec.target(), "dynamic": spec.dynamic}
-    if spec.options:
-        kw["options"] = dict(spec.options)
-    elif spec.mode is not None:
-        kw["mode"] = spec.mode
-    compiled = torch.compile(module, **kw)
+    compiled = torch.compile(module, backend=spec.target(), dynamic=spec.dynamic, **spec.settings())
     assert isinstance(compiled, nn.Module)  # torch.compile of a module gives its OptimizedModule
     return compiled
 
 
 def compile_graph(gm: fx.GraphModule, spec: CompileSpec) -> Callable[..., Any]:
-    """A graph dynamo captured, compiled again by ``spec``'s backend (static shapes: the inputs are fixed)."""
-    kw: dict[str, Any] = {"backend": spec.target(), "dynamic": False}
-    if spec.options:
-        kw["options"] = dict(spec.options)
-    return torch.compile(gm, **kw)
+    """A graph dynamo captured, compiled again by ``spec``'s backend and settings (static shapes: the inputs are
+    fixed)."""
+    return torch.compile(gm, backend=spec.target(), dynamic=False, **spec.settings())
 
 
 def graph_source(gm: fx.GraphModule) -> str:

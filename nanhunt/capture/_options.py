@@ -20,7 +20,10 @@ class LoadOptions:
     NANHUNT_TRUST_NAMES's, read when the options are made); ``device`` (default cpu), ``dtype`` (autocast; default
     the capture's), ``no_scaler``, ``train`` (None: as captured), ``trust_pickle``; ``snapshot``: where the Step
     keeps its copy of the weights and optimizer state (None: by size, ``--snapshot auto``); ``compile``: a backend
-    to replay the step compiled by too (``--compile``; None: the one the capture recorded, if any).
+    to replay the step compiled by too (``--compile``; None: the one the capture recorded, if any);
+    ``trust_compile_options``: use the compile options, mode and dynamic flag the capture recorded as they are
+    (``--trust-compile-options``; else only those that change nothing but the numbers, ``_compiled.SAFE_OPTIONS``:
+    inductor's other options can name the C++ compiler and its flags, which then run).
 
     The device is judged when the capture is loaded (under torchrun each rank takes its own GPU), the compile
     backend too (a name of yours is imported then)."""
@@ -36,6 +39,7 @@ class LoadOptions:
     trust_pickle: bool = False
     snapshot: Snapshot | None = None
     compile: str | None = None
+    trust_compile_options: bool = False
     trust: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

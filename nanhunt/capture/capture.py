@@ -7,7 +7,9 @@ Names of callables stored in a file (model factory, loss, optimizer class) are s
 (``resolve``): only torch.nn's own module classes and losses and torch.optim's optimizers are
 imported and built unconfirmed (a transformers model is rebuilt from its config alone, ``_hf_model``);
 anything else is confirmed on the command line (``--model``/``--loss``/``--optimizer``) or by a
-package prefix you trust (``--trust-names``, ``NANHUNT_TRUST_NAMES``).
+package prefix you trust (``--trust-names``, ``NANHUNT_TRUST_NAMES``). How the step was compiled is read the same
+way: torch's own backends by name, and of their settings only those that change nothing but the numbers, unless
+you confirm the file's (``--trust-compile-options``; :func:`nanhunt._util._compiled.settle`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import keyword
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,9 +27,10 @@ from torch import nn
 
 from ..distributed import _dcp
 from . import _hf_checkpoint, _names
-from .._util._compiled import TORCH_BACKENDS, CompileSpec, read_record
-from .._util._errors import InputError, visible
+from .._util._compiled import TORCH_BACKENDS, CompileSpec, read_record, settle
+from .._util._errors import InputError
 from .._util._safeload import load_file
+from .._util._text import escaped, few
 from ..step.step import Step, rng_state, set_rng_state, split_batch
 from ._event import EventFile, read_event
 from ._options import LoadOptions
@@ -67,7 +70,8 @@ def load_capture(checkpoint: str | os.PathLike[str], batch: str | os.PathLike[st
     holding the model (weights loaded), inputs, targets, loss, optimizer, GradScaler, dtype, device and RNG.
 
     Same safety rules and options as the command (``model_factory=``, ``loss=``, ``optimizer=``,
-    ``trust_names=``, ``device=``, ``dtype=``, ``no_scaler=``, ``train=``, ``trust_pickle=``). Run it as the replay does::
+    ``trust_names=``, ``device=``, ``dtype=``, ``no_scaler=``, ``train=``, ``trust_pickle=``, ``compile=``,
+    ``trust_compile_options=``). Run it as the replay does::
 
         step = nanhunt.load_capture("nan-captures/step000003-checkpoint.pt", "nan-captures/step000003-batch.pt")
         with step.isolated():
@@ -89,11 +93,14 @@ def load_step(
     no_scaler: bool = False,
     train: bool | None = None,
     trust_pickle: bool = False,
+    compile: str | None = None,
+    trust_compile_options: bool = False,
 ) -> Step:
     """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
     return _load_files(checkpoint, batch, LoadOptions(
         model_factory=model_factory, loss=loss, optimizer=optimizer, trust_names=tuple(trust_names), device=device,
-        dtype=dtype, no_scaler=no_scaler, train=train, trust_pickle=trust_pickle)).step
+        dtype=dtype, no_scaler=no_scaler, train=train, trust_pickle=trust_pickle, compile=compile,
+        trust_compile_options=trust_compile_options)).step
 
 
 @dataclass(frozen=True)
@@ -244,40 +251,62 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
             notes.append("optimizer state present but its class is unknown: phase update not replayed")
     scaler = _scaler(got.scaler_sd, dev, notes) if got.scaler_sd is not None and not options.no_scaler else None
     dt = parse_dtype(options.dtype or str(got.autocast.get("dtype", "float16")))
-    compiled = _compiled(ck, checkpoint, notes) if isinstance(ck, Mapping) and "nanhunt_capture" in ck else None
-    if options.compile is not None:
-        compiled = given_spec(options.compile, compiled)
+    compiled = _compiled(ck if isinstance(ck, Mapping) and "nanhunt_capture" in ck else {}, checkpoint, options,
+                         notes)
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
                 optimizer=optimizer, rng=own_rng if own_rng is not None else rng, compile_spec=compiled,
                 notes=tuple(notes), snapshot=options.snapshot)
 
 
-def _compiled(ck: Mapping[str, Any], checkpoint: str, notes: list[str]) -> CompileSpec | None:
-    """How the captured step's model was compiled, when by one of torch's own backends; a backend the file
-    names otherwise is said in a note (``--compile NAME`` confirms it)."""
+def _compiled(ck: Mapping[str, Any], checkpoint: str, options: LoadOptions, notes: list[str]) -> CompileSpec | None:
+    """How the step is replayed compiled: as ``--compile`` says, else as the capture recorded when by one of
+    torch's own backends, with the settings :func:`settle` lets through (a backend the file names otherwise, and
+    the settings left out, are said in a note with the flag that confirms them); None: eager only."""
     try:
-        got = read_record(ck.get("compile"))
+        recorded = read_record(ck.get("compile"))
     except ValueError as e:
         raise InputError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: {e}; save the capture "
                            "again (nanhunt.save_capture)") from e
-    if isinstance(got, str):
-        notes.append(f"the step ran compiled by backend {visible(got)!r}, a name from the file: it is replayed "
-                     f"eager only; pass --compile {visible(got)} to replay it compiled too (imports it)")
+    if options.compile is not None:
+        spec = given_spec(options.compile, recorded, trusted=options.trust_compile_options)
+        if recorded is not None and recorded.backend == spec.backend and not options.trust_compile_options \
+                and (recorded.options or recorded.mode is not None):
+            notes.append(f"--compile {spec.backend} replays with torch's defaults, not the capture's compile "
+                         "settings: pass --trust-compile-options to use them as recorded")
+        return spec
+    if recorded is None:
         return None
-    return got
+    if recorded.backend not in TORCH_BACKENDS:
+        name = _shown_name(recorded.backend)
+        notes.append(f"the step ran compiled by backend {name!r}, a name from the file: it is replayed eager only; "
+                     f"pass --compile {name} to replay it compiled too (imports it)")
+        return None
+    used, left = settle(recorded, trusted=options.trust_compile_options)
+    if left:
+        notes.append(f"the capture's compile settings {few(left, 4)} are not used (unconfirmed, only those that "
+                     "change nothing but the numbers are; others can name a program, a path or a compiler flag): "
+                     "pass --trust-compile-options to use them as recorded")
+    return used
 
 
-def given_spec(name: str, recorded: CompileSpec | None) -> CompileSpec:
+def _shown_name(name: str) -> str:
+    """A backend's name from a file, for one line: escaped and cut short."""
+    shown = escaped(name)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
+def given_spec(name: str, recorded: CompileSpec | None, *, trusted: bool = False) -> CompileSpec:
     """The backend ``--compile NAME`` names: one of torch's own, or ``package.module:function`` imported (you gave
-    the name: that is the confirmation); the recorded settings are kept when it is the recorded backend."""
-    if recorded is not None and recorded.backend == name:
-        return recorded
-    if name in TORCH_BACKENDS:
-        return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic)
-    if ":" not in name:
+    the name: that is the confirmation). The recorded mode and options come with it only when it is the recorded
+    backend and ``trusted`` (``--trust-compile-options``): a backend you type is used with torch's defaults, the
+    recorded dynamic flag (which changes only the numbers) kept."""
+    if name not in TORCH_BACKENDS and ":" not in name:
         raise InputError(f"--compile {name}: name one of torch's backends ({', '.join(TORCH_BACKENDS)}) or your "
                            "own as package.module:function")
-    return CompileSpec(name, fn=resolve(name, what="compile backend", trusted=True))
+    fn = None if name in TORCH_BACKENDS else resolve(name, what="compile backend", trusted=True)
+    if recorded is not None and recorded.backend == name and trusted:
+        return replace(recorded, fn=fn)
+    return CompileSpec(name, dynamic=None if recorded is None else recorded.dynamic, fn=fn)
 
 
 def _confirm_all(ck: Mapping[str, Any], names: LoadOptions) -> None:

@@ -56,7 +56,10 @@ class ReplayCommand:
         p.add_argument("--compile", metavar="BACKEND",
                        help="when the eager replay is finite, replay the step compiled too: aot_eager, then BACKEND "
                        "(inductor, aot_eager, eager, or package.module:function; default: the backend the capture "
-                       "recorded), each --repeat times")
+                       "recorded), each --repeat times; a BACKEND you name runs with torch's default settings")
+        p.add_argument("--trust-compile-options", action="store_true", help="use the compile options and mode the "
+                       "capture recorded, all of them (inductor's can name the C++ compiler and its flags: they run); "
+                       "default: only those that change nothing but the numbers")
 
     def run(self, args: argparse.Namespace) -> int:
         from ..capture._options import LoadOptions
@@ -70,7 +73,8 @@ class ReplayCommand:
         load = LoadOptions(model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
                            trust_names=tuple(args.trust_names), device=args.device, dtype=args.dtype,
                            no_scaler=args.no_scaler, train=args.train, trust_pickle=args.trust_pickle,
-                           snapshot=None if args.snapshot == "auto" else args.snapshot, compile=args.compile)
+                           snapshot=None if args.snapshot == "auto" else args.snapshot, compile=args.compile,
+                           trust_compile_options=args.trust_compile_options)
         options = ReplayOptions(load, level=args.level, allow=tuple(args.allow), prove=not args.no_bisect,
                                 repeat=args.repeat)
         with output.staging():

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..distributed import _dcp, _fsdp1
 from .._util import _dispatch
-from .._util._compiled import TORCH_BACKENDS, record_of
+from .._util._compiled import record_of, replay_flags
 from .._util._dispatch import keeps_running_stats, tensor_version
 from ._guard_flags import nonfinite
 from ._headroom import Headroom
@@ -204,9 +204,8 @@ class CaptureWriter:
         self.replay_problems = tuple(p for what, name, _ in named if name is not None and is_script(name)
                                      for p in [replay_problem(name, what)] if p is not None)
         args, notes = confirmations(named)
-        backend = None if self.compiled is None else self.compiled["backend"]
-        if backend is not None and backend not in TORCH_BACKENDS:  # the replay imports a backend you confirm
-            args += ["--compile", backend]
+        if self.compiled is not None:  # a backend of yours, settings that name programs: the replay confirms them
+            args += replay_flags(self.compiled)
         return tuple(args), (*notes, *self.replay_problems)
 
     # ------------------------------------------------------------ a step begins

@@ -5,6 +5,7 @@ a fresh process as the op repro is (:func:`nanhunt.hunt.repro.verify_repro`).
 The graph is written by torch's own repro writer (the accuracy minifier's). The script needs only torch when the
 backend is torch's own; a backend of yours is imported by its name, so it must be importable where the script runs
 (verification runs it isolated, ``python -I``: an installed package's backend is, a script's or a test's is not).
+Its compile settings are those the replay used (a capture's settings it left out are not written).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 NODE = {node!r}  # the first non-finite node, and where it is in your code
 WHERE = {where!r}
 BACKEND = {backend!r}  # torch's own backend, or package.module:function
-OPTIONS = {options!r}
+SETTINGS = {settings!r}  # torch.compile's options or mode: those the replay compiled with
 EXPECT = {expect!r}  # what nanhunt saw: "inf" or "nan"
 AUTOCAST = {autocast}  # (device type, dtype) the graph ran under, or None
 DEVICE = {device!r}  # where the step ran
@@ -58,7 +59,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     device = DEVICE if not DEVICE.startswith("cuda") or torch.cuda.is_available() else "cpu"
     t = [x.to(device) for x in torch.load(os.path.join(here, {inputs!r}), weights_only=True)]
-    fn = torch.compile(Repro(), backend=backend(), dynamic=False, **({{"options": OPTIONS}} if OPTIONS else {{}}))
+    fn = torch.compile(Repro(), backend=backend(), dynamic=False, **SETTINGS)
     with torch.no_grad(), torch.autocast(AUTOCAST[0] if AUTOCAST else "cpu",
                                          dtype=AUTOCAST[1] if AUTOCAST else None, enabled=AUTOCAST is not None):
         out = fn(*t)
@@ -91,7 +92,7 @@ def write_graph_repro(found: Found, spec: CompileSpec, directory: str, *, cap_by
     where = " ".join(f"module {n.module or '<root>'}, {n.source or 'no source line'}".splitlines())
     autocast = "None" if found.autocast is None else f"({found.autocast[0]!r}, torch.{dtype_name(found.autocast[1])})"
     source = _TEMPLATE.format(node=f"{n.node} ({n.target})", where=where, script=SCRIPT, module=module,
-                              backend=spec.backend, options=dict(spec.options), expect=n.kind, autocast=autocast,
+                              backend=spec.backend, settings=spec.settings(), expect=n.kind, autocast=autocast,
                               device=device, inputs=INPUTS, mark=_MARK)
     claim(directory)  # a bundle: never a directory of files nanhunt did not write
     with new_file(os.path.join(directory, INPUTS)) as f:

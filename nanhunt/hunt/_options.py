@@ -37,6 +37,7 @@ class ReplayOptions:
     def check_ranks(self) -> None:
         """Refuse what a replay under torchrun does not do (each rank replays its own batch once, eagerly)."""
         for flag, given in (("--snapshot", self.load.snapshot is not None), ("--repeat", self.repeat != 1),
-                            ("--compile", self.load.compile is not None)):
+                            ("--compile", self.load.compile is not None),
+                            ("--trust-compile-options", self.load.trust_compile_options)):
             if given:
                 raise InputError(f"{flag} applies to a replay in one process; under torchrun leave it out")
