@@ -151,7 +151,8 @@ class terminate_raises:  # noqa: N801  (used as a context manager, named like on
     """While active, SIGTERM raises :class:`Terminated` where the program is (``finally`` blocks run, and
     :func:`atomic` functions hold it like a Ctrl-C), instead of ending the process at once. Only in the main
     thread and only over the default handler: a program's own SIGTERM handler stays. The default is put back
-    on leaving."""
+    on leaving, unless a handler was set meanwhile: the distributed replay ignores SIGTERM once every rank agreed on
+    its exit code, up to the process's end."""
 
     __slots__ = ("_installed",)
 
@@ -168,4 +169,5 @@ class terminate_raises:  # noqa: N801  (used as a context manager, named like on
     def __exit__(self, *exc: object) -> None:
         if self._installed:
             self._installed = False
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if signal.getsignal(signal.SIGTERM) is _terminated:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)

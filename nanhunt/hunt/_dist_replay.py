@@ -18,7 +18,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -106,13 +109,33 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, options: Rep
                       progress=progress if me == 0 else None, bundle=bundle, command=command, ranks=ranks,
                       event=loaded.event)
         code = ranks.finish(ranks.merged(report), show)
+        if own_group:  # this process is nanhunt's command: it exits with ``code`` once the group is torn down
+            _exit_with_the_others()
         # every rank done with every collective before any tears the group down: gloo aborts a process
-        # (std::terminate) whose peer closes the connection while it is still being used
+        # (std::terminate) whose peer closes the connection while it is still being used; and every rank past
+        # _exit_with_the_others before any exits
         dist.barrier()
         return code
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_with_the_others() -> None:
+    """The exit protocol across ranks, once every rank agreed on the exit code (``_Ranks.finish``: rank 0 has shown
+    the report and written its files) and before the barrier that lets any rank exit: what this rank said is
+    flushed, and SIGTERM is ignored from here to the process's end.
+
+    torchrun stops every rank still running (SIGTERM) as soon as its poll (0.1 s by default) sees one exit with a
+    non-zero code, and after the barrier each rank only tears down (the process group, the interpreter), which takes
+    its own time, seconds on a loaded machine. Ended by that signal, a rank's exit code would be -15 (or 143) for
+    the agreed 1 or 3, and torchrun's summary would blame it; ignoring it, every rank exits with the agreed code.
+    torchrun still ends a rank that hangs in its teardown (SIGKILL after its grace period, 30 s); a Ctrl-C still
+    stops it. A SIGTERM before this point (a rank failed on its own) ends the rank as before."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _env_int(name: str) -> int:
