@@ -16,6 +16,7 @@ from . import _names
 from .._util._errors import InputError, first_line as _first_line
 from .._util._text import dtype_name, few
 from ._hf import _through_training_step
+from ._construction import arguments
 from ._resolve import resolve
 from ._statedict import map_state_dict
 
@@ -36,6 +37,8 @@ class _Loaded:
     autocast: Mapping[str, Any] = field(default_factory=dict)
     step_call: str | None = None
     saved_kwargs: dict[str, Any] = field(default_factory=dict)
+    saved_init: Any = None  # the file's model_init (the model's constructor arguments), for the model you confirmed
+    recorded_factory: Any = None  # the file's model_factory, which you confirmed
 
 
 def _same_name(given: str, saved: Any) -> bool:
@@ -78,7 +81,8 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
     with ``shard``, wrapped by it instead of loaded (the caller loads the shards)."""
     model = got.model
     if model_factory is not None:
-        model = _build(model_factory, got.saved_kwargs, trusted=True)
+        model = _build(model_factory, got.saved_kwargs, trusted=True, init=got.saved_init,
+                       recorded=got.recorded_factory, sd=got.sd if shard is None else None)
     if model is None:
         raise InputError("the checkpoint holds only weights; pass --model package.module:factory to build the model")
     if got.step_call == "training_step":
@@ -175,14 +179,19 @@ def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
 
 
 def _build(path: str, kwargs: Mapping[str, Any], *, trusted: bool, trust: Sequence[str] = (),
-           sd: Mapping[str, Any] | None = None) -> nn.Module:
+           sd: Mapping[str, Any] | None = None, init: Any = None, recorded: Any = None) -> nn.Module:
     """The model ``path`` builds with ``kwargs``; with ``sd`` (the file's weights) and a name the file chose among
-    torch.nn's own classes, built on the meta device first and checked against them."""
+    torch.nn's own classes, built on the meta device first and checked against them. ``init``: the file's record
+    of the constructor arguments of its model ``recorded`` (``path`` names it), used instead of ``kwargs`` and
+    checked against ``sd`` (``_construction.arguments``)."""
     factory = resolve(path, what="model factory", trusted=trusted, trust=trust)
-    if sd is not None and not trusted and _names.torch_own(path.partition(":")[0], "model factory"):
+    args: list[Any] = []
+    if init is not None:
+        args, kwargs = arguments(init, factory, recorded, "the capture", sd)
+    elif sd is not None and not trusted and _names.torch_own(path.partition(":")[0], "model factory"):
         _check_on_meta(path, factory, kwargs, sd)
     try:
-        model = factory(**kwargs)
+        model = factory(*args, **kwargs)
     except Exception as e:
         raise InputError(f"model factory {path!r} raised {_first_line(e)}") from e
     if not isinstance(model, nn.Module):

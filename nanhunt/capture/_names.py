@@ -454,9 +454,10 @@ def confirmations(named: list[tuple[str, str | None, Any]]) -> tuple[list[str], 
             continue
         where = loaded_from(sys.modules.get(mod.partition(".")[0]))
         file = getattr(sys.modules.get(mod), "__file__", None)
-        if (not is_script(name) and where is not None and where not in explicit and where == _script_dir() != cwd
+        if (not is_script(name) and where is not None and where not in explicit and where in (_script_dir(), cwd)
                 and "." not in mod and isinstance(file, str) and file.endswith(".py")):
-            # beside the script, not here: only its file finds it from this directory
+            # beside the script (or here), not installed: its file finds it from any directory the command is
+            # pasted in, its own imports (a layers.py beside it) from its folder
             args += [flag, f"{os.path.abspath(file)}:{qual}"]
             continue
         args += [flag, name]

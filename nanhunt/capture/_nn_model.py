@@ -4,7 +4,11 @@ its description written (:func:`nn_spec`) and the model rebuilt from it, checked
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import io
+import sys
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -12,11 +16,12 @@ from torch import nn
 
 from .._util._errors import InputError, first_line as _first_line
 from .._util._wrappers import user_class
+from ..step.step import rng_state, set_rng_state
 from . import _names, _nn_structure
 from ._resolve import resolve
 from ._statedict import map_state_dict
 
-__all__ = ["nn_spec", "nn_model"]
+__all__ = ["nn_spec", "nn_model", "built_on_meta"]
 
 
 def nn_spec(model: nn.Module, model_factory: str | None,
@@ -37,11 +42,29 @@ def nn_spec(model: nn.Module, model_factory: str | None,
                          "pass model_factory='package.module:factory'") from None
 
 
+def built_on_meta(build: Callable[[], Any], *, quiet: bool = True) -> Any:
+    """``build()`` on the meta device (nothing allocated), its random draws undone (torch's, CUDA's, Python's and
+    NumPy's generators put back: a check made while your script trains leaves its random numbers alone) and,
+    ``quiet``, what it prints and warns dropped (a model that prints its size as it is built prints it once);
+    else what it prints goes to stderr."""
+    saved = rng_state(python_numpy=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.device("meta"))
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO() if quiet else sys.stderr))
+            if quiet:
+                stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+                stack.enter_context(warnings.catch_warnings())
+                warnings.simplefilter("ignore")
+            return build()
+    finally:
+        set_rng_state(saved)
+
+
 def _same_on_meta(model: nn.Module, cls: type[nn.Module], kwargs: Mapping[str, Any]) -> None:
     """``cls(**kwargs)`` (on the meta device) is ``model`` (``_nn_structure.matches``)."""
     try:
-        with torch.device("meta"):
-            probe = cls(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs))
+        probe = built_on_meta(lambda: cls(**({**kwargs, "device": "meta"} if "device" in kwargs else kwargs)))
     except Exception as e:
         raise ValueError(f"{cls.__name__}(**model_kwargs) raised {_first_line(e)}") from None
     if not _nn_structure.matches(probe, model):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from .._util._tree import map_tensors
 from .._util._wrappers import user_class
 from ..step.step import rng_state, split_batch
 from ._build import _group_names
+from ._construction import Construction, how_built
 from ._hf import _hf_model_spec
 from ._nn_model import nn_spec
 from ._resolve import callable_path
@@ -61,6 +63,8 @@ def save_capture(
     step_call: str | None = None,
     script_run: Mapping[str, Any] | None = None,
     compiled: Mapping[str, Any] | None = None,
+    construction: Construction | None = None,
+    loss_at: Sequence[int | str] | None = None,
 ) -> None:
     """Write ``checkpoint.pt`` + ``batch.pt`` that ``nanhunt replay`` replays with no other argument.
 
@@ -84,14 +88,27 @@ def save_capture(
 
     A ``torch.compile``d model (or one given unwrapped with ``compiled``, what :func:`capture_record` says) is
     saved with its backend, mode, options and dynamic flag: the replay runs the step compiled too.
+
+    A model of your own class with no ``model_kwargs`` is saved with the arguments it was built with, read back
+    from its attributes and checked by building it again on the meta device (``construction``: what the Guard
+    found, ``_construction.how_built``). ``loss_at``: where the model's output holds its loss (``[1]`` for
+    ``logits, loss``).
     """
     ckpt, bfile = capture_record(
         model=model, batch=batch, loss_fn=loss_fn, optimizer=optimizer, scaler=scaler, model_factory=model_factory,
         model_kwargs=model_kwargs, device_type=device_type, dtype=dtype, rng=rng, model_state=model_state,
         optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call, script_run=script_run,
-        compiled=compiled)
+        compiled=compiled, construction=construction if construction is not None else _said(how_built(
+            unwrap_model(model), model_factory, model_kwargs)), loss_at=loss_at)
     torch.save(ckpt, os.fspath(checkpoint_path))
     torch.save(bfile, os.fspath(batch_path))
+
+
+def _said(construction: Construction) -> Construction:
+    """``construction``, its problem said now (a warning), when the capture is written, not when it is replayed."""
+    if construction.problem is not None:
+        warnings.warn(f"nanhunt.save_capture: {construction.problem}", UserWarning, stacklevel=3)
+    return construction
 
 
 def capture_record(
@@ -112,6 +129,8 @@ def capture_record(
     step_call: str | None = None,
     script_run: Mapping[str, Any] | None = None,
     compiled: Mapping[str, Any] | None = None,
+    construction: Construction | None = None,
+    loss_at: Sequence[int | str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What :func:`save_capture` writes: the checkpoint's and the batch file's contents (the Guard's capture
     directory writes the same fields, the tensors as DCP shards). ``compiled``: how the model was compiled, when
@@ -126,6 +145,10 @@ def capture_record(
                   for k, v in (model.state_dict() if model_state is None else model_state).items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
+        # how your model's class was called: its constructor's arguments as plain data (_construction)
+        "model_init": None if construction is None else construction.record,
+        # where the model's output holds its loss ([1] of `logits, loss`), when its loss is its own
+        "loss_at": None if loss_at is None else list(loss_at),
         # torch.nn's own model (a Sequential of torch.nn layers): its layers, which its class alone does not rebuild
         "nn_model": nn_spec(model, model_factory, model_kwargs),
         # a transformers model named by its own class: rebuilt from its config (a factory you named wins)

@@ -35,6 +35,7 @@ from ..step.step import Step, rng_state, set_rng_state, split_batch
 from ._event import EventFile, read_event
 from ._options import LoadOptions
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
+from ._construction import loss_at_of
 from ._hf import _hf_model
 from ._nn_model import nn_model, nn_spec
 from ._resolve import callable_path, resolve
@@ -253,9 +254,11 @@ def _step_of(ck: Any, bt: Any, checkpoint: str, batch: str, *, dev: torch.device
     dt = parse_dtype(options.dtype or str(got.autocast.get("dtype", "float16")))
     compiled = _compiled(ck if isinstance(ck, Mapping) and "nanhunt_capture" in ck else {}, checkpoint, options,
                          notes)
+    # the model's own loss, an element of what it returns (logits, loss): the one the capture recorded
+    loss_at = loss_at_of(ck, f"checkpoint {checkpoint!r}") if loss_fn is None and isinstance(ck, Mapping) else None
     return Step(model, inputs, targets, loss_fn=loss_fn, dtype=dt, device_type=dev.type, scaler=scaler,
                 optimizer=optimizer, rng=own_rng if own_rng is not None else rng, compile_spec=compiled,
-                notes=tuple(notes), snapshot=options.snapshot)
+                notes=tuple(notes), snapshot=options.snapshot, loss_at=loss_at)
 
 
 def _compiled(ck: Mapping[str, Any], checkpoint: str, options: LoadOptions, notes: list[str]) -> CompileSpec | None:
@@ -376,6 +379,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, options: LoadOption
         kwargs = ck.get("model_kwargs")
         if _same_name(model_factory, ck.get("model_factory")) and isinstance(kwargs, Mapping):
             got.saved_kwargs = dict(kwargs)
+            got.saved_init, got.recorded_factory = ck.get("model_init"), ck.get("model_factory")  # how it was built
     else:
         factory = checked("model_factory", str, "'package.module:factory'", "pass --model package.module:factory",
                           required=True)
@@ -394,7 +398,9 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, options: LoadOption
             # (written only for a model of torch.nn's own class; another factory's name builds its own model)
             got.model = nn_model(layers, f"checkpoint {checkpoint!r}", got.sd if shapes else None)
         else:
-            got.model = _build(factory, kwargs or {}, trusted=False, trust=options.trust, sd=got.sd if shapes else None)
+            trusted = _names.trusted_by(factory.partition(":")[0], options.trust)  # a package you trust: its arguments
+            got.model = _build(factory, kwargs or {}, trusted=False, trust=options.trust, sd=got.sd if shapes else None,
+                               init=ck.get("model_init") if trusted else None, recorded=factory)
     if saved_dev.startswith("cuda") and (dev is None or dev.type == "cpu"):
         notes.append(f"captured on {saved_dev}, replayed on cpu: autocast op lists differ between devices, "
                      "so the result may differ")

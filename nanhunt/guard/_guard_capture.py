@@ -22,6 +22,7 @@ from ._guard_flags import nonfinite
 from ._headroom import Headroom
 from ..capture._names import capture_name, confirmations, is_script, replay_problem, script_run
 from .._util._wrappers import user_class, user_modules
+from ..capture._construction import how_built
 from ..capture._hf import _hf_model_spec
 from ..capture.capture import capture_record, nn_spec, resolve, save_capture, unwrap_model
 from ..records import GuardEvent
@@ -136,6 +137,10 @@ class CaptureWriter:
             raise ValueError("cannot name the model's class for the capture: "
                              "pass model_factory='package.module:callable'")
         nn_spec(self.module, model_factory, model_kwargs)  # a torch.nn model (Sequential): its layers rebuild it
+        # your own class: the arguments it was built with, checked now on the meta device (or why the replay would
+        # not rebuild it, said with the other replay problems)
+        self.construction = how_built(self.module, model_factory, model_kwargs)
+        self.loss_at: tuple[int | str, ...] | None = None  # where the model's output holds its loss (nanhunt run)
         if loss_fn is not None and capture_name(loss_fn) is None:
             raise ValueError("loss_fn must be a named function or an nn.Module loss (not a lambda or a closure)")
         self.optimizer, self.scaler = optimizer, scaler
@@ -176,6 +181,10 @@ class CaptureWriter:
             self.script_run = script_run([self.model_factory, capture_name(loss_fn), capture_name(self.optimizer)])
         self._confirm = self._confirmations()
 
+    def set_loss_at(self, at: tuple[int | str, ...]) -> None:
+        """The model's loss is this element of its output (``nanhunt run`` sees the backward run from it)."""
+        self.loss_at = tuple(at)
+
     def set_compiled(self, record: Mapping[str, Any]) -> None:
         """How the model is compiled, when it is compiled out of the Guard's sight (a transformers Trainer's
         ``torch_compile``, inside accelerate): its captures record it, and the printed command confirms it."""
@@ -203,6 +212,8 @@ class CaptureWriter:
         # command that would lack a name is said when the Guard is made (GuardWarning) and in the event
         self.replay_problems = tuple(p for what, name, _ in named if name is not None and is_script(name)
                                      for p in [replay_problem(name, what)] if p is not None)
+        if self.construction.problem is not None:
+            self.replay_problems += (self.construction.problem,)
         args, notes = confirmations(named)
         if self.compiled is not None:  # a backend of yours, settings that name programs: the replay confirms them
             args += replay_flags(self.compiled)
@@ -404,7 +415,8 @@ class CaptureWriter:
         return {
             "loss_fn": self.loss_fn, "model_factory": self.model_factory, "model_kwargs": self.model_kwargs,
             "device_type": self.device_type, "dtype": self._capture_dtype(entry), "step_call": self.step_call,
-            "script_run": self.script_run, "compiled": self.compiled,
+            "script_run": self.script_run, "compiled": self.compiled, "construction": self.construction,
+            "loss_at": self.loss_at,
         }
 
     def _save_live(self, entry: StepEntry, ck: str, bt: str, *, scaler_before: bool, began: bool) -> None:

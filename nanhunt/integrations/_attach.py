@@ -12,10 +12,13 @@ What is installed, for the script's run only, and taken out again by :meth:`Atta
   ``GradScaler.scale`` or ``Tensor.backward``; ``GradScaler.step`` checks the gradients first (after the loop's own
   ``unscale_`` and clipping); the optimizer's update (or ``GradScaler.update``) ends the step.
 - how the replay computes the loss is read from what the step did, not guessed: the model's own loss (its output,
-  or its ``.loss``); a ``torch.nn`` loss module with its default settings called on the model's output (a global
+  its ``.loss``, or the element of a tuple, list or dict it returned that the backward ran from, recorded as the
+  capture's ``loss_at``); a ``torch.nn`` loss module with its default settings called on the model's output (a global
   module hook, removed once the loss is known); or ``cross_entropy`` / ``mse_loss`` applied to the output, read
   from the loss's autograd node (its saved target). Any other loss cannot be replayed from the capture: the
   message at a detection says so and what to do.
+- the constructor arguments of every module of a class outside torch, noted as it is built
+  (``capture._construction.ConstructionLog``): how the capture's model was built.
 
 Nothing here reads a tensor on the host: the Guard's own checks do, once per step.
 """
@@ -41,7 +44,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._util._errors import InputError, GuardError, first_line, visible
+from ..capture._construction import ConstructionLog
 from ..guard.guard import Guard
+from ..step._run import loss_position
 from ._run import GuardedRun, Unwatchable, output_loss
 
 __all__ = ["Attached", "AttachOptions", "RunRefused"]
@@ -118,6 +123,7 @@ class Attached:
         self.loop = _PlainLoop(self)
         self._patches: list[_Patch] = []
         self._finder: _AfterImport | None = None
+        self._built = ConstructionLog()  # each module's constructor arguments, noted as it is built
 
     # ----------------------------------------------------------------- install / remove
     def install(self) -> Attached:
@@ -129,6 +135,7 @@ class Attached:
         self._finder = _AfterImport({k: v for k, v in actions.items() if k not in sys.modules})
         sys.meta_path.insert(0, self._finder)
         self.loop.install()
+        self._built.install(self.patch)
         return self
 
     def close(self, exc: BaseException | None = None) -> None:
@@ -142,6 +149,7 @@ class Attached:
                 if run is not None:
                     run.close(exc)
         finally:
+            self._built.close()
             for p in reversed(self._patches):
                 p.undo()
             self._patches.clear()
@@ -560,6 +568,9 @@ class _PlainLoop:
         found = _functional_loss(node, out)
         if node is not None and node in (_output_node(out), _output_node(own)):
             self.loss_known = "model"
+        elif (at := loss_position(out, node)) is not None:  # logits, loss = model(x, y)
+            self.loss_known = "model"
+            run.guard._capture.set_loss_at(at)
         elif call is not None and _default_loss(call[0]) and call[1][0] is out and len(call[1]) <= 2:
             self.loss_known = "module"
             run.guard._capture.set_loss_fn(call[0])

@@ -20,7 +20,7 @@ from torch import nn
 from .._util._compiled import CompileSpec, spec_of
 from .precision import LOSS_REGION, UPDATE_REGION, float32_weights, keep_fp32, to_fp32
 from ._inputs import rng_state, set_rng_state, split_batch
-from ._run import run_step
+from ._run import LossAt, run_step
 from .snapshot import Snapshot, StepState
 
 __all__ = ["Step", "StepState", "Snapshot", "run_step", "split_batch", "rng_state", "set_rng_state"]
@@ -31,7 +31,9 @@ class Step:
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments;
     ``loss_fn(output, targets)`` gives the loss (``loss_fn(output)`` without targets), or with no
-    ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``). ``rng`` is the
+    ``loss_fn`` the model's output is the loss (a scalar, ``.loss`` or ``["loss"]``, the element ``loss_at`` of a
+    tuple, list or dict, or the one scalar it holds); with no ``loss_fn``, ``targets`` go to the model as its
+    next positional argument when its forward takes one (``logits, loss = model(x, y)``). ``rng`` is the
     generator state the step starts from (default: the state when it is isolated); ``train`` sets the
     model's mode for every run (default: as it is). A ``torch.compile``'d model is replayed through its
     eager original (``compiled`` says so), and compiled as ``compile_spec`` says when that replay is finite.
@@ -62,6 +64,8 @@ class Step:
     notes: tuple[str, ...] = ()
     host_snapshot: bool | None = None
     snapshot: Snapshot | None = None
+    # where the model's output holds its loss (``[1]`` of ``logits, loss``), as the capture recorded it
+    loss_at: LossAt | None = None
     _state: StepState | None = dataclasses.field(default=None, repr=False, compare=False)
     _start_rng: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -142,7 +146,7 @@ class Step:
                     loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn, dtype=dtype or self.dtype,
                                     device_type=self.device_type, scaler=None if unscaled else self.scaler,
                                     optimizer=self.optimizer, fp32_loss=LOSS_REGION in fp32,
-                                    fp32_update=UPDATE_REGION in fp32)
+                                    fp32_update=UPDATE_REGION in fp32, loss_at=self.loss_at)
                 if after is not None:
                     after(loss)
                 return loss
