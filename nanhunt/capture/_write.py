@@ -13,6 +13,7 @@ from torch import nn
 from ..distributed import _dcp
 from . import _names
 from .._util._compiled import record_of
+from .._util._files import new_files
 from .._util._text import dtype_name
 from .._util._tree import map_tensors
 from .._util._wrappers import user_class
@@ -89,6 +90,10 @@ def save_capture(
     A ``torch.compile``d model (or one given unwrapped with ``compiled``, what :func:`capture_record` says) is
     saved with its backend, mode, options and dynamic flag: the replay runs the step compiled too.
 
+    Both files are written new and renamed onto their names once both are whole, or neither is: a symbolic link,
+    a FIFO or anything else that is not a regular file at either name is refused with :class:`nanhunt.InputError`
+    (also an ``OSError``), never written through nor waited on.
+
     A model of your own class with no ``model_kwargs`` is saved with the arguments it was built with, read back
     from its attributes and checked by building it again on the meta device (``construction``: what the Guard
     found, ``_construction.how_built``). ``loss_at``: where the model's output holds its loss (``[1]`` for
@@ -100,8 +105,9 @@ def save_capture(
         optimizer_state=optimizer_state, scaler_state=scaler_state, step_call=step_call, script_run=script_run,
         compiled=compiled, construction=construction if construction is not None else _said(how_built(
             unwrap_model(model), model_factory, model_kwargs)), loss_at=loss_at)
-    torch.save(ckpt, os.fspath(checkpoint_path))
-    torch.save(bfile, os.fspath(batch_path))
+    with new_files(os.fspath(checkpoint_path), os.fspath(batch_path)) as (ck, bt):
+        torch.save(ckpt, ck)
+        torch.save(bfile, bt)
 
 
 def _said(construction: Construction) -> Construction:

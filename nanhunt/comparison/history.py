@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._util._errors import InputError
+from .._util._files import append_file, read_own
 from ..records import Comparison, Report
 
 
@@ -22,6 +23,7 @@ from ..records import Comparison, Report
 
 HISTORY_FILE = "nanhunt-compare-history.jsonl"
 _WARNED = 5  # earlier rules a report names
+_FIX = "move it away to start a new one"
 
 
 def _file_sha256(path: str) -> str:
@@ -69,14 +71,15 @@ class History:
     def runs(self) -> list[dict[str, Any]]:
         """The recorded runs of this checkpoint, oldest first (lines that are not a run's JSON are skipped)."""
         out: list[dict[str, Any]] = []
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                lines = f.readlines()
-        except FileNotFoundError:
+        # a link or a FIFO at its name is refused (read through a link, appended through it after the run; a FIFO
+        # would block): said before the compare runs
+        data = read_own(self.path, "the compare history", _FIX)
+        if data is None:
             return out
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"cannot read the compare history {self.path!r}: {e}; move it away to start a new "
-                               "one") from e
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise InputError(f"cannot read the compare history {self.path!r}: {e}; {_FIX}") from e
         for line in lines:
             try:
                 run = json.loads(line)
@@ -120,8 +123,7 @@ class History:
         }
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)  # the report's, made if missing
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(run, allow_nan=False) + "\n")
         except OSError as e:
             raise InputError(f"cannot append to the compare history {self.path!r}: {e.strerror}") from e
+        append_file(self.path, (json.dumps(run, allow_nan=False) + "\n").encode("utf-8"))  # no link, no FIFO
         return dataclasses.replace(report, comparison=dataclasses.replace(c, rule_warnings=warned))

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .._util._errors import InputError, first_line as _first_line
+from .._util._files import new_file, write_file
 from .._util import _dispatch
 from .._util._json import parse_json
 from .._util._safeload import check_bytes
@@ -195,10 +196,7 @@ def write_capture_dir(path: str, *, state: Any, fields: Mapping[str, Any], batch
         return error or "another rank could not write its part of the capture"
     if rank == 0:
         try:
-            tmp = os.path.join(path, MANIFEST + ".partial")
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(path, MANIFEST))
+            write_file(os.path.join(path, MANIFEST), text)  # a new file renamed in: never through a link
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
     if not _agree(error is None, device, group):
@@ -233,14 +231,8 @@ def _clear(path: str) -> None:
 
 
 def _save_atomic(obj: Any, path: str) -> None:
-    tmp = path + ".partial"
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
-            os.remove(tmp)
-        raise
+    with new_file(path) as f:  # a new file renamed in, removed on any error: never through a link nor a FIFO
+        torch.save(obj, f)
 
 
 # ------------------------------------------------------------------- reading

@@ -6,8 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -18,6 +17,7 @@ from ..distributed import _dcp, _fsdp1
 from .._util import _dispatch
 from .._util._compiled import record_of, replay_flags
 from .._util._dispatch import keeps_running_stats, tensor_version
+from .._util._files import append_file, new_files, write_file
 from ._guard_flags import nonfinite
 from ._headroom import Headroom
 from ..capture._names import capture_name, confirmations, is_script, replay_problem, script_run
@@ -288,11 +288,10 @@ class CaptureWriter:
         snap = None if live else self.snapshot
         try:
             ck, bt = self._paths(entry.index)
-            with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
-                if snap is not None:
-                    self._save_snapshot(snap, entry, ck_tmp, bt_tmp)
-                else:
-                    self._save_live(entry, ck_tmp, bt_tmp, scaler_before=scaler_before, began=began)
+            if snap is not None:  # both files or neither (save_capture)
+                self._save_snapshot(snap, entry, ck, bt)
+            else:
+                self._save_live(entry, ck, bt, scaler_before=scaler_before, began=began)
             captured, pre_update = (snap.step, snap.step == bad_update) if snap is not None else (entry.index, live)
             if counted:
                 self.captures += 1
@@ -334,9 +333,9 @@ class CaptureWriter:
             ckpt["optimizer_params"] = names  # by the user's names: the live groups hold flat parameters
             ckpt["module_training"] = {n: m.training for n, m in user_modules(self.module).items()}
             ck, bt = self._paths(entry.index)
-            with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
-                torch.save(ckpt, ck_tmp)
-                torch.save(bfile, bt_tmp)
+            with new_files(ck, bt) as (ck_file, bt_file):  # both or neither
+                torch.save(ckpt, ck_file)
+                torch.save(bfile, bt_file)
         except Exception as e:  # the detection matters more than the file: report, don't mask
             return Written(None, None, None, False, f"{type(e).__name__}: {e}")
         return Written(ck, bt, entry.index, live, None)
@@ -387,15 +386,20 @@ class CaptureWriter:
             return Written(path, None, snap.step, snap.step == bad_update, None)
         return Written(path, None, entry.index, live, None)
 
-    def write_event(self, event: GuardEvent, scale_history: list[tuple[int, float]]) -> None:
+    def write_event(self, event: GuardEvent, scale_history: list[tuple[int, float]],
+                    failed: Callable[[str, OSError], None]) -> None:
+        """The event file beside its capture, written new and renamed in; one that cannot be written (a link or a
+        FIFO at its name, a full disk) is ``failed(what, error)`` (the Guard warns): the training goes on."""
         assert event.checkpoint is not None
         path = (os.path.join(event.checkpoint, f"event-rank{self.rank}.json") if event.batch is None  # a directory
                 else event.checkpoint[: -len("checkpoint.pt")] + "event.json")
         data = {**event.to_dict(), "describe": event.describe(), "scale_history": scale_history[-50:]}
         if self.headroom is not None:
             data["headroom"] = self.headroom.picture(event.step)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
+        try:
+            write_file(path, json.dumps(data, indent=2))
+        except OSError as e:
+            failed("the event file", e)
 
     def _paths(self, step: int) -> tuple[str, str]:
         os.makedirs(self.dump_dir, exist_ok=True)
@@ -486,13 +490,13 @@ class CaptureWriter:
         _restore_optimizer(self.optimizer, snap.optimizer)
 
     def write_log(self, event: GuardEvent) -> str:
-        """Append ``event`` to ``dump_dir/rollbacks[-rank{R}].jsonl``, one JSON object a line; returns the path."""
+        """Append ``event`` to ``dump_dir/rollbacks[-rank{R}].jsonl``, one JSON object a line; returns the path.
+        Raises OSError when it cannot (a link or a FIFO at its name is refused: ``_files.append_file``)."""
         os.makedirs(self.dump_dir, exist_ok=True)
         name = "rollbacks" + (f"-rank{self.rank}" if self.rank is not None else "") + ".jsonl"
         path = os.path.join(self.dump_dir, name)
         line = json.dumps({**event.to_dict(), "describe": event.describe()})
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        append_file(path, (line + "\n").encode("utf-8"))
         return path
 
 
@@ -549,28 +553,6 @@ def _restore_optimizer(opt: torch.optim.Optimizer, saved: Mapping[str, Any]) -> 
                     old.copy_(v)
                 else:
                     g[k] = copy.deepcopy(v)
-
-
-@contextmanager
-def _both_or_neither(checkpoint: str, batch: str) -> Iterator[tuple[str, str]]:
-    """Temporary names for a capture's two files, renamed onto theirs once both are written. On any failure
-    (a batch torch.save cannot pickle, a full disk, Ctrl-C) neither file is left, so an event that says
-    "no capture" never sits beside an orphan checkpoint, and an older capture under these names stays whole."""
-    tmp = (checkpoint + ".partial", batch + ".partial")
-    renamed = False
-    try:
-        for t in tmp:
-            with suppress(FileNotFoundError):
-                os.remove(t)  # left by a process killed mid-write (or a link: removed, never written through)
-        yield tmp
-        renamed = True  # set first: a Ctrl-C between the two renames must take the batch file away again
-        os.replace(tmp[1], batch)
-        os.replace(tmp[0], checkpoint)
-    except BaseException:
-        for t in (*tmp, batch) if renamed else tmp:
-            with suppress(OSError):
-                os.remove(t)
-        raise
 
 
 def _cpu_copy(obj: Any) -> Any:

@@ -234,14 +234,15 @@ class Rollback:
 
     def _event_file(self, detection: GuardEvent) -> str | None:
         """The detection's event file, relative to the dump directory (named as the capture writer names it),
-        if it was written."""
+        if it was written (a link planted at its name, which the writer refused, is not it)."""
         ck = detection.checkpoint
         if ck is None:
             return None
         rank = self._guard._detect.rank
         path = os.path.join(ck, f"event-rank{rank}.json") if detection.batch is None \
             else ck[: -len("checkpoint.pt")] + "event.json"
-        return os.path.relpath(path, self._guard._capture.dump_dir) if os.path.isfile(path) else None
+        written = os.path.isfile(path) and not os.path.islink(path)
+        return os.path.relpath(path, self._guard._capture.dump_dir) if written else None
 
     # ------------------------------------------------------------ changes
     def _take_changes(self) -> tuple[str, ...]:

@@ -1,15 +1,17 @@
 """The batches a rollback skipped, in ``skip_batches.json``: plain Python (no torch).
 
-The file is rewritten whole at every rollback, through a temporary file and ``os.replace``, so a reader (or a
-run killed mid-write) never sees half a list: it is valid JSON at all times, and says what it is.
+The file is rewritten whole at every rollback, through a new file renamed onto its name (``_util._files``), so a
+reader (or a run killed mid-write) never sees half a list: it is valid JSON at all times, and says what it is. A
+link or a FIFO planted at its name is refused, never written through nor waited on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Any
+
+from .._util._files import write_file
 
 __all__ = ["SkipList", "WHAT"]
 
@@ -34,19 +36,11 @@ class SkipList:
 
     def add(self, dump_dir: str, entry: dict[str, Any]) -> str:
         """Add one rollback's entry and rewrite the file in ``dump_dir``; returns its path. Raises OSError when it
-        cannot be written (the entry is kept: the next rollback writes it)."""
+        cannot be written, a link or a FIFO at its name refused (the entry is kept: the next rollback writes it)."""
         self.entries.append(entry)
         os.makedirs(dump_dir, exist_ok=True)
         path = self.path(dump_dir)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(_text(self.rank, self.entries))
-            os.replace(tmp, path)  # atomic: the old list or the new one, never a mix
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+        write_file(path, _text(self.rank, self.entries))  # the old list or the new one, never a mix
         return path
 
 

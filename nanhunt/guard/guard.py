@@ -611,7 +611,7 @@ class Guard:
         self.events.append(event)
         self._rollback.plan = Plan(event, cur, bad_update, live)
         if written.checkpoint is not None:
-            self._capture.write_event(event, self.scale_history)
+            self._capture.write_event(event, self.scale_history, self._write_failed)
         if self.on_fail == "raise" and propagate:
             raise GuardError(event)
         if self.on_fail == "warn":
@@ -644,7 +644,7 @@ class Guard:
                 event = dataclasses.replace(event, checkpoint=written.checkpoint, batch=written.batch,
                                             captured_step=written.captured_step, pre_update=written.pre_update,
                                             replay_args=replay_args, replay_notes=replay_notes)
-                self._capture.write_event(event, self.scale_history)
+                self._capture.write_event(event, self.scale_history, self._write_failed)
             else:
                 event = dataclasses.replace(event, capture_error=written.error)
         self._record(event)

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..distributed import _dcp
 from .._util._errors import InputError
+from .._util._files import write_file
 from ..capture.capture import load_replay
 from ._options import ReplayOptions
 from .pipeline import hunt
@@ -367,7 +368,7 @@ class _Ranks:
         if self.leads and rp is not None:
             os.makedirs(bundle, exist_ok=True)
             for name, data in files.items():
-                Path(bundle, os.path.basename(name)).write_bytes(data)
+                write_file(os.path.join(bundle, os.path.basename(name)), data)  # never through a link
         return rp  # type: ignore[no-any-return]
 
     def merged(self, report: Report) -> Report:

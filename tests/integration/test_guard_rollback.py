@@ -392,13 +392,16 @@ def test_rollback_is_refused_inside_a_step_and_on_fail_is_checked(tmp_path: Path
 
 # ------------------------------------------------------------------ Ctrl-C
 def test_rollback_holds_sigint_at_every_line_it_runs(tmp_path: Path) -> None:
-    # GIVEN a step that failed (NaN loss, on_fail="dump") after a clean one, made afresh for every interrupt
+    # GIVEN a step that failed (NaN loss, on_fail="dump") after a clean one, made afresh for every interrupt, each
+    # in a new dump directory (every run writes the same files: none is there before it)
     from tests.security.test_interrupts import _inject_everywhere, _Inject, _sigint, _traced
+
+    runs = iter(range(10**6))
 
     def failed() -> tuple[nanhunt.Guard, nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, dict[str, Any]]:
         model, opt, scaler = _net()
-        guard = nanhunt.Guard(model, opt, scaler, dump_dir=tmp_path, loss_fn=F.mse_loss, on_fail="dump",
-                              max_captures=0)
+        guard = nanhunt.Guard(model, opt, scaler, dump_dir=tmp_path / str(next(runs)), loss_fn=F.mse_loss,
+                              on_fail="dump", max_captures=0)
         _amp_step(guard, model, opt, scaler, _batch(0))
         entry = _state(model, opt, scaler)
         _amp_step(guard, model, opt, scaler, _batch(1, bad=True))

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanhunt.guard._guard_capture import CaptureWriter, EntryBuffers, StepEntry, _both_or_neither
+from nanhunt._util._files import new_files
+from nanhunt.guard._guard_capture import CaptureWriter, EntryBuffers, StepEntry
 
 
 class _Net(nn.Module):
@@ -108,11 +109,11 @@ def test_snapshot_is_kept_only_while_the_weights_are_finite(tmp_path: Path) -> N
 def test_both_or_neither_removes_partial_files(tmp_path: Path) -> None:
     ck, bt = str(tmp_path / "c.pt"), str(tmp_path / "b.pt")
     with pytest.raises(RuntimeError):
-        with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
-            Path(ck_tmp).write_text("x")
+        with new_files(ck, bt) as (ck_file, bt_file):
+            ck_file.write(b"x")
             raise RuntimeError
     assert os.listdir(tmp_path) == []
-    with _both_or_neither(ck, bt) as (ck_tmp, bt_tmp):
-        Path(ck_tmp).write_text("c")
-        Path(bt_tmp).write_text("b")
+    with new_files(ck, bt) as (ck_file, bt_file):
+        ck_file.write(b"c")
+        bt_file.write(b"b")
     assert sorted(os.listdir(tmp_path)) == ["b.pt", "c.pt"]
