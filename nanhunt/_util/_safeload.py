@@ -534,10 +534,17 @@ def _torch_reason(e: Exception) -> str:
 
 # ------------------------------------------------------------- after torch
 def _check_loaded(obj: Any, name: str) -> None:
-    """Refuse what later code would choke on: deep nesting, huge expanded views, sparse/meta tensors.
+    """Refuse what later code would choke on: deep nesting, huge expanded views (one alone, or all of them
+    together: :class:`_Copies`), sparse/meta tensors.
     Walked depth first, one open container a level: memory stays bounded however many items there are."""
+    copies = _Copies()
+    _walk_loaded(obj, name, copies)
+    copies.check(name)
+
+
+def _walk_loaded(obj: Any, name: str, copies: _Copies) -> None:
     if isinstance(obj, torch.Tensor):
-        _check_tensor(obj, name, ())
+        _check_tensor(obj, name, (), copies)
         return
     top = _children(obj)
     levels: list[tuple[Iterator[tuple[object, Any]], tuple[object, ...]]] = [(top, ())] if top is not None else []
@@ -552,7 +559,7 @@ def _check_loaded(obj: Any, name: str) -> None:
             depth = len(levels)  # of v
             at = (*where, k) if depth <= 8 else where if depth > 9 else (*where, ...)
             if isinstance(v, torch.Tensor):
-                _check_tensor(v, name, at)
+                _check_tensor(v, name, at, copies)
                 continue
             inner = _children(v)
             if inner is None:
@@ -575,7 +582,38 @@ def _children(o: Any) -> Iterator[tuple[object, Any]] | None:
     return None
 
 
-def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None:
+class _Copies:
+    """What a file's tensors take once each is copied, against the bytes of data they hold. A view costs nothing
+    when loaded, and its copy is as large as its shape: the replay's snapshot copies every optimizer state tensor,
+    so four stride-0 views of 0.7 GiB over one float (each within :data:`MAX_VIEW_BYTES` of its data) would take
+    2.8 GiB from a file of kilobytes, and ten thousand views of one tensor ten thousand times its size. Each tensor
+    reached counts, however often (each is copied); each storage once."""
+
+    def __init__(self) -> None:
+        self.data = 0
+        self.copied = 0
+        self._storages: set[tuple[int, int]] = set()
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self._storages:
+            self._storages.add(key)
+            self.data += key[1]
+        self.copied += t.numel() * t.element_size()
+
+    def check(self, name: str) -> None:
+        """Refuse copies of more than twice the data, or of more than :data:`MAX_VIEW_BYTES` beyond it, whichever
+        is more: a state dict's tied weights (GPT-2's head and embedding, one tensor saved once) stay within it."""
+        if self.copied > max(2 * self.data, self.data + MAX_VIEW_BYTES):
+            raise InputError(f"{name} holds tensors that would take {self.copied:,} bytes once copied, from "
+                             f"{self.data:,} bytes of data (views repeat their data: a stride-0 view, several views "
+                             "of one tensor); nanhunt takes views up to twice their data or "
+                             f"{MAX_VIEW_BYTES >> 30} GiB beyond it, whichever is more; save the tensors themselves "
+                             "(.clone())")
+
+
+def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...], copies: _Copies) -> None:
     if type(t).__module__.startswith("torch.distributed."):  # a DTensor: torch loads it weights-only once
         raise InputError(_dtensor_message(name))  # torch.distributed.tensor is imported
     if t.is_meta or t.layout != torch.strided or t.is_nested:
@@ -583,6 +621,7 @@ def _check_tensor(t: torch.Tensor, name: str, where: tuple[object, ...]) -> None
         raise InputError(f"{name} holds {kind} at {_at(where)}; nanhunt reads dense tensors only")
     if t.is_quantized:
         return
+    copies.add(t)
     logical = t.numel() * t.element_size()
     held = t.untyped_storage().nbytes()
     if logical > held + MAX_VIEW_BYTES:

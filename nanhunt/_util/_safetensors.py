@@ -27,6 +27,8 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _SAFETENSORS_NAME_CHARS = 200  # of a tensor's name shown in an error
+# torch holds each size as an int64; a real tensor has a handful of them, and nanhunt takes no more than this
+_MAX_DIMS = 64
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,10 @@ def _span(key: str, v: Any, name: str, held: int) -> _Span:
     shape, offsets = v.get("shape"), v.get("data_offsets")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise InputError(f"{bad} has no shape (a list of sizes)")
+    if len(shape) > _MAX_DIMS or any(d >= 2**63 for d in shape):  # an empty tensor's other sizes cost no bytes
+        text = repr(shape)[:200] if len(shape) <= 8 else f"of {len(shape):,} sizes"
+        raise InputError(f"{bad} has a shape {text}, which torch cannot hold (at most {_MAX_DIMS} sizes, each "
+                         "below 2**63)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise InputError(f"{bad} has no data_offsets (a begin and an end, in order)")

@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _names
 from .._util._errors import InputError, first_line as _first_line
-from .._util._text import dtype_name, few
+from .._util._text import dtype_name, escaped, few
 from ._hf import _through_training_step
 from ._construction import arguments
 from ._resolve import resolve
@@ -121,6 +121,10 @@ def _scaler(scaler_sd: Mapping[str, Any], dev: torch.device, notes: list[str]) -
     if not scaler_sd:  # GradScaler(enabled=False).state_dict() is {}
         notes.append("the checkpoint's GradScaler was disabled (empty state): replayed without a scaler")
         return None
+    why = scaler_state_problem(scaler_sd)
+    if why is not None:
+        raise InputError(f"the checkpoint's GradScaler state cannot be loaded ({why}); pass --no-scaler to replay "
+                         "without it")
     scaler = torch.amp.GradScaler(dev.type)
     try:
         scaler.load_state_dict(dict(scaler_sd))
@@ -128,6 +132,47 @@ def _scaler(scaler_sd: Mapping[str, Any], dev: torch.device, notes: list[str]) -
         raise InputError(f"the checkpoint's GradScaler state cannot be loaded ({_first_line(e)}); "
                            "pass --no-scaler to replay without it") from e
     return scaler
+
+
+_SCALER_NUMBERS = ("scale", "growth_factor", "backoff_factor")
+_SCALER_COUNTS = ("growth_interval", "_growth_tracker")  # torch keeps the tracker in an int32 tensor
+
+
+def scaler_state_problem(state: Mapping[str, Any]) -> str | None:
+    """What of a GradScaler's (enabled) state_dict torch cannot use, or None. ``load_state_dict`` takes any
+    value and the step fails on it later (``float('abc')`` as the scale is made a tensor): its scale and factors
+    must be numbers, its interval and tracker counts an int32 holds."""
+    for k in (*_SCALER_NUMBERS, *_SCALER_COUNTS):
+        if k not in state:
+            return f"it has no {k!r}"
+        v = state[k]
+        if k in _SCALER_NUMBERS and not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return f"its {k!r} is {_value(v)}, not a number"
+        if k in _SCALER_COUNTS and not (type(v) is int and 0 <= v < 2**31):
+            return f"its {k!r} is {_value(v)}, not a count below 2**31"
+    return None
+
+
+def generator_state_problem(state: torch.Tensor, device: str = "cpu") -> str | None:
+    """Why torch refuses ``state`` as the state of a generator on ``device`` (a right-sized tensor of bytes may
+    still be no state: mt19937's is checked when set), or None; tried on a new generator, leaving torch's own as
+    they are."""
+    try:
+        torch.Generator(device).set_state(state.clone())
+    except (RuntimeError, TypeError, ValueError) as e:
+        lines = str(e).strip().splitlines()
+        return lines[0] if lines else type(e).__name__
+    return None
+
+
+def _value(v: Any) -> str:
+    """A value read from a file, as a message quotes it: short, one line."""
+    if type(v) is int:
+        return str(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length():,} bits"
+    if isinstance(v, (str, float, bool)) or v is None:
+        text = repr(v)
+        return escaped(text if len(text) <= 40 else text[:37] + "...")
+    return f"a {type(v).__name__}"
 
 
 def _parse_device(device: str) -> torch.device:
@@ -175,6 +220,10 @@ def _batch_rng(bt: Mapping[str, Any], path: str) -> dict[str, Any] | None:
             isinstance(cuda, (list, tuple)) and all(isinstance(c, torch.Tensor) for c in cuda)):
         raise InputError(f"batch {path!r} is not a valid nanhunt capture: field 'rng' does not hold generator "
                            "states (uint8 tensors); save the capture again (nanhunt.save_capture)")
+    why = generator_state_problem(t) if t is not None else None
+    if why is not None:
+        raise InputError(f"batch {path!r} is not a valid nanhunt capture: field 'rng' holds a torch generator "
+                         f"state that torch refuses ({why}); save the capture again (nanhunt.save_capture)")
     return out
 
 

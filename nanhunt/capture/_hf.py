@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
+import logging
+import math
 import re
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeGuard
 
 import torch
@@ -80,20 +83,102 @@ def _hf_model(spec: Mapping[str, Any], where: str, notes: list[str] | None = Non
     if attn not in _HF_ATTENTION:
         raise _refused(path, "model factory", f"its attention kernel {attn!r} is not one of torch's "
                                               f"({', '.join(a for a in _HF_ATTENTION if a)})")
-    try:
-        cfg = config_cls.from_dict(config)
-        cfg._attn_implementation = attn  # what the run used, set on every sub-config: never what the JSON says
-    except Exception as e:
-        raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
-    if weights is not None:
-        _fits(cls, cfg, base, where, config_label, weights, exact)
-    try:
-        model = cls(cfg)
-    except Exception as e:
-        raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
+    _bound_sizes(config, where, config_label, weights)
+    with _transformers_quiet():
+        try:
+            cfg = config_cls.from_dict(config)
+            cfg._attn_implementation = attn  # what the run used, set on every sub-config: never what the JSON says
+        except Exception as e:
+            raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
+        if weights is not None:
+            _fits(cls, cfg, base, where, config_label, weights, exact)
+        try:
+            model = cls(cfg)
+        except Exception as e:
+            raise InputError(f"cannot build {path} from the capture's config: {_first_line(e)}; {fix}") from e
     if not isinstance(model, nn.Module):
         raise InputError(f"{path} built a {type(model).__name__}, not an nn.Module; {fix}")
     return _peft.rebuild(model, spec.get("peft"), where, notes)  # a PEFT model's adapters, from their JSON configs
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' logger silenced while a config from a file is made into a model: it writes the config's keys
+    and values as they are (a key holding a terminal escape and a line of its own, ``nanhunt: error: ...``, would
+    reach the terminal whole), and nothing it says then is nanhunt's to show. Its level is restored after, whatever
+    happened."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# Label maps transformers builds from a config's num_labels alone (id2label and label2id: some 700 bytes and 9 us
+# a label): 50 M labels take 6 GB before any model. ImageNet-21k's classifiers, the largest on the Hub, have 21,843.
+MAX_LABELS = 1 << 17
+_LABELS = ("num_labels", "id2label", "label2id")
+_VOCAB_SIZE = re.compile(r"\w*vocab_size")
+
+
+def _bound_sizes(config: Mapping[str, Any], where: str, label: str,
+                 weights: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None) -> None:
+    """The sizes a config gives (its sub-configs' too), bounded before transformers sees it: a config's
+    constructor builds label maps of ``num_labels`` entries and lists of a layer count's (``layer_types``). The
+    labels, all configs together, by :data:`MAX_LABELS`; given the weights the model is to hold, a layer count by
+    the tensors holding data (each layer holds one at least) and a vocabulary by the values they hold (its
+    embedding holds a row of each)."""
+    fix = "the config does not belong to them: pass --model package.module:factory"
+    labels, most_labels = 0, ("", 0)
+    layers, vocab = ("", 0), ("", 0)
+    todo: list[tuple[Mapping[str, Any], int]] = [(config, 0)]
+    while todo:  # (depth: bounded as _fetching bounds it, which has walked it first)
+        d, depth = todo.pop()
+        own = _labels_of(d)
+        labels += own[1]
+        most_labels = max(most_labels, own, key=lambda kv: kv[1])
+        for k, v in d.items():
+            if isinstance(v, dict) and depth < 64:
+                todo.append((v, depth + 1))
+            elif _count(v) and _LAYER_COUNT.fullmatch(k) and v > layers[1]:
+                layers = (k, v)
+            elif _count(v) and _VOCAB_SIZE.fullmatch(k) and v > vocab[1]:
+                vocab = (k, v)
+    if labels > MAX_LABELS:
+        raise InputError(f"{where}: {label} names {labels:,} labels ({most_labels[0]}), more than the "
+                         f"{MAX_LABELS:,} nanhunt lets transformers make label maps of; {fix}")
+    if weights is None:
+        return
+    _layers_fit(layers, weights, where, label)
+    values = sum(math.prod(shape) for _, shape in weights.values())
+    if vocab[1] > values:
+        raise InputError(f"{where}: {label} names a vocabulary of {vocab[1]:,} ({vocab[0]}), more than the "
+                         f"{values:,} values its weights hold; {fix}")
+
+
+def _labels_of(config: Mapping[str, Any]) -> tuple[str, int]:
+    """The most labels one config names (its key and count): its num_labels, or the size of a label map it gives."""
+    most = ("", 0)
+    for k in _LABELS:
+        v = config.get(k)
+        n = v if k == "num_labels" and _count(v) else len(v) if isinstance(v, dict) else 0
+        if n > most[1]:
+            most = (k, n)
+    return most
+
+
+def _layers_fit(most: tuple[str, int], weights: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], where: str,
+                label: str) -> None:
+    """A layer count (its key and value) against the weights' tensors that hold data: each layer holds one at
+    least, and an empty tensor is free to list (15,000 of them would have 15,000 layers built)."""
+    held = sum(1 for _, shape in weights.values() if math.prod(shape))
+    if most[1] > held:
+        empty = f" ({len(weights) - held:,} more are empty)" if len(weights) > held else ""
+        raise InputError(f"{where}: {label} names {most[1]:,} layers ({most[0]}), more than the {held:,} tensors "
+                         f"its weights hold{empty}; the config does not belong to them: pass --model "
+                         "package.module:factory")
 
 
 def _transformers_class(obj: Any, base: type) -> bool:
@@ -148,8 +233,9 @@ def _through_training_step(model: nn.Module) -> None:
 _UNSAVED = 1 << 24
 
 
-# a config's layer counts (GPT-2's n_layer, BART's encoder_layers, a vision tower's depth), each layer built
-_LAYER_COUNT = re.compile(r"depth|n_layers?|\w*_layers")
+# a config's layer counts (GPT-2's n_layer, BART's encoder_layers, a vision tower's depth), each layer built; not
+# a bound on them (Qwen2's max_window_layers, 28 whatever the model's depth)
+_LAYER_COUNT = re.compile(r"depth|n_layers?|(?!max_)\w*_layers")
 
 
 def _most_layers(cfg: Any, base: type) -> tuple[str, int] | None:
@@ -193,10 +279,7 @@ def _fits(cls: Any, cfg: Any, base: type, where: str, label: str,
     size of a million allocates nothing. ``exact``: its names and shapes are the weights' (a PEFT capture's
     adapters are not in the config: only its size is checked then)."""
     fix = "the config does not belong to them: pass --model package.module:factory"
-    most = _most_layers(cfg, base)
-    if most is not None and most[1] > len(weights):
-        raise InputError(f"{where}: {label} names {most[1]:,} layers ({most[0]}), more than the "
-                         f"{len(weights):,} tensors its weights hold; {fix}")
+    _layers_fit(_most_layers(cfg, base) or ("", 0), weights, where, label)
     try:
         with torch.device("meta"):
             probe = cls(copy.deepcopy(cfg))

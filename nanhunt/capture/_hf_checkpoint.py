@@ -25,9 +25,10 @@ from torch import nn
 
 from .._util._errors import InputError, first_line as _first_line
 from .._util._json import read_json
+from .._util._read import own_file
 from .._util._safeload import load_file
 from .._util._safetensors import load_safetensors, safetensors_header
-from ._build import _build, _check_dtypes, _Loaded, _take_dtypes
+from ._build import _build, _check_dtypes, _Loaded, _take_dtypes, generator_state_problem, scaler_state_problem
 from ._hf import _hf_model, _shared
 from ._resolve import callable_path
 from .._util._text import dtype_name, few as _few
@@ -49,8 +50,9 @@ _CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*")
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A directory holding a transformers ``config.json``: a Trainer checkpoint, or a ``save_pretrained`` one."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG))
+    """A directory holding a transformers ``config.json``: a Trainer checkpoint, or a ``save_pretrained`` one (a
+    ``config.json`` that is no regular file, a link, is refused when it is read)."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, CONFIG))
 
 
 def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: str | None, no_scaler: bool,
@@ -102,6 +104,10 @@ def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: 
     if scaler_file is not None and not no_scaler:
         got.scaler_sd = _mapping(load_file(scaler_file, what=f"{where}: its {SCALER}", trust_pickle=trust_pickle),
                                  SCALER, "a GradScaler's state_dict", where)
+        why = scaler_state_problem(got.scaler_sd) if got.scaler_sd else None  # ({}: a disabled scaler's)
+        if why is not None:
+            raise InputError(f"{where}: its {SCALER} holds a GradScaler state torch cannot use ({why}): the file "
+                             "is damaged; delete it, or pass --no-scaler to replay without it")
     got.autocast = {"dtype": _autocast([d for d, _ in header.values()], scaler=scaler_file is not None,
                                        given=dtype, where=where, notes=notes)}
     return got, _rng(path, where, trust_pickle, notes)
@@ -166,7 +172,10 @@ def _spec(path: str, where: str) -> tuple[dict[str, Any], Any]:
     """``config.json`` as ``_hf_model`` takes a capture's model (the transformers class its ``architectures``
     names, the config's JSON text, and transformers' own choice of attention kernel), and that class."""
     fix = "pass --model package.module:factory"
-    config = read_json(os.path.join(path, CONFIG), what="a model config", fix=fix, label=f"{where}: its {CONFIG}")
+    file = _file(path, CONFIG, where)
+    if file is None:
+        raise InputError(f"{where} holds no {CONFIG}; {fix}")
+    config = read_json(file, what="a model config", fix=fix, label=f"{where}: its {CONFIG}")
     archs = config.get("architectures") if isinstance(config, dict) else None
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)
             and _CLASS_NAME.fullmatch(archs[0])):
@@ -266,6 +275,15 @@ def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[st
     cuda = [cuda] if isinstance(cuda, torch.Tensor) else cuda  # one device's, or every device's
     if isinstance(cuda, list) and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
         out["cuda"] = cuda
+    # each checked as the replay would set it: the CUDA ones only where they are set, one a device
+    tried = [("cpu", cpu, "cpu")] + [("cuda", c, f"cuda:{i}") for i, c in enumerate(out.get("cuda", []))
+                                     if len(out["cuda"]) == torch.cuda.device_count()]
+    for key, t, device in tried:
+        why = generator_state_problem(t, device)
+        if why is not None:
+            raise InputError(f"{where}: its {os.path.basename(file)} holds a torch generator state ({key!r}) that "
+                             f"torch refuses ({why}): the file is damaged; delete it to replay from nanhunt's own "
+                             "generator state")
     return out
 
 
@@ -282,14 +300,9 @@ def _numpy_state() -> list[Any]:
 
 # ------------------------------------------------------------------ files
 def _file(path: str, name: str, where: str) -> str | None:
-    """``name`` inside the checkpoint when it is there (None when not): a regular file, after any link (a link
-    to a device or a pipe could make nanhunt read forever)."""
-    full = os.path.join(path, name)
-    if not os.path.lexists(full):
-        return None
-    if not os.path.isfile(full):
-        raise InputError(f"{where}: its {_quoted(name)} is not a regular file; copy the checkpoint's real files")
-    return full
+    """``name`` inside the checkpoint when it is there (None when not): a regular file of its own, never a link
+    (nothing outside the directory is read) nor a device or a pipe (which could make nanhunt read forever)."""
+    return own_file(path, name, f"{where}: its {_quoted(name)}", holder="a Trainer checkpoint directory")
 
 
 def _mapping(obj: Any, name: str, expected: str, where: str) -> Mapping[str, Any]:
