@@ -6,8 +6,10 @@ check it against the weights' header, then for real with the weights of ``model.
 its ``model.safetensors.index.json`` names) in their dtype.
 ``optimizer.pt`` (a torch optimizer's state_dict, numbered over the Trainer's decay and no-decay groups) comes
 back by parameter name; ``scaler.pt`` is a GradScaler's state, ``rng_state.pth`` the generators'. The .pt files
-are read weights-only. ``training_args.bin`` is a pickle of arbitrary objects and is never read: what it would
-say (the optimizer's class, fp16 or bf16) is assumed and said in the step's notes, or given on the command line.
+are read weights-only. ``training_args.bin`` is a pickle of arbitrary objects: it is read with every global it
+names made inert (:mod:`._training_args`), for the precision the run used (fp16, bf16) and its learning-rate
+settings; the optimizer's class it names is assumed (AdamW) and said in the step's notes, or given on the command
+line.
 ``scheduler.pt`` is not needed: the learning rate of the next step is already in the optimizer's groups.
 """
 
@@ -26,6 +28,7 @@ from torch import nn
 from .._util._errors import InputError, first_line as _first_line
 from .._util._json import read_json
 from .._util._read import own_file
+from ._training_args import TRAINING_ARGS, read_training_args
 from .._util._safeload import load_file
 from .._util._safetensors import load_safetensors, safetensors_header
 from ._build import _build, _check_dtypes, _Loaded, _take_dtypes, generator_state_problem, scaler_state_problem
@@ -108,9 +111,11 @@ def read(path: str, *, model_factory: str | None, optimizer: str | None, dtype: 
         if why is not None:
             raise InputError(f"{where}: its {SCALER} holds a GradScaler state torch cannot use ({why}): the file "
                              "is damaged; delete it, or pass --no-scaler to replay without it")
-    got.autocast = {"dtype": _autocast([d for d, _ in header.values()], scaler=scaler_file is not None,
+    rng = _rng(path, where, trust_pickle, notes)
+    # last: a checkpoint that does not say its precision is asked about only once every file it holds was judged
+    got.autocast = {"dtype": _autocast(path, [d for d, _ in header.values()], scaler=scaler_file is not None,
                                        given=dtype, where=where, notes=notes)}
-    return got, _rng(path, where, trust_pickle, notes)
+    return got, rng
 
 
 # ------------------------------------------------------------------ weights
@@ -231,21 +236,41 @@ def _check_adamw(opt_sd: Mapping[str, Any], where: str) -> None:
                            "optimizer the run used")
 
 
-def _autocast(weights: list[torch.dtype], *, scaler: bool, given: str | None, where: str,
+def _autocast(path: str, weights: list[torch.dtype], *, scaler: bool, given: str | None, where: str,
               notes: list[str]) -> str:
-    """The autocast dtype: ``--dtype``; float16 beside a GradScaler (only float16 needs one); the weights' own
-    half dtype; else float16, said in a note (which one the run used is in training_args.bin, unread)."""
+    """The autocast dtype the run used, read, never guessed: ``--dtype``; else what ``training_args.bin`` says
+    (read inertly, :mod:`._training_args`): ``bf16`` bfloat16; ``fp16`` float16 where the GradScaler's state is
+    beside it (every float16 autocast run of the Trainer saves one) and float32 where it is not (the Trainer on a
+    CPU trains ``fp16=True`` without autocast); neither, float32. Without that file: float16 beside a GradScaler
+    (only float16 needs one), the weights' own half dtype (a model trained in it), else one line asking for
+    ``--dtype``: a replay in a precision the run did not use would name a failure that never happened."""
     if given is not None:
         return given
+    args_file = _file(path, TRAINING_ARGS, where)
+    args = read_training_args(args_file, where) if args_file is not None else None
+    if args is not None and isinstance(args.get("fp16"), bool) and isinstance(args.get("bf16"), bool):
+        said = {k: args[k] for k in ("learning_rate", "warmup_steps", "warmup_ratio", "lr_scheduler_type",
+                                     "max_grad_norm", "weight_decay") if k in args}
+        if said:
+            notes.append(f"{where}: its {TRAINING_ARGS} says " + ", ".join(f"{k}={v}" for k, v in said.items()))
+        if args["bf16"]:
+            return "bfloat16"
+        if args["fp16"] and scaler:
+            return "float16"
+        if args["fp16"]:
+            notes.append(f"{where}: its {TRAINING_ARGS} says fp16=True, but no {SCALER} was saved, which every "
+                         "float16 autocast run of the Trainer saves: the run did not autocast (the Trainer trains "
+                         "fp16=True on a CPU in float32); replayed in float32; pass --dtype float16 if it did")
+        return "float32"
     if scaler:
         return "float16"
     floats = {d for d in weights if d.is_floating_point}
     if floats in ({torch.bfloat16}, {torch.float16}):
         return dtype_name(floats.pop())
-    notes.append(f"{where} does not say whether the run used fp16, bf16 or float32 (training_args.bin, which does, "
-                 "is a pickle nanhunt does not read): replayed in float16 autocast; pass --dtype bfloat16 or "
-                 "--dtype float32 for what it used")
-    return "float16"
+    why = (f"its {TRAINING_ARGS} holds no TrainingArguments" if args_file is not None
+           else f"it holds no {TRAINING_ARGS} and no {SCALER}")
+    raise InputError(f"{where} does not say which precision the run used ({why}); pass --dtype float32, "
+                     "--dtype bfloat16 or --dtype float16 (what the run's autocast used)")
 
 
 def _rng(path: str, where: str, trust_pickle: bool, notes: list[str]) -> dict[str, Any] | None:

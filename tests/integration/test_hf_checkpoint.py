@@ -34,7 +34,13 @@ from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArgu
 ROOT = Path(__file__).resolve().parents[2]
 C_PROJ = "transformer.h.1.mlp.c_proj"
 ASSUMED_ADAMW = "optimizer.pt replayed as torch.optim.AdamW, the Trainer's default"
-ASSUMED_FP16 = "replayed in float16 autocast; pass --dtype bfloat16 or --dtype float32 for what it used"
+ASSUMED_FP16 = "replayed in float16 autocast"  # what an older nanhunt guessed where the checkpoint did not say
+
+
+def _args_say(ck: Path, **kw: Any) -> None:
+    """Replace the checkpoint's training_args.bin with one of a run made with ``kw`` (fp16=True, bf16=True)."""
+    torch.save(TrainingArguments(output_dir=str(ck.parent), use_cpu=True, report_to=[], **kw),
+               ck / "training_args.bin")
 
 
 class _HotProjection(TrainerCallback):
@@ -92,24 +98,78 @@ def _by_name(model: torch.nn.Module, opt: torch.optim.Optimizer, key: str) -> di
 
 
 # ------------------------------------------------------------------ replayed as the Trainer left it
-def test_a_trainer_checkpoint_replays_with_no_other_argument_and_names_the_overflowing_layer(
+def test_a_trainer_checkpoint_replays_with_no_other_argument_in_the_precision_the_run_used(
         trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
     # GIVEN checkpoint-2 as the Trainer wrote it (config.json, model.safetensors, optimizer.pt, scheduler.pt,
-    # rng_state.pth, trainer_state.json, training_args.bin), whose block-1 projection overflows float16
+    # rng_state.pth, trainer_state.json, training_args.bin) of a float32 run (neither fp16 nor bf16), whose block-1
+    # projection overflows float16 but not float32
     ck = trained[1] / "checkpoint-2"
     assert {"config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "training_args.bin"} <= {
         p.name for p in ck.iterdir()}
     step = load_step(str(ck), str(batch))
     B.assert_overflows_only_in_fp16(step.model, C_PROJ, B.lm_batch())
+    # THEN it is replayed as the run ran, in float32 (training_args.bin says so), with what the file says of its
+    # learning rate
+    assert step.dtype == torch.float32
+    assert any("training_args.bin says learning_rate=5e-05" in n and "max_grad_norm=1.0" in n for n in step.notes)
     del step
     # WHEN it is replayed with its batch and nothing else
     rc, rep = _replayed([str(ck), str(batch)], tmp_path)
+    # THEN no float16 overflow is headlined: the run did not use float16, and its step is finite
+    assert (rc, rep.status, rep.first) == (0, "clean", None)
+    assert rep.config["dtype"] == "float32"
+    assert not any(ASSUMED_FP16 in n for n in rep.notes), rep.notes
+
+
+def test_a_float16_run_names_the_overflowing_layer(trained: tuple[Trainer, Path], batch: Path,
+                                                  tmp_path: Path) -> None:
+    # GIVEN checkpoint-2 as a float16 run on an accelerator leaves it: training_args.bin with fp16=True, and the
+    # scaler.pt such a run saves
+    ck = _copy(trained, 2, tmp_path)
+    _args_say(ck, fp16=True)
+    torch.save(torch.amp.GradScaler("cpu", init_scale=1.0).state_dict(), ck / "scaler.pt")
+    # WHEN it is replayed with its batch and nothing else
+    rc, rep = _replayed([str(ck), str(batch)], tmp_path)
     # THEN the Inf is born in that projection's addmm, and float32 there alone makes the step finite
-    assert rc == 1
+    assert rc == 1 and rep.config["dtype"] == "float16"
     assert where(rep.first) == (Phase.FORWARD, C_PROJ, "aten::addmm", 0, "inf")
     assert rep.verdict is not None and (rep.verdict.kind, rep.verdict.culprits) == ("precision", (C_PROJ,))
-    # AND what the checkpoint does not say is said: AdamW and float16 were assumed
-    assert any(ASSUMED_ADAMW in n for n in rep.notes) and any(ASSUMED_FP16 in n for n in rep.notes), rep.notes
+    # AND what the checkpoint does not say is said: AdamW was assumed
+    assert any(ASSUMED_ADAMW in n for n in rep.notes), rep.notes
+
+
+@pytest.mark.parametrize("args, scaler, expected, said", [
+    ({"bf16": True}, False, torch.bfloat16, None),
+    ({"fp16": True}, True, torch.float16, None),
+    ({"fp16": True}, False, torch.float32, "says fp16=True, but no scaler.pt was saved"),
+    ({}, True, torch.float32, None),  # a float32 run: the scaler.pt of a disabled GradScaler means nothing more
+    (None, True, torch.float16, None),  # no training_args.bin: only float16 needs a GradScaler
+])
+def test_the_precision_is_read_from_what_the_checkpoint_holds(
+        trained: tuple[Trainer, Path], batch: Path, tmp_path: Path, args: dict[str, bool] | None, scaler: bool,
+        expected: torch.dtype, said: str | None) -> None:
+    ck = _copy(trained, 1, tmp_path)
+    if args is None:
+        (ck / "training_args.bin").unlink()
+    else:
+        _args_say(ck, **args)
+    if scaler:
+        torch.save(torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict(), ck / "scaler.pt")
+    step = load_step(str(ck), str(batch))
+    assert step.dtype == expected
+    assert said is None or any(said in n for n in step.notes), step.notes
+
+
+def test_a_checkpoint_that_does_not_say_its_precision_asks_for_it(
+        trained: tuple[Trainer, Path], batch: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN checkpoint-1 without training_args.bin nor scaler.pt, its weights float32
+    ck = _copy(trained, 1, tmp_path)
+    (ck / "training_args.bin").unlink()
+    # WHEN it is replayed THEN one line asks for --dtype, instead of a replay in a guessed precision
+    line = _one_error_line(["replay", str(ck), str(batch)], capsys)
+    assert "does not say which precision the run used" in line and "--dtype float32" in line
+    # AND --dtype is what it says
+    assert load_step(str(ck), str(batch), dtype="bfloat16").dtype == torch.bfloat16
 
 
 def test_the_model_optimizer_and_rng_come_back_as_the_trainer_held_them(
@@ -133,10 +193,10 @@ def test_the_model_optimizer_and_rng_come_back_as_the_trainer_held_them(
     for key in ("exp_avg", "exp_avg_sq"):
         a, b = _by_name(step.model, step.optimizer, key), _by_name(tr.model, tr.optimizer, key)
         assert all(torch.equal(a[n], b[n]) for n in b)
-    # AND the step starts from the generator state the Trainer saved; the autocast is the assumed float16
+    # AND the step starts from the generator state the Trainer saved, with no autocast, as its training_args.bin says
     saved = torch.load(out / "checkpoint-2" / "rng_state.pth", weights_only=False)  # this test's own file
     assert step.rng is not None and torch.equal(step.rng["torch"], saved["cpu"])
-    assert (step.dtype, step.scaler) == (torch.float16, None)
+    assert (step.dtype, step.scaler) == (torch.float32, None)
 
 
 def test_a_clean_checkpoint_replays_clean(trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
@@ -164,30 +224,31 @@ def test_sharded_weights_load_as_one(trained: tuple[Trainer, Path], batch: Path,
 
 def test_a_grad_scaler_beside_the_checkpoint_means_float16_with_its_scale(
         trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
-    # GIVEN checkpoint-1 with the scaler.pt an fp16 run on a GPU saves
+    # GIVEN checkpoint-1 of an fp16 run on a GPU: fp16=True and the scaler.pt it saves
     ck = _copy(trained, 1, tmp_path)
+    _args_say(ck, fp16=True)
     torch.save(torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict(), ck / "scaler.pt")
     # WHEN it is loaded
     step = load_step(str(ck), str(batch))
-    # THEN the step runs in float16 autocast with that scale, and no autocast is said to be assumed
+    # THEN the step runs in float16 autocast with that scale
     assert step.dtype == torch.float16 and step.scaler is not None and step.scaler.get_scale() == 1024.0
-    assert not any(ASSUMED_FP16 in n for n in step.notes), step.notes
 
 
 def test_bfloat16_weights_stay_bfloat16_and_mean_bfloat16_autocast(
         trained: tuple[Trainer, Path], batch: Path, tmp_path: Path) -> None:
-    # GIVEN checkpoint-1 with its weights saved in bfloat16 (a model loaded and trained in bfloat16)
+    # GIVEN checkpoint-1 with its weights saved in bfloat16 (a model loaded and trained in bfloat16) and no
+    # training_args.bin to say more
     from safetensors.torch import load_file, save_file
 
     ck = _copy(trained, 1, tmp_path)
     weights = load_file(ck / "model.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, ck / "model.safetensors")
+    (ck / "training_args.bin").unlink()
     # WHEN it is loaded
     step = load_step(str(ck), str(batch))
-    # THEN the model holds them as they are, the autocast is bfloat16, and no autocast is said to be assumed
+    # THEN the model holds them as they are, and the autocast is bfloat16
     assert {p.dtype for p in step.model.parameters()} == {torch.bfloat16}
     assert step.dtype == torch.bfloat16
-    assert not any(ASSUMED_FP16 in n for n in step.notes), step.notes
 
 
 def test_model_optimizer_and_dtype_given_on_the_command_line_are_used(

@@ -70,7 +70,7 @@ def ck(saved: Path, tmp_path: Path) -> Path:
 
 def _replay(ck: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """``nanhunt replay CK batch.pt --no-bisect``: its exit code and its one error line (warnings aside)."""
-    code = main(["replay", str(ck), str(ck.parent / "batch.pt"), "--no-bisect"])
+    code = main(["replay", str(ck), str(ck.parent / "batch.pt"), "--no-bisect", "--dtype", "float32"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("warning:", "note:", " "))]
     assert "Traceback" not in err and len(lines) == 1, err
@@ -196,7 +196,7 @@ def test_a_real_small_checkpoint_fits_the_bounds(tmp_path: Path, name: str) -> N
     # WHEN it is loaded  THEN it is the model its config names
     from nanhunt.capture.capture import load_step
 
-    step = load_step(str(tmp_path / "checkpoint-1"), str(tmp_path / "batch.pt"))
+    step = load_step(str(tmp_path / "checkpoint-1"), str(tmp_path / "batch.pt"), dtype="float32")
     assert type(step.model) is cls
 
 
@@ -310,7 +310,8 @@ def test_what_transformers_logs_while_nanhunt_builds_the_config_never_reaches_th
     _config(ck, **{"x\x1b[2J\x1b[31m\nnanhunt: error: forged_token_id": 10**6})
     # WHEN it is replayed (in a process of its own: transformers logs to the stderr it found when imported)
     done = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(ck), str(ck.parent / "batch.pt"),
-                           "--no-bisect"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--no-bisect", "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     # THEN the step replays, and nothing of the key reaches the terminal
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout + done.stderr and "forged" not in done.stdout + done.stderr, done.stderr
