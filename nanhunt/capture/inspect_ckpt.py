@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .._util._errors import InputError
-from .._util._text import dtype_name
+from .._util._text import dtype_name, escaped
 from .capture import load_file
 from ..records import DTYPE_MAX, FP16_SMALLEST_NORMAL, Inspection, TensorSummary
 
@@ -137,6 +137,47 @@ def _not_a_checkpoint(path: str, ck: Any) -> str | None:
     return None
 
 
+_HYPER = ("lr", "momentum", "betas", "eps", "weight_decay")
+
+
+def _optimizer_settings(ck: Any, prefix: str = "", depth: int = 0) -> list[str]:
+    """One note per optimizer state_dict the checkpoint holds (found within two levels): its groups'
+    hyper-parameters as saved, the learning rate first (a learning rate far too high is the commonest NaN that
+    no precision fixes)."""
+    if not isinstance(ck, Mapping) or depth > 2:
+        return []
+    groups = ck.get("param_groups")
+    if isinstance(ck.get("state"), Mapping) and isinstance(groups, (list, tuple)):
+        said: list[str] = []
+        for key in _HYPER:
+            values = [_plain(g.get(key)) for g in groups if isinstance(g, Mapping) and key in g]
+            if values and all(v is not None for v in values):
+                shown = values[0] if all(v == values[0] for v in values) else \
+                    "per group " + ", ".join(str(v) for v in values)
+                said.append(f"{key} {shown}")
+        where = f" ({escaped(prefix)})" if prefix and prefix != "optimizer" else ""
+        n = len(groups)
+        return [f"optimizer{where}: {n} parameter group{'s' if n != 1 else ''}, "
+                + (", ".join(said) if said else "no hyper-parameter nanhunt reads")]
+    out: list[str] = []
+    for k, v in list(ck.items())[:64]:
+        out += _optimizer_settings(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
+    return out
+
+
+def _plain(v: Any) -> str | None:
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)):
+        return f"{v:g}"
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point():
+        return f"{float(v):g}"
+    if isinstance(v, (list, tuple)) and 0 < len(v) <= 4:
+        parts = [_plain(x) for x in v]
+        return None if any(p is None for p in parts) else "(" + ", ".join(p for p in parts if p) + ")"
+    return None
+
+
 def scaler_meaning(scaler: Mapping[str, Any]) -> list[str]:
     """What a saved GradScaler state means for the next steps, one sentence each.
 
@@ -206,6 +247,7 @@ def inspect_checkpoint(path: str, *, trust_pickle: bool = False) -> Inspection:
             notes.append(f"optimizer eps {eps:g} is below float16's smallest subnormal (6e-08): in this float16 "
                          "state it rounds to 0, and an update divides by sqrt(v) alone; keep the optimizer state "
                          "in float32")
+    notes += _optimizer_settings(ck)
     return Inspection(path=path, n_tensors=len(summaries), flagged=tuple(flagged), scaler=scaler, notes=tuple(notes),
                       largest=tuple(largest), tiniest=tuple(tiniest),
                       moments=tuple(sorted(moments, key=lambda s: -s.absmax)[:_SHOWN]),

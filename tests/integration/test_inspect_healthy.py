@@ -105,10 +105,12 @@ def test_scale_below_one_says_steps_kept_overflowing(tmp_path: Path) -> None:
 def test_float16_moments_with_an_eps_that_rounds_to_zero_get_a_note(tmp_path: Path) -> None:
     # GIVEN Adam's second moments kept in float16 with eps 1e-8 (< float16's smallest subnormal, 6e-08)
     found = inspect_checkpoint(_healthy(tmp_path, moment_dtype=torch.float16))
-    # THEN one note says eps rounds to 0 there, and the moments are measured in their own dtype
+    # THEN one note says eps rounds to 0 there (the other gives the optimizer's settings as saved), and the
+    # moments are measured in their own dtype
     assert found.notes == ("optimizer eps 1e-08 is below float16's smallest subnormal (6e-08): in this float16 "
                            "state it rounds to 0, and an update divides by sqrt(v) alone; keep the optimizer state "
-                           "in float32",)
+                           "in float32",
+                           "optimizer: 1 parameter group, lr 0.001, betas (0.9, 0.999), eps 1e-08, weight_decay 0")
     v0 = next(m for m in found.moments if m.name == "optimizer.state.0.exp_avg_sq")
     # 1e-20 underflows to 0 in float16 (with the stored 0: two below eps); 1e-4 rounds to 0.00010001659...
     assert (v0.dtype, v0.below_eps, v0.min_nonzero) == ("float16", 2, 0.00010001659393310547)
