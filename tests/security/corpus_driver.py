@@ -174,6 +174,58 @@ def _directories(rng: random.Random) -> list[Case]:
     return cases
 
 
+def _checkpoints(rng: random.Random) -> list[Case]:
+    """The third campaign's inputs: a Trainer checkpoint whose files link outside it or ask for sizes before any
+    check, a safetensors shape past int64, and a capture whose compile options reach a compiler's command line."""
+    import struct
+
+    from tests._support.hf import tiny_gpt2
+
+    cases: list[Case] = []
+    secret = CORPUS / "outside" / "weights.safetensors"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_bytes(b"@everyone https://evil.example " * 4)
+    base = CORPUS / "trainer" / "checkpoint-1"
+    tiny_gpt2().save_pretrained(base)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = CORPUS / "trainer" / "batch.pt"
+    torch.save({"input_ids": ids, "labels": ids}, batch)
+
+    def variant(name: str) -> Path:
+        import shutil
+
+        return Path(shutil.copytree(base, CORPUS / "trainer" / name / "checkpoint-1"))
+
+    linked = variant("linked")
+    which = rng.choice(["model.safetensors", "config.json"])
+    (linked / which).unlink()
+    (linked / which).symlink_to(secret if which.endswith("safetensors") else CORPUS / "outside" / "secret.json")
+    cases.append((f"checkpoint with a linked {which}", ["replay", str(linked), str(batch), "--no-bisect"]))
+    labels = variant("labels")
+    config = json.loads((labels / "config.json").read_text())
+    config["num_labels"] = rng.choice([50_000_000, 10**9])
+    (labels / "config.json").write_text(json.dumps(config))
+    cases.append(("checkpoint whose config asks for label maps of GB",
+                  ["replay", str(labels), str(batch), "--no-bisect", "--dtype", "float32"]))
+    fifo = variant("fifo")
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    cases.append(("checkpoint whose config.json is a FIFO", ["replay", str(fifo), str(batch), "--no-bisect"]))
+    header = json.dumps({"x": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}).encode()
+    shape = CORPUS / "shape.safetensors"
+    shape.write_bytes(struct.pack("<Q", len(header)) + header)
+    cases.append(("safetensors shape past int64 inspected", ["inspect", str(shape)]))
+    payload = rng.choice([{"cpp.march": f"native '-wrapper' '/bin/sh,-c,touch {MARKERS / 'compiler-ran'}'"},
+                          {"cpp.cxx": [None, str(CORPUS / "cc.sh")]}, {"trace.debug_dir": str(CORPUS / "debug")}])
+    (CORPUS / "cc.sh").write_text(f"#!/bin/sh\ntouch {MARKERS / 'cc-ran'}\n")
+    (CORPUS / "cc.sh").chmod(0o755)
+    ck, bt = _capture(CORPUS / "compiled", compile={"backend": "inductor", "mode": None, "options": payload,
+                                                    "dynamic": None})
+    # the options are dropped with one warning and the step replays compiled without them: exit 0
+    cases.append((f"capture compiled with options {sorted(payload)}", ["replay", ck, bt, "--no-bisect"], 0))
+    return cases
+
+
 def _listing() -> dict[str, tuple[int, int]]:
     seen = {}
     for base in (CORPUS, SITE, WORK / "cwd"):
@@ -214,7 +266,7 @@ def run() -> None:
     remote.mkdir()
     (remote / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "evil.Model"}, "model_type": "x"}))
     (remote / "evil.py").write_text(f"open({str(MARKERS / 'remote-code')!r}, 'w').close()\n")
-    builders: list[Callable[[random.Random], list[Case]]] = [_names, _sizes, _directories]
+    builders: list[Callable[[random.Random], list[Case]]] = [_names, _sizes, _directories, _checkpoints]
     cases = [c for b in builders for c in b(rng)]
     socket.socket.connect = _refuse  # type: ignore[method-assign]
     socket.create_connection = _refuse  # type: ignore[assignment]

@@ -72,4 +72,5 @@ def test_the_whole_corpus_peaks_under_one_gib(corpus: dict[str, Any]) -> None:
 
 def test_the_corpus_covers_every_kind(corpus: dict[str, Any]) -> None:
     kinds = {r["case"].split(" ")[0] for r in corpus["results"]}
-    assert {"name", "deep", "lists", "zeros", "overlap", "big", "Linear", "capture", "bundle"} <= kinds
+    assert {"name", "deep", "lists", "zeros", "overlap", "big", "Linear", "capture", "bundle", "checkpoint",
+            "safetensors"} <= kinds
