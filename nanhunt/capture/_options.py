@@ -23,7 +23,9 @@ class LoadOptions:
     to replay the step compiled by too (``--compile``; None: the one the capture recorded, if any);
     ``trust_compile_options``: use the compile options, mode and dynamic flag the capture recorded as they are
     (``--trust-compile-options``; else only those that change nothing but the numbers, ``_compiled.SAFE_OPTIONS``:
-    inductor's other options can name the C++ compiler and its flags, which then run).
+    inductor's other options can name the C++ compiler and its flags, which then run); ``eager``: the caller runs
+    the step eagerly only (``nanhunt compare``, a replay under torchrun): a compiled capture is said so in a note,
+    and its compile settings are neither judged nor offered for confirmation.
 
     The device is judged when the capture is loaded (under torchrun each rank takes its own GPU), the compile
     backend too (a name of yours is imported then)."""
@@ -40,6 +42,7 @@ class LoadOptions:
     snapshot: Snapshot | None = None
     compile: str | None = None
     trust_compile_options: bool = False
+    eager: bool = False
     trust: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -96,12 +96,14 @@ def load_step(
     trust_pickle: bool = False,
     compile: str | None = None,
     trust_compile_options: bool = False,
+    eager: bool = False,
 ) -> Step:
-    """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written."""
+    """Everything ``nanhunt replay`` needs, from the files and the flags; nothing is written. ``eager``: the step
+    will run eagerly only (a compiled capture is said so, its settings not judged)."""
     return _load_files(checkpoint, batch, LoadOptions(
         model_factory=model_factory, loss=loss, optimizer=optimizer, trust_names=tuple(trust_names), device=device,
         dtype=dtype, no_scaler=no_scaler, train=train, trust_pickle=trust_pickle, compile=compile,
-        trust_compile_options=trust_compile_options)).step
+        trust_compile_options=trust_compile_options, eager=eager)).step
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,10 @@ def _compiled(ck: Mapping[str, Any], checkpoint: str, options: LoadOptions, note
     except ValueError as e:
         raise InputError(f"checkpoint {checkpoint!r} is not a valid nanhunt capture: {e}; save the capture "
                            "again (nanhunt.save_capture)") from e
+    if options.eager:
+        if recorded is not None:
+            notes.append(f"the step ran compiled (backend {_shown_name(recorded.backend)!r}); it is run eagerly here")
+        return None
     if options.compile is not None:
         spec = given_spec(options.compile, recorded, trusted=options.trust_compile_options)
         if recorded is not None and recorded.backend == spec.backend and not options.trust_compile_options \

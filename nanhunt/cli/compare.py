@@ -89,6 +89,7 @@ class CompareCommand:
             args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
             trust_names=tuple(args.trust_names), device=args.device,
             dtype=args.dtype[0] if args.dtype else None, train=args.train, trust_pickle=args.trust_pickle,
+            eager=True,
         )
         for n in step.notes:
             print(visible(f"warning: {n}"), file=sys.stderr)

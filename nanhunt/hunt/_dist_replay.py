@@ -94,7 +94,8 @@ def replay_ranks(path: str, *, batch: str | None, rank: int | None, options: Rep
             raise InputError(f"the process group holds {dist.get_world_size()} ranks but WORLD_SIZE says {world}; "
                                "start the replay with torchrun alone")
         ranks = _Ranks(me, world, dev)
-        load = dataclasses.replace(options.load, device=str(dev))  # this rank's device (under cuda, its own GPU)
+        # this rank's device (under cuda, its own GPU); each rank replays eagerly (a compiled capture is said so)
+        load = dataclasses.replace(options.load, device=str(dev), eager=True)
         if layout is None:  # DDP: every rank loads the whole state, then wraps (a collective: all loaded by then)
             loaded = ranks.together(lambda: load_replay(path, None, load, rank=me))
             step = dataclasses.replace(loaded.step, model=_ddp(loaded.step.model, _ddp_options(man, path), dev))

@@ -288,3 +288,17 @@ def test_inductor_replays_a_hostile_record_without_running_or_writing_anything_i
     shown = ", ".join(f"{k}={json.dumps(v)[:100] + ('...' if len(json.dumps(v)) > 100 else '')}"
                       for k, v in options.items())
     assert _warnings(capsys.readouterr().err) == [_left_out(shown)]
+
+
+def test_a_command_that_runs_the_step_eagerly_says_so_and_offers_no_confirmation(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], compiles: list[dict[str, Any]]) -> None:
+    # GIVEN a compiled capture whose record names a compiler wrapper
+    ck, bt = _capture(tmp_path, _inductor({"cpp.march": MARCH.format(marker=str(tmp_path / "ran"))}))
+    # WHEN nanhunt compare runs it (float32 against float16, eagerly: compare compiles nothing)
+    main(["compare", ck, bt, "--report", str(tmp_path / "c.json")])
+    # THEN nothing was compiled, one note says the step ran compiled and is run eagerly, and no flag compare does
+    # not have is offered
+    err = capsys.readouterr().err
+    assert compiles == [] and not (tmp_path / "ran").exists()
+    assert "warning: the step ran compiled (backend 'inductor'); it is run eagerly here" in err.splitlines()
+    assert "--trust-compile-options" not in err
