@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._util._dispatch import all_finite, local_tensor
 from .._util._wrappers import user_modules
+from ..step._float8 import float8_fix, float8_layers, out_of_float8
 from ..step.precision import LOSS_REGION, REGIONS, UPDATE_REGION, has_half_weights
 from .._util._errors import InputError
 from ..records import Level, Occurrence, Phase, Verdict, VerdictKind
@@ -67,33 +68,39 @@ class _Trials:
         self.watch: Occurrence | None = None
 
     def finite(self, fp32: frozenset[str], *, dtype: torch.dtype | None = None, unscaled: bool = False,
-               label: str = "", called: set[str] | None = None) -> bool:
+               label: str = "", called: set[str] | None = None, hp: frozenset[str] = frozenset(),
+               rowwise: frozenset[str] = frozenset()) -> bool:
         """``dtype=torch.float32`` is the float32 control: the model's half-precision weights and
-        the batch run in float32 too. ``called`` collects the names of the modules the step calls."""
-        key = (fp32, dtype, unscaled)
+        the batch run in float32 too. ``called`` collects the names of the modules the step calls. ``hp``: float8
+        layers run as ``nn.Linear``; ``rowwise``: float8 layers run with the rowwise recipe."""
+        key = (fp32, dtype, unscaled, hp, rowwise)
         if key in self.cache and called is None:
             return self.cache[key]
         self.count += 1
         if self.progress is not None:
             self.progress(self.count, label or ", ".join(sorted(n or "<root>" for n in fp32)) or "original")
         if self.team is not None:
-            self.team.send(("trial", fp32, dtype, unscaled, self.watch))
-        ok = self.run(fp32, dtype=dtype, unscaled=unscaled, watch=self.watch, called=called)
+            self.team.send(("trial", fp32, dtype, unscaled, self.watch, hp, rowwise))
+        ok = self.run(fp32, dtype=dtype, unscaled=unscaled, watch=self.watch, called=called, hp=hp, rowwise=rowwise)
         if self.team is not None:
             ok = self.team.all_finite(ok)
         self.cache[key] = ok
         return ok
 
     def run(self, fp32: frozenset[str], *, dtype: torch.dtype | None, unscaled: bool, watch: Occurrence | None,
-            called: set[str] | None = None) -> bool:
+            called: set[str] | None = None, hp: frozenset[str] = frozenset(),
+            rowwise: frozenset[str] = frozenset()) -> bool:
         """One trial on this rank, uncached."""
         step = self.step
         handles: list[RemovableHandle] = []
         result: list[bool] = []
+        undo: list[Callable[[], None]] = []
 
         def hooks() -> None:
             if called is not None:
                 handles.extend(_record_calls(step.model, called))
+            # before the float32 regions wrap their modules: a layer both out of float8 and in float32 is both
+            undo.extend(self._float8(hp, rowwise))
 
         # the origin's module alone is traced (op level): the question is only whether it is still born
         tracer = None if watch is None else Trace(step.model, level=Level.OP, scope=[watch.module] if watch.module else ())
@@ -105,35 +112,52 @@ class _Trials:
         except KeyboardInterrupt as e:
             raise _Interrupted from e
         finally:
+            for u in undo:
+                u()
             for h in handles:
                 h.remove()
         return result[0] and not (tracer is not None and watch is not None
                                   and any(_same_place(o, watch) for o in tracer.origins))
 
-    def measure(self, fp32: frozenset[str]) -> tuple[bool, tuple[Occurrence, ...]]:
-        """One traced replay of the whole step with ``fp32`` in float32 (counted, never cached): whether the step
-        is finite, and the origins born in it (leading and silent; harmless and allowed ones are no question)."""
+    def measure(self, fp32: frozenset[str], *, hp: frozenset[str] = frozenset(),
+                rowwise: frozenset[str] = frozenset()) -> tuple[bool, tuple[Occurrence, ...]]:
+        """One traced replay of the whole step with ``fp32`` in float32 (``hp``, ``rowwise``: float8 layers as in
+        :meth:`finite`; counted, never cached): whether the step is finite, and the origins born in it (leading and
+        silent; harmless and allowed ones are no question)."""
         self.count += 1
         if self.progress is not None:
-            self.progress(self.count, "the fix, traced: " + ", ".join(sorted(n or "<root>" for n in fp32)))
+            what = [*sorted(n or "<root>" for n in fp32), *(f"{n} as nn.Linear" for n in sorted(hp)),
+                    *(f"{n} rowwise" for n in sorted(rowwise))]
+            self.progress(self.count, "the fix, traced: " + ", ".join(what))
         if self.team is not None:
-            self.team.send(("measure", fp32))
-        ok, origins = self.traced(fp32)
+            self.team.send(("measure", fp32, hp, rowwise))
+        ok, origins = self.traced(fp32, hp=hp, rowwise=rowwise)
         if self.team is not None:
             ok = self.team.all_finite(ok)
         return ok, origins
 
-    def traced(self, fp32: frozenset[str]) -> tuple[bool, tuple[Occurrence, ...]]:
+    def traced(self, fp32: frozenset[str], *, hp: frozenset[str] = frozenset(),
+               rowwise: frozenset[str] = frozenset()) -> tuple[bool, tuple[Occurrence, ...]]:
         """:meth:`measure` on this rank."""
         step = self.step
         tracer = Trace(step.model, level=self.level, allow=self.allow)
         result: list[bool] = []
+        undo: list[Callable[[], None]] = []
         try:
-            step.run(fp32=fp32, within=tracer,
+            step.run(fp32=fp32, within=tracer, before=lambda: undo.extend(self._float8(hp, rowwise)),
                      after=lambda loss: result.append(_step_finite(step.model, loss, step.optimizer)))
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        finally:
+            for u in undo:
+                u()
         return result[0], tuple(o for o in tracer.origins if not o.harmless and not o.allowed)
+
+    def _float8(self, hp: frozenset[str], rowwise: frozenset[str]) -> list[Callable[[], None]]:
+        """Take ``hp`` out of float8 and give ``rowwise`` the rowwise recipe; the undo to call after the run."""
+        if not hp and not rowwise:
+            return []
+        return [out_of_float8(float8_layers(self.step.model), hp, rowwise)]
 
 
 def _same_place(o: Occurrence, watch: Occurrence) -> bool:
@@ -264,7 +288,7 @@ def _bisect(step: Step, proof: _Proof, locate_fp32: Callable[[], Occurrence | No
         try:
             return proof.run(locate_fp32)
         except _Interrupted:
-            return proof.verdict(VerdictKind.PRECISION if proof.found else VerdictKind.INTERRUPTED, tuple(proof.found),
+            return proof.verdict(proof.found_kind if proof.found else VerdictKind.INTERRUPTED, tuple(proof.found),
                                  origin_alone_fixes=proof.origin_alone, interrupted=True)
 
 
@@ -288,15 +312,15 @@ def _follow(trials: _Trials, team: Team, locate_fp32: Callable[[], Occurrence | 
         while True:
             order = team.send(None)
             if order[0] == "trial":
-                _, fp32, dtype, unscaled, watch = order
+                _, fp32, dtype, unscaled, watch, hp, rowwise = order
                 try:
-                    ok = trials.run(fp32, dtype=dtype, unscaled=unscaled, watch=watch)
+                    ok = trials.run(fp32, dtype=dtype, unscaled=unscaled, watch=watch, hp=hp, rowwise=rowwise)
                 except _Interrupted:
                     ok = False
                 team.all_finite(ok)
             elif order[0] == "measure":  # the leader's origins decide the fix; this rank's trace takes part
                 try:
-                    ok = trials.traced(order[1])[0]
+                    ok = trials.traced(order[1], hp=order[2], rowwise=order[3])[0]
                 except _Interrupted:
                     ok = False
                 team.all_finite(ok)
@@ -336,17 +360,21 @@ class _Proof:
         self.regions = ([LOSS_REGION] if self.with_loss else []) + ([UPDATE_REGION] if self.with_update else [])
         self.origin_mod = origin.module if origin is not None else None
         self.found: list[str] = []
+        self.found_kind = VerdictKind.PRECISION  # what ``found`` holds: float32 regions, or float8 layers
         self.origin_alone: bool | None = None
+        self.float8 = frozenset(float8_layers(model))
 
     def verdict(self, kind: VerdictKind, culprits: tuple[str, ...] = (), *, fix: _Fix | None = None,
-                remaining: tuple[Occurrence, ...] | None = None, **kw: Any) -> Verdict:
-        """``fix``: the one measured (``remaining`` what it left); else, on a ``precision`` verdict, the culprits."""
+                remaining: tuple[Occurrence, ...] | None = None, code: str | None = None, **kw: Any) -> Verdict:
+        """``fix``: the one measured (``remaining`` what it left); else, on a ``precision`` verdict, the culprits.
+        ``code``: the fix of a ``float8-induced`` one."""
         proposed = fix or _Fix(frozenset(culprits), ())
         text = suggested_fix(sorted(proposed.named, key=_region_last), [p for p, _ in proposed.classes])
+        float8 = kind == VerdictKind.FLOAT8_INDUCED
         return Verdict(kind=kind, culprits=culprits, replays=self.trials.count, seconds=time.perf_counter() - self.t0,
-                       alternatives=dict(self.alternatives), fix=text if kind == VerdictKind.PRECISION else None,
-                       candidates=len(self.children) + len(self.regions),
-                       silent=self.silent is not None and kind == VerdictKind.PRECISION,
+                       alternatives=dict(self.alternatives), fix=text if kind == VerdictKind.PRECISION else code,
+                       candidates=len(self.float8) if float8 else len(self.children) + len(self.regions),
+                       silent=self.silent is not None and kind in (VerdictKind.PRECISION, VerdictKind.FLOAT8_INDUCED),
                        fix_regions=tuple(sorted(proposed.regions(self.table), key=_region_last)) if fix else (),
                        fix_classes=tuple(p for p, _ in proposed.classes), remaining=remaining, **kw)
 
@@ -393,13 +421,22 @@ class _Proof:
         return None if kept.regions(self.table) == fix.regions(self.table) else kept
 
     def alone(self) -> bool | None:
-        """Does the origin's module (or region) alone in float32 fix the step? One replay; None: no such place."""
+        """Does the origin's module (or region) alone in float32 fix the step? One replay; None: no such place.
+
+        A backward origin outside every module (a scaled gradient cast back to float16: the loss scale's
+        multiply, autocast's cast of the loss's input) is in the backward of the loss: its place is ``<loss>``,
+        and with no loss function the model, whose output is the loss."""
         origin, trials = self.origin, self.trials
         if self.origin_mod is not None and self.origin_mod in self.modules:
             return trials.finite(frozenset({self.origin_mod}), label=f"{self.origin_mod or '<root>'} alone")
-        if origin is not None and origin.phase.value == "loss" and self.with_loss:
+        if origin is None:
+            return None
+        phase = origin.phase
+        if self.with_loss and (phase is Phase.LOSS or (phase is Phase.BACKWARD and origin.module is None)):
             return trials.finite(frozenset({LOSS_REGION}), label="<loss> alone")
-        if origin is not None and origin.phase.value == "update" and self.with_update:
+        if phase is Phase.BACKWARD and origin.module is None and self.root in self.modules:
+            return trials.finite(frozenset({self.root}), label="<root> alone")
+        if phase is Phase.UPDATE and self.with_update:
             return trials.finite(frozenset({UPDATE_REGION}), label="<update> alone")
         return None
 
@@ -416,8 +453,9 @@ class _Proof:
     def run(self, locate_fp32: Callable[[], Occurrence | None] | None) -> Verdict:
         step, trials, model = self.step, self.trials, self.step.model
         # With half-precision weights (model.half()) the original is no float32 run even without autocast.
+        # float32 everywhere is no float8 either: every float8 layer runs as the nn.Linear it was
         if ((step.dtype != torch.float32 or has_half_weights(model))
-                and not trials.finite(frozenset(), dtype=torch.float32, label="float32 everywhere")):
+                and not trials.finite(frozenset(), dtype=torch.float32, hp=self.float8, label="float32 everywhere")):
             self.origin_alone = self.alone()
             return self.verdict(VerdictKind.NOT_PRECISION, float32_first=locate_fp32() if locate_fp32 else None,
                                 origin_alone_fixes=self.origin_alone)
@@ -437,6 +475,10 @@ class _Proof:
             self.alternatives["scale 1"] = trials.finite(frozenset(), unscaled=True, label="loss scale 1")
             if self.alternatives["scale 1"] and self.reaching is not None and self.reaching.phase.value == "backward":
                 return self.verdict(VerdictKind.SCALE_INDUCED, origin_alone_fixes=self.origin_alone)
+        if self.float8:
+            verdict = self.out_of_float8()
+            if verdict is not None:
+                return verdict
         target = self.target()
         top = [self.root] + self.regions
         if not trials.finite(frozenset(top), label="whole model and loss"):
@@ -450,6 +492,48 @@ class _Proof:
         fix, left = self.fix(self.found)
         return self.verdict(VerdictKind.PRECISION, tuple(self.found), origin_alone_fixes=self.origin_alone, confirmed=confirmed,
                             fix=fix, remaining=left)
+
+
+    def out_of_float8(self) -> Verdict | None:
+        """``float8-induced``: a minimal set of float8 layers whose running as ``nn.Linear`` (same weights) makes
+        the step finite, confirmed by a clean run; then whether the rowwise recipe on them alone does too, and the
+        fix given (rowwise where it does, else the layers left out of float8) measured in a traced replay. None:
+        the step fails with every float8 layer out too (the precision search goes on)."""
+        trials = self.trials
+        if not trials.finite(frozenset(), hp=self.float8, label="every float8 layer as nn.Linear"):
+            return None
+        self.found_kind = VerdictKind.FLOAT8_INDUCED
+        judge = _OutOfFloat8(trials)
+        self.found = _search(judge, sorted(self.float8), frozenset(), {}, self.origin_mod)
+        self.found = sorted(_prune(judge, self.found))
+        found = frozenset(self.found)
+        trials.cache.pop((frozenset(), None, False, found, frozenset()), None)
+        confirmed = trials.finite(frozenset(), hp=found, label="confirm (clean run): " + ", ".join(self.found))
+        try:
+            rowwise = trials.finite(frozenset(), rowwise=found, label="rowwise: " + ", ".join(self.found))
+        except RuntimeError:  # the recipe's casts need what this device lacks: not a fix here
+            rowwise = False
+        left = trials.measure(frozenset(), hp=frozenset() if rowwise else found,
+                              rowwise=found if rowwise else frozenset())[1]
+        return self.verdict(VerdictKind.FLOAT8_INDUCED, tuple(self.found), origin_alone_fixes=self.origin_alone,
+                            confirmed=confirmed, remaining=left, rowwise_fixes=rowwise,
+                            code=float8_fix(self.found, rowwise=rowwise))
+
+
+class _Judge(Protocol):
+    def finite(self, fp32: frozenset[str]) -> bool:
+        """Whether the step is finite with the set given."""
+        ...
+
+
+class _OutOfFloat8:
+    """The search's question for float8 layers: is the step finite with these run as ``nn.Linear``?"""
+
+    def __init__(self, trials: _Trials) -> None:
+        self.trials = trials
+
+    def finite(self, fp32: frozenset[str]) -> bool:
+        return self.trials.finite(frozenset(), hp=fp32, label="as nn.Linear: " + ", ".join(sorted(fp32)))
 
 
 FIX_ROUNDS = 3  # growths of the proposed fix tried (one traced replay each) while origins remain
@@ -496,7 +580,7 @@ def _order(cands: list[str], origin_mod: str | None) -> list[str]:
     return sorted(cands, key=lambda c: not _on_path(c, origin_mod))
 
 
-def _search(trials: _Trials, cands: list[str], base: frozenset[str], children: Mapping[str, list[str]],
+def _search(trials: _Judge, cands: list[str], base: frozenset[str], children: Mapping[str, list[str]],
             origin_mod: str | None) -> list[str]:
     """A minimal subset of ``cands`` that, with ``base`` in float32, makes the step finite.
     Assumes ``base | cands`` does (and that more float32 never makes it worse)."""
@@ -517,7 +601,7 @@ def _search(trials: _Trials, cands: list[str], base: frozenset[str], children: M
     return got_a + got_b
 
 
-def _prune(trials: _Trials, found: list[str]) -> list[str]:
+def _prune(trials: _Judge, found: list[str]) -> list[str]:
     """Drop members the step does without. The search assumes more float32 never hurts; a
     module whose float32 output is huge (a finfo.min mask) can break that."""
     result = list(found)

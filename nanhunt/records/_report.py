@@ -38,6 +38,7 @@ class VerdictKind(TextEnum):
     NOT_PRECISION = "not-precision"
     SCALE_INDUCED = "scale-induced"
     COMPILE_INDUCED = "compile-induced"
+    FLOAT8_INDUCED = "float8-induced"
     NOT_REPRODUCIBLE = "not-reproducible"
     CLEAN = "clean"
     INTERRUPTED = "interrupted"
@@ -329,6 +330,10 @@ class Verdict(JSONData):
     ``not-precision`` (it fails in float32 too), ``scale-induced`` (only the loss
     scale overflows the gradients), ``compile-induced`` (a ``torch.compile``d model
     whose eager step is finite and whose compiled step is not: ``rungs``, ``graph_node``),
+    ``float8-induced`` (``culprits``: torchao float8 layers whose running as ``nn.Linear`` on the
+    same weights makes the step finite; ``rowwise_fixes`` whether the rowwise recipe on them
+    alone does, one replay; ``fix`` the conversion to paste, rowwise where that fixes the step,
+    ``remaining`` what a traced replay with it left; ``candidates`` the float8 layers),
     ``not-reproducible``, ``clean``, ``interrupted``
     (Ctrl-C before any culprit was found; ``interrupted`` is also set on a partial
     ``precision`` verdict). ``not-reproducible`` is also the verdict (and the report's status)
@@ -342,9 +347,12 @@ class Verdict(JSONData):
     ``culprits``: a minimal set of modules (and ``<loss>`` / ``<update>``) whose float32 makes
     the step finite; when every origin is silent, makes the leading origin no longer born.
     ``origin_alone_fixes``: the same question for the leading origin's module (or region)
-    alone, one replay: True when that replay was finite (and, every origin silent, the leading
-    one was not born again); it says nothing of the other origins (see ``remaining``). None:
-    the origin is in no module or region that can run in float32.
+    alone in float32, one replay, whatever the verdict: True when that replay was finite (and,
+    every origin silent, the leading one was not born again); it says nothing of the other
+    origins (see ``remaining``). A backward origin outside every module (a scaled gradient
+    cast to float16) is in the loss's backward: its region is ``<loss>``, else the model,
+    whose output is the loss. None: the origin is in no module or region that can run in
+    float32, or the bisection stopped first.
 
     The proposed fix (``precision``): ``fix_regions`` run in float32, the culprits extended
     while origins remain (their modules added, or, when two or more of them and most of a
@@ -377,14 +385,17 @@ class Verdict(JSONData):
     rungs: tuple[Rung, ...] = ()
     graph_node: GraphNode | None = None
     graph_note: str | None = None
+    # float8-induced: the rowwise recipe on the culprits alone makes the step finite (None: not measured)
+    rowwise_fixes: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", VerdictKind(self.kind))  # as Report.status
 
     def to_dict(self) -> dict[str, Any]:
-        # a compiled step's keys only where there is one (the files of every other step are as before)
+        # a compiled step's keys only where there is one, a float8 step's likewise (the files of every other step
+        # are as before)
         d = _serial.to_dict(self)
-        for key in ("rungs", "graph_node", "graph_note"):
+        for key in ("rungs", "graph_node", "graph_note", "rowwise_fixes"):
             if not d[key]:
                 del d[key]
         return d

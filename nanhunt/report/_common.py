@@ -115,6 +115,11 @@ def sentence(report: Report) -> list[Span]:
         out += _culprits(v.culprits)
         gone = "makes its origin go away" if v.silent else "makes the step finite"
         out.append(Span(f" in float32 {gone}" + ("" if v.confirmed else " (not confirmed)")))
+    elif v is not None and v.kind == VerdictKind.FLOAT8_INDUCED and v.culprits:
+        out.append(Span("; running "))
+        out += _culprits(v.culprits)
+        gone = "makes its origin go away" if v.silent else "makes the step finite"
+        out.append(Span(f" out of float8 (as nn.Linear) {gone}" + ("" if v.confirmed else " (not confirmed)")))
     elif v is not None and v.kind == VerdictKind.NOT_PRECISION:
         out.append(Span("; it fails in float32 too: not a precision problem"))
     elif v is not None and v.kind == VerdictKind.SCALE_INDUCED:
@@ -148,6 +153,8 @@ def verdict_text(report: Report) -> list[Span]:
             out.append(Span(" The step stayed finite, but with wrong values: the non-finite value was absorbed"
                             + (f" into {'; '.join(v.corrupted)}." if v.corrupted else ".")))
         return out + _fix_spans(v)
+    if v.kind == VerdictKind.FLOAT8_INDUCED:
+        return _float8_text(v)
     if v.kind == VerdictKind.NOT_PRECISION:
         out = [Span("Not a precision problem: the step fails in float32 too")]
         if v.float32_first is not None:
@@ -171,6 +178,26 @@ def verdict_text(report: Report) -> list[Span]:
     if v.kind == VerdictKind.INTERRUPTED:
         return [Span(f"Interrupted after {v.replays} replays ({v.seconds:.1f} s), before any culprit was found.")]
     return [Span("Clean: nothing to bisect.")]
+
+
+def _float8_text(v: Verdict) -> list[Span]:
+    """A float8-induced verdict: the layers taken out, what the rowwise recipe did on them, the fix's replay."""
+    out = [Span("Float8-induced: running ")]
+    out += _culprits(v.culprits)
+    state = "confirmed" if v.confirmed else "NOT confirmed"
+    gone = "makes the silent origin go away" if v.silent else "makes the step finite"
+    out.append(Span(f" as nn.Linear on the same weights, out of float8, {gone} ({state}; {v.candidates} float8 "
+                    f"layers, {v.replays} replays, {v.seconds:.1f} s{', interrupted' if v.interrupted else ''})."))
+    rowwise = v.rowwise_fixes
+    if rowwise is not None:
+        out.append(Span(" With the rowwise recipe (a scale per row) instead, the step "
+                        + ("is finite too: they can stay in float8." if rowwise else "still fails.")))
+    if v.remaining is not None:
+        fix = "rowwise" if rowwise else "out of float8"
+        left = (f"{len(v.remaining)} origin{'s' if len(v.remaining) != 1 else ''} still born"
+                if v.remaining else "no origin left")
+        out.append(Span(f" The suggested fix ({fix}), measured in a traced replay: {left}."))
+    return out
 
 
 def compiled_sentence(v: Verdict) -> list[Span]:

@@ -109,11 +109,11 @@ def float32_master(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 p.grad = grad
 
 
-def _fp32_weights_in(module: nn.Module) -> tuple[Callable[[], None], torch.dtype | None]:
+def _fp32_weights_in(module: nn.Module) -> Callable[[], None]:
     """Make the half-precision parameters and buffers of ``module``'s subtree float32 for one call:
     each entry is swapped for a float32 copy made in the graph (its gradient flows back, cast,
     to the original parameter). Returns the undo, which also writes in-place buffer updates
-    (BatchNorm running stats) back to the original buffers, and the half dtype found (or None)."""
+    (BatchNorm running stats) back to the original buffers."""
     swaps: list[tuple[dict[str, Any], str, torch.Tensor, bool]] = []
     for mod in module.modules():
         tables: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)  # a plain tensor in place of the Parameter
@@ -132,7 +132,7 @@ def _fp32_weights_in(module: nn.Module) -> tuple[Callable[[], None], torch.dtype
                     orig.copy_(cur)
             table[name] = orig
 
-    return undo, (swaps[0][2].dtype if swaps else None)
+    return undo
 
 
 def _device_type(args: Any, module: nn.Module | None) -> str:
@@ -173,13 +173,15 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
     previous = module.__dict__.get("forward")
     orig = module.forward
     # float32 inputs need float32 weights: a model.half() module would otherwise fail on the dtype
-    # mismatch. Looked at once: a float32 module (the usual case) pays nothing per call.
-    low = has_half_weights(module)
+    # mismatch. Looked at once, before any is held in float32 (_hold_float32): a float32 module (the usual case)
+    # pays nothing per call, and a half one's output goes back to its weights' dtype.
+    half = next((t.dtype for t in (*module.parameters(), *module.buffers()) if t.dtype in _LOW), None)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         device_type = _device_type((args, kwargs), module)
         outer_autocast = torch.is_autocast_enabled(device_type)
-        undo_weights, half = _fp32_weights_in(module) if low else (_nothing, None)
+        # the half tensors not held in float32 for the region's lifetime (a keep_fp32 block, a tied weight)
+        undo_weights = _fp32_weights_in(module) if half is not None else _nothing
         try:
             with torch.autocast(device_type, enabled=False):
                 out = orig(*to_fp32(args), **to_fp32(kwargs))
@@ -207,6 +209,54 @@ def _wrap(module: nn.Module) -> Callable[[], None]:
     return undo
 
 
+def _hold_float32(model: nn.Module, modules: list[nn.Module],
+                  optimizer: torch.optim.Optimizer | None) -> Callable[[], None]:
+    """The float16/bfloat16 parameters and buffers of ``modules``' subtrees hold float32 copies from now on
+    (``.data`` swapped: the same objects, as ``module.float()`` leaves them), so the modules' gradients and updates
+    are float32 too, and ``optimizer``'s state of them is cast along. A weight gradient that passes float16's
+    maximum (a layer fed a large activation) is then no overflow, as in a module the user keeps in float32; a
+    per-call float32 copy would cast it back to the parameter's dtype. A tensor some module outside them holds too
+    (a tied embedding) stays as it is: that module takes it in its dtype. Returns the undo: each tensor gets back
+    its own storage holding its current value (and gradient) in its dtype, and the state its dtype."""
+    inside = {id(m) for top in modules for m in top.modules()}
+    shared = {id(t) for m in model.modules() if id(m) not in inside
+              for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states: list[tuple[dict[str, Any], str, torch.dtype]] = []
+    seen: set[int] = set()
+    for top in modules:
+        for t in (*top.parameters(), *top.buffers()):
+            # a DTensor shard or an FSDP view keeps its per-call copy: its storage is not its own to swap
+            if id(t) in seen or id(t) in shared or t.dtype not in _LOW or type(t.data) is not torch.Tensor:
+                continue
+            seen.add(id(t))
+            grad = t.grad
+            t.grad = None
+            held.append((t, t.data))
+            t.data = t.data.float()
+            t.grad = None if grad is None else grad.float()
+            st = optimizer.state.get(t) if optimizer is not None else None
+            for k, v in (st or {}).items():
+                if isinstance(v, torch.Tensor) and v.dtype in _LOW and st is not None:
+                    states.append((st, k, v.dtype))
+                    st[k] = v.float()
+
+    def undo() -> None:
+        with torch.no_grad():
+            for st, k, dtype in reversed(states):
+                v = st.get(k)
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to(dtype)
+            for t, own in reversed(held):
+                grad = t.grad
+                t.grad = None
+                own.copy_(t.data)
+                t.data = own
+                t.grad = None if grad is None else grad.to(own.dtype)
+
+    return undo
+
+
 Fp32Modules = Iterable[str | type[nn.Module]]  # module names, and module classes (every module of the class)
 
 
@@ -229,17 +279,33 @@ def _modules(model: nn.Module, names: Fp32Modules) -> list[nn.Module]:
     return list(out.values())
 
 
-def keep_fp32_permanently(model: nn.Module, names: Fp32Modules) -> Callable[[], None]:
+def keep_fp32_permanently(model: nn.Module, names: Fp32Modules, *,
+                          optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
     """Run the named submodules in float32 from now on (the fix to keep). Returns an undo function.
 
     ``names``: ``named_modules()`` names, and module classes (every module of the model that is an instance of
     one: ``[RMSNorm]`` keeps every norm in float32).
 
+    Under autocast a module runs with autocast off on float32 inputs. In a float16/bfloat16 model (``model.half()``,
+    no autocast) its half parameters and buffers also become float32, as ``module.float()`` makes them (the same
+    objects: an optimizer holding them keeps them), so its gradients and updates are float32 too; its output goes
+    back to the dtype it was given, for the modules after it. An optimizer that already holds state for them (a
+    resumed run) is given as ``optimizer`` to have that state cast too; before its first step there is none. The
+    undo puts back each one's dtype, holding its current value.
+
     Example::
 
         nanhunt.keep_fp32_permanently(model, ["encoder.block.3.ff", RMSNorm])
     """
-    undos = [_wrap(m) for m in _modules(model, names)]
+    return _keep(model, names, params=True, optimizer=optimizer)
+
+
+def _keep(model: nn.Module, names: Fp32Modules, *, params: bool,
+          optimizer: torch.optim.Optimizer | None) -> Callable[[], None]:
+    modules = _modules(model, names)
+    undos = [_wrap(m) for m in modules]
+    if params:  # after the wraps: each looked at its weights' own dtype
+        undos.append(_hold_float32(model, modules, optimizer))
 
     def undo() -> None:
         for u in reversed(undos):
@@ -249,14 +315,18 @@ def keep_fp32_permanently(model: nn.Module, names: Fp32Modules) -> Callable[[], 
 
 
 @contextlib.contextmanager
-def keep_fp32(model: nn.Module, names: Fp32Modules) -> Iterator[None]:
+def keep_fp32(model: nn.Module, names: Fp32Modules, *, params: bool = False,
+              optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Inside the block, the named submodules run with autocast disabled and float32 inputs.
 
     Names are ``named_modules()`` names, or module classes (every instance in the model); everything is
     restored on exit, also on an exception. In a float16/bfloat16 model run without autocast, each region
     hands its float32 outputs back in the dtype it was given (its inputs', else its weights'), and the
     gradients flowing out of it come back in its inputs' dtype: the rest of the model sees the dtypes it had
-    there.
+    there. Its half weights are float32 copies made at each call, so their gradients arrive in their own dtype
+    (the backward may run after the block). ``params=True`` holds them in float32 for the whole block instead, as
+    :func:`keep_fp32_permanently` does (gradients and updates in float32, ``optimizer``'s state of them cast
+    along; run the backward and the update inside the block): what a bisection's trial runs.
 
     Example::
 
@@ -264,7 +334,7 @@ def keep_fp32(model: nn.Module, names: Fp32Modules) -> Iterator[None]:
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = loss_fn(model(x), y)
     """
-    undo = keep_fp32_permanently(model, names)
+    undo = _keep(model, names, params=params, optimizer=optimizer)
     try:
         yield
     finally:

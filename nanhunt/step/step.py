@@ -119,7 +119,8 @@ class Step:
             after: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Run the step once from its start (state reset, no ``.grad``, the start RNG, the train flag).
 
-        ``fp32``: modules (and the regions ``<loss>``, ``<update>``) run in float32; ``dtype`` another
+        ``fp32``: modules (and the regions ``<loss>``, ``<update>``) run in float32 (a half-precision model's
+        modules with their parameters held in float32: their gradients and update too); ``dtype`` another
         autocast dtype, ``torch.float32`` being the float32 control (a half-precision model's weights,
         batch and optimizer state in float32 too); ``unscaled``: without the GradScaler; ``within``: a
         context entered around the step itself (a :class:`~nanhunt.Trace`); ``before``: called after the
@@ -141,7 +142,8 @@ class Step:
             control = dtype == torch.float32  # asked for: the float32 control
             if control:
                 inputs, targets = to_fp32(inputs), to_fp32(targets)
-            with float32_weights(self.model, enabled=control, optimizer=self.optimizer), keep_fp32(self.model, fp32):
+            with float32_weights(self.model, enabled=control, optimizer=self.optimizer), keep_fp32(
+                    self.model, fp32, params=True, optimizer=self.optimizer):
                 with within if within is not None else contextlib.nullcontext():
                     loss = run_step(self.model, inputs, targets, loss_fn=self.loss_fn, dtype=dtype or self.dtype,
                                     device_type=self.device_type, scaler=None if unscaled else self.scaler,
