@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,9 +23,11 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed import _fsdp1
 from .._util._dispatch import tensor_version
 from .._util._errors import GuardError
+from .._util._rng import keep_rng, rng_preserved
 from ._guard_capture import CaptureWriter, StepEntry
 from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite_weights, scalars, seen
 from ._headroom import Finding, Headroom
+from ._part import Part as _Part
 from ._rollback import Plan, Rollback, check_indices, host_rng
 from ._skip_policy import SkipPolicy
 from ..capture.capture import rng_state
@@ -35,7 +37,6 @@ __all__ = ["Guard", "GuardEvent", "GuardWarning", "HeadroomWarning"]
 
 OnFail = Literal["raise", "dump", "warn", "rollback"]
 OnWarn = Literal["log", "capture", "stop"]
-_T = TypeVar("_T")
 
 
 class GuardWarning(UserWarning):
@@ -71,29 +72,6 @@ class _Step(StepEntry):
     def updated(self) -> bool:
         """The optimizer changed this rank's parameters in this step."""
         return self.update_ran and not self.local_skip and (not self.held or self.wrote)
-
-
-class _Part(Generic[_T]):
-    """A Guard attribute kept by one of its parts, read and written through (``guard.dump_dir``)."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self.part, self.name = part, name or ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _Part[_T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> _Part[_T] | _T:
-        if obj is None:
-            return self
-        value: _T = getattr(getattr(obj, self.part), self.name)
-        return value
-
-    def __set__(self, obj: object, value: _T) -> None:
-        setattr(getattr(obj, self.part), self.name, value)
 
 
 class Guard:
@@ -356,6 +334,7 @@ class Guard:
             raise RuntimeError("guard.rollback() must be called after the `with guard.step(batch):` block that "
                                "saw the detection, not inside it")
         event = self._rollback.rollback(change)
+        keep_rng()  # the step's own generators, put back on purpose: nanhunt's hooks around this leave them
         if self.on_fail == "rollback":
             warnings.warn(event.describe(), GuardWarning, stacklevel=2)
         return event
@@ -462,6 +441,7 @@ class Guard:
         if self.on_fail == "rollback" and plan is not None and plan.entry is cur:
             # The step ended normally (a step that raised keeps its detection for guard.rollback()).
             event = self._rollback.roll(plan)
+            keep_rng()  # as in rollback()
             warnings.warn(event.describe(), GuardWarning, stacklevel=3)
 
     def _close(self, cur: _Step, failed: bool) -> None:
@@ -570,6 +550,7 @@ class Guard:
             self.scale_history.append((cur.index, scale))
 
     # ------------------------------------------------------------ detection
+    @rng_preserved  # a run that goes on after its capture (on_fail "dump", "warn") draws as without nanhunt
     def _trip(self, cur: _Step, kind: str, detail: str, ranks: tuple[int, ...], per_rank: list[int], *,
               live: bool, scaler_before: bool = False, propagate: bool = True, stacklevel: int = 3) -> GuardEvent:
         """Report a detection: capture (this rank's, if it saw it), event, then raise/warn/continue.
@@ -615,7 +596,7 @@ class Guard:
         if self.on_fail == "raise" and propagate:
             raise GuardError(event)
         if self.on_fail == "warn":
-            warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel)
+            warnings.warn(event.describe(), GuardWarning, stacklevel=stacklevel + 1)  # + rng_preserved's frame
         return event
 
     # ------------------------------------------------------------- warnings
@@ -629,6 +610,7 @@ class Guard:
         for f in findings:
             self._warn(cur, f, live=live, scaler_before=scaler_before, stacklevel=stacklevel + 1)
 
+    @rng_preserved  # its capture, as _trip's
     def _warn(self, cur: _Step, f: Finding, *, live: bool, scaler_before: bool, stacklevel: int) -> None:
         event = GuardEvent(step=cur.index, kind="warning", detail=f.detail, rank=self._detect.rank,
                            condition=f.condition, module=f.module, measured=f.value, limit=f.limit,
@@ -648,7 +630,7 @@ class Guard:
             else:
                 event = dataclasses.replace(event, capture_error=written.error)
         self._record(event)
-        warnings.warn(event.describe(), HeadroomWarning, stacklevel=stacklevel)
+        warnings.warn(event.describe(), HeadroomWarning, stacklevel=stacklevel + 1)  # + rng_preserved's frame
         if self.on_warn == "stop":
             raise GuardError(event)
 

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._util._errors import InputError, GuardError, first_line, visible
+from .._util._rng import rng_preserved
 from ..capture._construction import ConstructionLog
 from ..guard.guard import Guard
 from ..step._run import loss_position
@@ -420,6 +421,7 @@ class _PlainLoop:
             run.close(exc)
 
     # ----------------------------------------------------------------- events of the loop
+    @rng_preserved  # it scans the live objects inside the script's own optimizer construction
     def _made(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         if self.down or self.run is not None or not isinstance(optimizer, torch.optim.Optimizer):
             return
@@ -518,6 +520,7 @@ class _PlainLoop:
             run.end()
 
     # ----------------------------------------------------------------- the guard
+    @rng_preserved  # the Guard is made in the script's first training forward, after its seeding
     def _start(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> GuardedRun:
         scalers = [o for o in gc.get_objects() if issubclass(type(o), torch.amp.GradScaler) and o.is_enabled()]
         scaler = scalers[-1] if len(scalers) == 1 else None

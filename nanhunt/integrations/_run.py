@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._util._errors import GuardError
+from .._util._rng import preserve_rng
 from ..guard.guard import Guard
 
 __all__ = ["GuardedRun", "Unwatchable", "check_options", "check_values", "output_loss"]
@@ -45,10 +46,14 @@ def check_options(dump_dir: str | os.PathLike[str], options: dict[str, Any]) -> 
 def check_values(options: Mapping[str, Any]) -> None:
     """The Guard's own checks of the options' values (its ValueError), run now on a one-weight model: a value
     it refuses is refused before the training starts, not at its first step, where ``nanhunt run`` would go
-    on unwatched. The options that describe the model are judged when its Guard is made."""
-    probe = nn.Linear(1, 1)
-    values = {k: v for k, v in options.items() if k not in _OF_THE_MODEL}
-    Guard(probe, torch.optim.SGD(probe.parameters(), lr=0.0), dump_dir=".", **values).close()
+    on unwatched. The options that describe the model are judged when its Guard is made.
+
+    It runs in the script, between its seeding and its training: the probe's weight is left uninitialised
+    (``nn.Linear``'s init would draw from torch's generator, and every dropout mask after it would differ)."""
+    with preserve_rng():
+        probe = nn.Linear(1, 1, device="meta").to_empty(device="cpu")
+        values = {k: v for k, v in options.items() if k not in _OF_THE_MODEL}
+        Guard(probe, torch.optim.SGD(probe.parameters(), lr=0.0), dump_dir=".", **values).close()
 
 
 def output_loss(output: Any) -> Any:
@@ -59,6 +64,9 @@ def output_loss(output: Any) -> Any:
 class GuardedRun:
     """One training run under a :class:`Guard`: a guard step per micro-batch, numbered by the framework's
     optimizer step (``begin``/``end``), the loss and gradient checks, and the run's end.
+
+    Each call leaves torch's generators where the framework had them (:class:`preserve_rng`): the run draws the
+    same dropout masks and data order as without nanhunt.
 
     A detection raised (:class:`nanhunt.GuardError`, ``on_fail="raise"``) ends the step, removes every hook
     (the run is over) and carries a note naming the framework and the step; the framework then unwinds."""
@@ -84,8 +92,9 @@ class GuardedRun:
             self.end()  # a step the framework left open (a batch it skipped)
         self.micro = self.micro + 1 if index == self._index else 1
         self._index = index
-        ctx = self.guard._step(batch, index)
-        ctx.__enter__()
+        with preserve_rng(host=False):
+            ctx = self.guard._step(batch, index)
+            ctx.__enter__()
         self._ctx, self.loss_seen = ctx, False
 
     def probe_autocast(self, module: nn.Module,
@@ -100,14 +109,16 @@ class GuardedRun:
             if self._ctx is None or self._ctx is asked[0]:
                 return
             asked[0] = self._ctx
-            self.guard._on_forward(m, args, again=True)
+            with preserve_rng(host=False):
+                self.guard._on_forward(m, args, again=True)
 
         self.hooks.append(module.register_forward_pre_hook(wrap(seen)))
 
     def loss(self, loss: torch.Tensor) -> None:
         """The micro-batch's loss (the first one handed over; checked on device, read with the gradients)."""
         if self._ctx is not None and not self.loss_seen:
-            self.guard.loss(loss)
+            with preserve_rng(host=False):
+                self.guard.loss(loss)
             self.loss_seen = True
 
     def check_grads(self) -> None:
@@ -124,21 +135,23 @@ class GuardedRun:
     def close(self, exc: BaseException | None = None) -> None:
         """The run is over (``exc``: it raised): end the open step, remove the hooks; safe to call twice."""
         ctx, self._ctx = self._ctx, None
-        try:
-            if ctx is not None:
-                if exc is None:
-                    ctx.__exit__(None, None, None)
-                else:
-                    ctx.__exit__(type(exc), exc, exc.__traceback__)
-        finally:
-            for h in self.hooks:
-                h.remove()
-            self.hooks.clear()
-            self.guard.close()
+        with preserve_rng():
+            try:
+                if ctx is not None:
+                    if exc is None:
+                        ctx.__exit__(None, None, None)
+                    else:
+                        ctx.__exit__(type(exc), exc, exc.__traceback__)
+            finally:
+                for h in self.hooks:
+                    h.remove()
+                self.hooks.clear()
+                self.guard.close()
 
     def _call(self, fn: Callable[[], Any], ended: Any = None) -> None:
         try:
-            fn()
+            with preserve_rng(host=False):  # a rollback at the step's end keeps the generators it put back
+                fn()
         except BaseException as e:
             ctx, self._ctx = self._ctx, None
             if ctx is not None and ctx is not ended:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._util._rng import rng_preserved
 from ..guard.guard import Guard
 from ._run import GuardedRun, Unwatchable, check_options
 
@@ -93,6 +94,7 @@ class NanhuntCallback(_Callback):
         self._scaled = False
 
     # ----------------------------------------------------------------- Lightning events
+    @rng_preserved  # between the script's seeding and its first batch: making the Guard draws nothing
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.run is not None:
             self.run.close()  # an earlier fit() that raised

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .._util._rng import rng_preserved
 from ..guard.guard import Guard
 from ._run import GuardedRun, Unwatchable, check_options, output_loss
 
@@ -66,6 +67,7 @@ class NanhuntCallback(TrainerCallback):
         self._state: Any = None
 
     # ----------------------------------------------------------------- Trainer events
+    @rng_preserved  # between the script's seeding and its first batch: making the Guard draws nothing
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
         if self.run is not None:
