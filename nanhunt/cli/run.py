@@ -59,6 +59,8 @@ class RunCommand:
         on_fail = options.pop("on_fail")
         outcome = run_script(script, AttachOptions(os.path.abspath(args.dump_dir), on_fail, options))
         code, lines = summary(outcome, script)
+        if outcome.mid_line and lines:
+            print(file=sys.stderr)  # after a progress bar's last \r: nanhunt's lines start on their own
         for line in lines:
             _say(line)
         return code

@@ -9,6 +9,7 @@ import runpy
 import sys
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._util._errors import InputError, GuardError
 from ._attach import Attached, AttachOptions, RunRefused
@@ -37,6 +38,26 @@ class Outcome:
     stopped: GuardError | None = None
     failure: BaseException | None = None
     lines: list[str] = field(default_factory=list)
+    mid_line: bool = False  # the script's last output (stdout or stderr) did not end its line (a progress bar)
+
+
+class _LineEnd:
+    """``sys.stdout`` / ``sys.stderr`` as the script sees them, noting whether the last text written through
+    either ended its line: a progress bar (tqdm's ``\r...``) leaves the cursor after itself, and nanhunt's own
+    lines must then start on a line of their own. Everything else is the stream's own."""
+
+    def __init__(self, stream: Any, outcome: Outcome) -> None:
+        self._stream = stream
+        self._outcome = outcome
+
+    def write(self, text: str) -> int:
+        n: int = self._stream.write(text)
+        if text:
+            self._outcome.mid_line = not text.endswith("\n")
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def script_of(script: str | None, module: list[str] | None, argv: list[str]) -> Script:
@@ -75,10 +96,11 @@ def run_script(script: Script, options: AttachOptions) -> Outcome:
     Ctrl-C and SIGTERM are raised, the step they cut short left unchecked."""
     attached = Attached(options)
     outcome = Outcome(attached)
-    argv, path = sys.argv, sys.path
+    argv, path, streams = sys.argv, sys.path, (sys.stdout, sys.stderr)
     cut: BaseException | None = None  # what ended the run before the script did (Ctrl-C, SIGTERM, nanhunt's)
     try:
         attached.install()
+        sys.stdout, sys.stderr = _LineEnd(streams[0], outcome), _LineEnd(streams[1], outcome)
         sys.argv = [script.path, *script.argv]
         sys.path = [os.path.dirname(script.path) if script.module is None else os.getcwd(), *path]
         try:
@@ -99,6 +121,7 @@ def run_script(script: Script, options: AttachOptions) -> Outcome:
         raise
     finally:
         sys.argv, sys.path = argv, path
+        sys.stdout, sys.stderr = streams
         attached.close(outcome.failure or cut)  # a step that raised is ended as failed: no checks after Ctrl-C
     return outcome
 

@@ -292,6 +292,22 @@ def test_a_script_with_no_training_is_said_to_be_unwatched(tmp_path: Path, monke
     assert "nanhunt run: watched nothing in train.py" in err
 
 
+def test_the_stop_line_starts_on_a_line_of_its_own_after_a_progress_bar(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a loop that draws a progress bar (tqdm's way: \r and no newline) and goes NaN at its first step
+    monkeypatch.chdir(tmp_path)
+    loop = LOOP.format(loss="model(x).pow(2).mean() * float('nan')", tail="")
+    loop = loop.replace("    opt.zero_grad()", "    sys.stderr.write('\\r 50%|#####     | 1/2')\n    opt.zero_grad()")
+    script = _script(tmp_path, "import sys\n" + loop)
+    # WHEN it runs under nanhunt run and is stopped
+    assert cli_main(["run", str(script)]) == 1
+    err = capsys.readouterr().err
+    # THEN the bar keeps its own line and nanhunt's stop line begins a new one
+    assert "1/2\nnanhunt run: stopped train.py" in err, err
+    # AND the process's streams are its own again
+    assert type(sys.stderr).__name__ != "_LineEnd" and type(sys.stdout).__name__ != "_LineEnd"
+
+
 def test_a_missing_script_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["run", str(tmp_path / "nope.py")]) == 2
     assert capsys.readouterr().err.strip() == (
