@@ -1,6 +1,6 @@
 """Command line: parses, calls the library, renders. No logic of its own: one module per command
-(:mod:`.replay`, :mod:`.inspect`, :mod:`.report`, :mod:`.compare`), what a replay shows and writes in
-:mod:`._output`, what they share in :mod:`._common`.
+(:mod:`.replay`, :mod:`.inspect`, :mod:`.report`, :mod:`.compare`, :mod:`.run`, :mod:`.mcp`), what a replay shows
+and writes in :mod:`._output`, what they share in :mod:`._common`.
 
 Exit codes: 0 the step is finite, 1 a non-finite value was found, 2 usage or
 input error, 3 not reproducible (two replays disagree, or a Guard's capture of a failed step replays finite);
@@ -21,13 +21,15 @@ from .._util._interrupt import Terminated, terminate_raises
 from ._common import ARGV, EXIT_INPUT, WRITTEN, Command, interrupted
 from .compare import CompareCommand
 from .inspect import InspectCommand
+from .mcp import McpCommand
 from .replay import ReplayCommand
 from .report import ReportCommand
 from .run import RunCommand
 
 __all__ = ["main", "build_parser", "COMMANDS", "ReplayCommand", "InspectCommand", "ReportCommand", "CompareCommand"]
 
-COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand(), RunCommand())
+COMMANDS: tuple[Command, ...] = (ReplayCommand(), InspectCommand(), ReportCommand(), CompareCommand(), RunCommand(),
+                                 McpCommand())
 
 
 def _error(e: BaseException) -> None:
