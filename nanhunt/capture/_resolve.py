@@ -20,6 +20,7 @@ from torch import nn
 from . import _names
 from ._names import loaded_from as _loaded_from, recognised as _allowed
 from .._util._errors import InputError
+from .._util._text import escaped
 
 
 # ------------------------------------------------------------ callable paths
@@ -31,6 +32,10 @@ def callable_path(obj: Any) -> str | None:
     if not mod or not qual or "<" in qual or mod == "__main__":
         return None
     return f"{mod}:{qual}"
+
+
+_LONGEST_NAME = 1000  # characters of a package.module:callable name read from a file (real ones: under 200)
+_LONGEST_PATH = 4200  # of a script's path and name (PATH_MAX is 4096)
 
 
 def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -> Any:
@@ -45,6 +50,10 @@ def resolve(path: str, *, what: str, trusted: bool, trust: Sequence[str] = ()) -
     standard-library module, no dunder attribute, and never a ``__main__`` module, even trusted."""
     if not isinstance(path, str):
         raise InputError(f"{what} {path!r} is a {type(path).__name__}, not a 'package.module:callable' string")
+    if not trusted and len(path) > (_LONGEST_PATH if _names.is_script(path) else _LONGEST_NAME):
+        # shown whole it would be the whole line (and once more in the flag that confirms it): a real one is short
+        raise InputError(f"the file names {what} {escaped(path[:80])!r}... of {len(path):,} characters, longer than "
+                         "any name Python imports or path a file has: the capture is damaged or forged")
     if _names.is_script(path):
         return _from_script(path, what=what, trusted=trusted)
     flag = _FLAGS.get(what, "--model")
