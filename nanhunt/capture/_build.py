@@ -17,6 +17,7 @@ from .._util._errors import InputError, first_line as _first_line
 from .._util._text import dtype_name, escaped, few
 from ._hf import _through_training_step
 from ._construction import arguments
+from ._lowp import LowpPlan, convert_float8, quantize_nf4
 from ._resolve import resolve
 from ._statedict import map_state_dict
 
@@ -39,6 +40,7 @@ class _Loaded:
     saved_kwargs: dict[str, Any] = field(default_factory=dict)
     saved_init: Any = None  # the file's model_init (the model's constructor arguments), for the model you confirmed
     recorded_factory: Any = None  # the file's model_factory, which you confirmed
+    lowp: LowpPlan | None = None  # float8 layers and NF4 weights to rebuild once the model is built and loaded
 
 
 def _same_name(given: str, saved: Any) -> bool:
@@ -93,8 +95,16 @@ def _ready_model(got: _Loaded, ck: Any, dev: torch.device, *, model_factory: str
         if isinstance(ck, Mapping) and "nanhunt_capture" in ck:
             _take_dtypes(model, mapped)  # a capture holds the live state: replay the weights in their dtype
         model.load_state_dict(mapped, strict=True)
+    if got.lowp is not None:  # converted as the step's model was: after its weights, before any sharding
+        model = convert_float8(model, got.lowp, device=dev, notes=notes, where="the capture")
 
     model.to(dev)
+    if got.lowp is not None and got.lowp.nf4:
+        if shard is None:  # on its device: moving an NF4Tensor dequantizes it
+            quantize_nf4(model, got.lowp, notes=notes, where="the capture")
+        else:
+            notes.append("the capture's NF4 weights are replayed dequantized: a sharded replay does not quantize "
+                         "them again")
     model.train(got.training if train is None else train)
     if got.module_training is not None and (train is None or train == got.training):
         _restore_training(model, got.module_training)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ._names import capture_name
 from .._util._errors import first_line as _first_line
-from .._util._wrappers import user_class
+from ._lowp import built_class, built_repr
 
 __all__ = ["structure", "build", "matches"]
 
@@ -51,8 +51,9 @@ def matches(probe: nn.Module, model: nn.Module) -> bool:
 
 
 def _layers(m: nn.Module) -> list[tuple[str, type, str]]:
-    """Every module's name, class (the one you wrote: not FSDP2's) and ``extra_repr`` (its arguments)."""
-    return [(k, user_class(x), x.extra_repr()) for k, x in m.named_modules()]
+    """Every module's name, class (the one you wrote: not FSDP2's; a float8 layer's ``nn.Linear``, which the
+    replay converts again) and ``extra_repr`` (its arguments)."""
+    return [(k, built_class(x), built_repr(x)) for k, x in m.named_modules()]
 
 
 def _layout(m: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
@@ -64,11 +65,11 @@ def _describe(m: nn.Module, where: str, depth: int, count: list[int]) -> dict[st
     count[0] += 1
     if depth > _MAX_DEPTH or count[0] > _MAX_MODULES:
         raise ValueError(f"it nests more than {_MAX_DEPTH} containers or holds more than {_MAX_MODULES} modules")
-    name = capture_name(user_class(m))  # under FSDP2, not the class fully_shard made
+    name = capture_name(built_class(m))  # under FSDP2, not the class fully_shard made
     module = (name or "").partition(":")[0]
     if name is None or not (module == "torch.nn" or module.startswith("torch.nn.modules.")):
-        raise ValueError(f"{where} ({user_class(m).__name__}) is not one of torch.nn's classes")
-    if user_class(m) in _CONTAINERS:
+        raise ValueError(f"{where} ({built_class(m).__name__}) is not one of torch.nn's classes")
+    if built_class(m) in _CONTAINERS:
         return {"class": name, "children": [[k, _describe(c, f"layer {k!r}", depth + 1, count)]
                                             for k, c in m.named_children()]}
     return {"class": name, "args": _arguments(m, where)}
@@ -78,19 +79,19 @@ def _arguments(m: nn.Module, where: str) -> dict[str, Any]:
     """The constructor's arguments, each read from the attribute of its name (``bias``: whether the layer has
     one). An argument no attribute keeps cannot be known: no description."""
     args: dict[str, Any] = {}
-    params = inspect.signature(user_class(m)).parameters.values()  # the constructor's, self left out
+    params = inspect.signature(built_class(m)).parameters.values()  # the constructor's, self left out
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in _SKIPPED or p.name.startswith("_"):
             continue
         if not hasattr(m, p.name):
-            raise ValueError(f"{where} ({user_class(m).__name__}) keeps no attribute for its argument {p.name!r}")
+            raise ValueError(f"{where} ({built_class(m).__name__}) keeps no attribute for its argument {p.name!r}")
         value = getattr(m, p.name)
         if isinstance(p.default, bool) and (value is None or isinstance(value, torch.Tensor)):
             value = value is not None  # bias=True made a bias parameter
         try:
             args[p.name] = _plain(value)
         except ValueError as e:
-            raise ValueError(f"{where} ({user_class(m).__name__}) has argument {p.name!r} = {e}") from None
+            raise ValueError(f"{where} ({built_class(m).__name__}) has argument {p.name!r} = {e}") from None
     return args
 
 

@@ -21,6 +21,7 @@ from ..step.step import rng_state, split_batch
 from ._build import _group_names
 from ._construction import Construction, how_built
 from ._hf import _hf_model_spec
+from ._lowp import captured
 from ._nn_model import nn_spec
 from ._resolve import callable_path
 
@@ -145,10 +146,10 @@ def capture_record(
     model, factory, loss_path = _capture_names(model, model_factory, loss_fn, step_call)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     opt_class = None if optimizer is None else _optimizer_name(optimizer)
+    state, lowp, nf4_parts = captured(model, model.state_dict() if model_state is None else model_state)
     ckpt: dict[str, Any] = {
         "nanhunt_capture": CAPTURE_FORMAT,
-        "model": {k: v.detach().cpu()
-                  for k, v in (model.state_dict() if model_state is None else model_state).items()},
+        "model": {k: v.detach().cpu() for k, v in state.items()},
         "model_factory": factory,
         "model_kwargs": dict(model_kwargs or {}),
         # how your model's class was called: its constructor's arguments as plain data (_construction)
@@ -182,7 +183,11 @@ def capture_record(
         "device": str(dev),
         # how the step's model was compiled (backend, mode, options, dynamic): the replay runs it compiled too
         "compile": compiled,
+        # torchao's float8 layers and their config, QLoRA's NF4 weights (saved dequantized), as plain data (_lowp)
+        "lowp": lowp,
     }
+    if nf4_parts is not None:  # the NF4 weights' quantized parts: rebuilt exactly, not quantized again
+        ckpt["nf4_parts"] = nf4_parts
     if _dcp.sharded(model):  # FSDP2: which modules fully_shard wrapped, for the distributed replay to wrap again
         ckpt["fsdp"] = _dcp.fsdp_layout(model)
     inputs, targets = split_batch(batch)

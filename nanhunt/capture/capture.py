@@ -37,6 +37,7 @@ from ._options import LoadOptions
 from ._build import _Loaded, _batch_rng, _build, _build_optimizer, _capture_field, _is_batch_file, _loss_fn, _parse_device, _read_plain_checkpoint, _ready_model, _same_name, _scaler
 from ._construction import loss_at_of
 from ._hf import _hf_model
+from ._lowp import read_plan
 from ._nn_model import nn_model, nn_spec
 from ._resolve import callable_path, resolve
 from ._statedict import map_state_dict, parse_dtype
@@ -376,6 +377,7 @@ def _read_capture(ck: Mapping[str, Any], checkpoint: str, *, options: LoadOption
     got.module_training = checked("module_training", Mapping, "a dict of module name -> bool", again)
     got.loss_path = loss or checked("loss_fn", str, "'package.module:fn' or null", "pass --loss package.module:fn")
     got.autocast = checked("autocast", Mapping, "a dict with 'dtype'", "pass --dtype") or {}
+    got.lowp = read_plan(ck, f"checkpoint {checkpoint!r}")  # before anything is built: torchao's float8, NF4
     saved_dev = str(ck.get("device", "cpu"))
     got.step_call = checked("step_call", str, "'training_step' or null", again)
     if got.step_call not in (None, "training_step"):

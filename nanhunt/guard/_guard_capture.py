@@ -24,6 +24,7 @@ from ..capture._names import capture_name, confirmations, is_script, replay_prob
 from .._util._wrappers import user_class, user_modules
 from ..capture._construction import how_built
 from ..capture._hf import _hf_model_spec
+from ..capture._lowp import snapshot_copy
 from ..capture.capture import capture_record, nn_spec, resolve, save_capture, unwrap_model
 from ..records import GuardEvent
 
@@ -237,7 +238,7 @@ class CaptureWriter:
         if self._scaling():
             assert self.scaler is not None
             scaler = _scaler_state(self.scaler, entry.scale_before, entry.tracker_before)
-        model = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        model = {k: snapshot_copy(v) for k, v in self.module.state_dict().items()}  # an NF4 weight: itself
         weights = [model[name] for name, _ in self.module.named_parameters() if name in model]
         if _dcp.sharded(self.module):
             # FSDP2: each rank holds shards of one snapshot, written together into one capture directory, so
@@ -372,7 +373,7 @@ class CaptureWriter:
                 state = _dcp.sharded_state(self.module, self.optimizer, buffers)
         except Exception as e:  # said to the other ranks, which then write nothing either
             state = e
-        for k in ("nanhunt_capture", "model", "optimizer", "optimizer_params"):
+        for k in ("nanhunt_capture", "model", "optimizer", "optimizer_params", "nf4_parts"):
             fields.pop(k, None)  # the tensors and the parameter names are in the shards
         if self.ddp is not None:
             fields["ddp"] = self.ddp
