@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._subclass import is_plain, local_tensor, plain_values, subclass_copy
+
 __all__ = [
     "TraceMode",
     "OpInfo",
@@ -43,6 +45,9 @@ __all__ = [
     "all_finite",
     "foreach_copy",
     "local_tensor",
+    "plain_values",
+    "is_plain",
+    "is_dtensor",
     "complete_collective",
     "collective_label",
 ]
@@ -206,18 +211,17 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor (a sharded value: its local shard is this rank's part)."""
+    return isinstance(getattr(t, "_local_tensor", None), torch.Tensor)
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place write); -1 for inference tensors, which have none."""
     try:
         return t._version
     except RuntimeError:
         return -1
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The values this rank holds of ``t``: a DTensor's local shard (no collective), else ``t``."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
 
 
 def complete_collective(out: Any, functional: bool) -> None:
@@ -386,12 +390,29 @@ class TraceMode(Mode):
 
 # torch's fused multi-tensor kernels (GradScaler's and the optimizers'): underscored, so wrapped here
 def amp_check_and_unscale(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """Set ``found_inf`` to 1 if any of ``tensors`` holds NaN/Inf; multiply them by ``inv_scale`` in place."""
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+    """Set ``found_inf`` to 1 if any of ``tensors`` holds NaN/Inf; multiply them by ``inv_scale`` in place. A
+    tensor subclass that has no such kernel (an NF4 weight) is checked on its values and left as it is."""
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+    except (NotImplementedError, RuntimeError, TypeError):
+        if all(map(is_plain, tensors)):
+            raise
+        plain = [t for t in tensors if is_plain(t)]
+        if plain:
+            torch._amp_foreach_non_finite_check_and_unscale_(plain, found_inf, inv_scale)
+        values = [local_tensor(t) for t in tensors if not is_plain(t)]
+        torch._amp_foreach_non_finite_check_and_unscale_([v.clone() for v in values], found_inf,
+                                                         torch.ones_like(inv_scale))
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float, *, dtype: torch.dtype | None) -> list[torch.Tensor]:
-    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+    """Each tensor's ``ord``-norm; a tensor subclass without such a kernel is measured on its values."""
+    try:
+        return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+    except (NotImplementedError, RuntimeError, TypeError):
+        if all(map(is_plain, tensors)):
+            raise
+        return list(torch._foreach_norm([local_tensor(t) for t in tensors], ord, dtype=dtype))
 
 
 def nonfinite_kinds(tensors: Sequence[torch.Tensor]) -> list[str | None]:
@@ -423,7 +444,18 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    torch._foreach_copy_(dst, src)
+    """``dst[i].copy_(src[i])`` for all i, fused; pairs with a tensor subclass one by one, through its own
+    ``copy_`` or its inner tensors."""
+    try:
+        torch._foreach_copy_(dst, src)
+    except (NotImplementedError, RuntimeError, TypeError):
+        if all(map(is_plain, dst)) and all(map(is_plain, src)):
+            raise
+        for d, s in zip(dst, src):
+            if is_plain(d) and is_plain(s):
+                d.copy_(s)
+            else:
+                subclass_copy(d, s)
 
 
 def fsdp_modules(model: nn.Module) -> list[Any]:

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .._util._subclass import local_tensor
 from .._util._text import dtype_name
 from ..tracing.graph import loss_index
 from ..records import Level, Occurrence, Phase, Record, ReportConfig, Role, Status
@@ -61,7 +62,7 @@ def trace_twice(step: Step, *, level: Level = Level.OP, allow: Sequence[str] = (
             t = Trace._zooming(step.model, () if catch is not None else zoom, catch=catch,
                                catch_records=traces[0].records if catch else None, level=level, allow=allow)
             loss = step.run(within=t)
-            loss_value = float(loss.detach().float())
+            loss_value = float(local_tensor(loss.detach()).float())  # a subclass loss: its values
             traces.append(t)
             if t.first is not None:
                 zoom = frozenset((t.first.output.index, *t.first.output.inputs))

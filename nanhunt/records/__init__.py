@@ -11,8 +11,9 @@ from ._trace import DTYPE_MAX, FP16_SMALLEST_NORMAL, FullStats, Occurrence, PHAS
 from ._report import Advice, BackwardUnderflow, GraphNode, Inspection, LastUpdate, OptimizerSettings, Report, ReportConfig, Repro, Rung, SCHEMA_VERSION, Status, TensorSummary, Verdict, VerdictKind
 from ._comparison import CLAUSES, Comparison, Decision, Failure, Quality, Regression, Rule, Speed, TensorDiff
 from ._guard import GuardEvent, HeadroomHistory, HeadroomNote, HeadroomSeries
+from ._trace import CastStats
 
 __all__ = ["SCHEMA_VERSION", "Phase", "Role", "Level", "Status", "VerdictKind", "role_text", "FullStats", "Record", "Occurrence", "Advice", "Report", "ReportConfig", "BackwardUnderflow", "LastUpdate", "OptimizerSettings", "TensorSummary", "Inspection", "Verdict", "Rung", "GraphNode", "Repro", "PHASE_ORDER",
            "TensorDiff", "Decision", "Regression", "Comparison", "RangeStats", "RecordView", "GuardEvent", "HeadroomHistory",
            "HeadroomNote", "HeadroomSeries", "Rule",
-           "Quality", "Failure", "Speed", "CLAUSES", "DTYPE_MAX", "FP16_SMALLEST_NORMAL"]
+           "Quality", "Failure", "Speed", "CLAUSES", "DTYPE_MAX", "FP16_SMALLEST_NORMAL", "CastStats"]

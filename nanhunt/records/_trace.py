@@ -7,7 +7,7 @@ import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from . import _serial
 from ._serial import JSONData, absent
@@ -85,6 +85,45 @@ class FullStats(JSONData):
     over_fp16: int = field(metadata=absent(0))  # finite values with |x| > 65504
     over_bf16: int = field(metadata=absent(0))  # finite values with |x| > bfloat16 max
     subnormal: int = field(metadata=absent(0))  # non-zero values below the smallest normal of the tensor's dtype
+
+
+@dataclass(frozen=True)
+class CastStats(JSONData):
+    """A cast to a float8 format, measured on its input and its output: what the cast lost.
+
+    The input is the value as the cast reads it, already multiplied by its scale (torchao's float8 training:
+    ``x * scale``, clamped to the format's range). ``zeros``: values non-zero before the cast and zero after
+    (underflow, to exactly 0); ``saturated``: values at or beyond the format's largest finite value
+    (``|x * scale| >= format_max``). ``gemm_input``: the GEMM operand it became (``input``, ``weight``,
+    ``grad_output``), ``recipe`` its scaling (``tensorwise``, ``rowwise``), ``amax`` the largest magnitude of the
+    high-precision value before scaling (rowwise: over every row), ``scale_min``/``scale_max`` the scale's range
+    (one value when tensorwise); each None where the trace did not see it. ``source``: the record of that
+    high-precision value.
+    """
+
+    format: str = field(metadata=absent(""))
+    numel: int = field(metadata=absent(0))
+    zeros: int = field(metadata=absent(0))
+    saturated: int = field(metadata=absent(0))
+    format_max: float = field(metadata=absent(math.nan))
+    gemm_input: str | None = None
+    recipe: str | None = None
+    amax: float | None = None
+    scale_min: float | None = None
+    scale_max: float | None = None
+    source: int | None = None
+
+    # A cast is part of an origin's story when it lost at least this share of its values, to zero or to the
+    # maximum: dynamic scaling sends the amax itself to the maximum, and a few tiny values to zero, in every cast.
+    STORY_SHARE: ClassVar[float] = 0.01
+
+    @property
+    def zero_share(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.numel if self.numel else 0.0
 
 
 class RangeStats:
@@ -171,6 +210,13 @@ class Record(RangeStats, JSONData):
     # Shapes of the op's tensor inputs as the op saw them (an input record may be the
     # view's base); measured for the origin op only.
     input_shapes: tuple[tuple[int, ...], ...] | None = None
+    # A tensor subclass whose values could not be read (its class name): min/max say nothing (0, judged finite).
+    unmeasured: str | None = None
+    cast: CastStats | None = None  # the output of a cast to float8: what that cast lost
+
+    @property
+    def measured(self) -> bool:
+        return self.unmeasured is None
 
     @property
     def numel(self) -> int:
@@ -228,6 +274,9 @@ class Occurrence(JSONData):
     # A backward origin: the ops of the nearest forward records its inputs came from, what its derivative
     # was taken of (``aten::sqrt`` for the division in sqrt's backward).
     forward_ops: tuple[str, ...] = ()
+    # The float8 casts nearest upstream of the op on its inputs' paths that lost a share of their values (to
+    # zero or to the format's maximum): records with ``cast`` set, the most lost first.
+    casts: tuple[Record, ...] = ()
 
     @property
     def silent(self) -> bool:

@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 from .._util._limits import squared_inputs, squared_limit
+from .._util._text import cut
 from ..records import (DTYPE_MAX, HeadroomHistory, HeadroomSeries, Occurrence, Record, Report, ReportConfig, Status,
                        Verdict, VerdictKind, role_text)
 
@@ -20,7 +21,8 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "GUARD_TITLE", "BORN_TITLE", "TENSORS_TITLE", "PATH_TITLE",
            "BISECTION_TITLE", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
            "origin_alone", "HEADROOM_TITLE", "HEADROOM_COLUMNS", "headroom_intro", "headroom_rows",
-           "headroom_warnings", "series_label", "limit_name", "HEADROOM_CAPTION"]
+           "headroom_warnings", "series_label", "limit_name", "HEADROOM_CAPTION", "NOT_MEASURED", "CASTS_TITLE",
+           "CAST_COLUMNS", "cast_rows", "cast_sentence", "operand_name", "share"]
 
 LIMITS = DTYPE_MAX
 
@@ -75,6 +77,9 @@ def headroom(r: Record, squared: bool = False) -> str:
     a = r.absmax
     room, of_square = judged
     return "inf" if a == 0 else f"{room / a:.3g}x" + (SQUARED_MARK if of_square else "")
+
+
+NOT_MEASURED = "not measured"  # a tensor subclass whose values the trace could not read
 
 
 def _kind(kind: str) -> str:
@@ -369,6 +374,7 @@ def birth_rows(occ: Occurrence) -> list[tuple[str, list[Span]]]:
         ("source", [Span(occ.source, True)] if occ.source else [Span("-")]),
         *([("line", [Span(occ.source_text, True)])] if occ.source_text else []),
         ("reached", [Span(reached_text(occ))]),
+        *(("float8 cast", cast_sentence(r)) for r in occ.casts if r.cast is not None),
     ]
 
 
@@ -392,9 +398,10 @@ def tensor_rows(occ: Occurrence) -> list[tuple[str, ...]]:
     for name, r, shape, sq in named:
         f = r.full
         limit = limit_of(r.dtype)
+        values = (num(r.min), num(r.max), num(r.absmax)) if r.measured else (NOT_MEASURED,) * 3
         rows.append((
-            name, r.dtype, str(list(shape)), num(r.min), num(r.max), num(r.absmax),
-            "-" if limit is None else f"{limit:.6g}", headroom(r, sq),
+            name, r.dtype, str(list(shape)), *values,
+            "-" if limit is None else f"{limit:.6g}", headroom(r, sq) if r.measured else NOT_MEASURED,
             *(("-",) * 4 if f is None else (str(f.nan), str(f.posinf), str(f.neginf), str(f.zeros))),
         ))
     return rows
@@ -436,7 +443,7 @@ def path_label(r: Record) -> list[Span]:
         out += [Span(f"{label(r.module)}#{r.call_index}", True), Span(" ")]
     if r.op is not None:
         out += [Span(r.op, True), Span(" ")]
-    state = "finite" if r.finite else ("NaN" if r.has_nan else "Inf")
+    state = NOT_MEASURED if not r.measured else "finite" if r.finite else ("NaN" if r.has_nan else "Inf")
     out.append(Span(f"{r.role.value} ({r.dtype} {list(r.shape)}, {state})"))
     return out
 
@@ -563,3 +570,65 @@ def guard_text(report: Report) -> str | None:
 #
 # The sentences and table cells of a comparison report, shared by the console, Markdown and HTML. A module
 # call's label (``TensorDiff.label()``) and class are user names: the renderers set and escape them.
+
+
+# ------------------------------------------------------------------ float8 casts
+CASTS_TITLE = "Float8 casts feeding the op"
+CAST_COLUMNS = ("value", "phase", "format", "recipe", "amax", "scale", "to zero", "at max")
+_OPERANDS = {"input": "input", "weight": "weight", "grad_output": "output gradient"}
+
+
+def operand_name(r: Record) -> str:
+    """``proj's input``: the GEMM operand a float8 cast made, by its module (``value`` when not known)."""
+    c = r.cast
+    what = _OPERANDS.get(c.gemm_input or "", "value") if c is not None else "value"
+    return f"{cut(label(r.module))}'s {what}"
+
+
+def share(n: int, of: int) -> str:
+    """``94%`` of ``of``; a share under 1% with two digits (``0.2%``), none ``0%``."""
+    if not of or not n:
+        return "0%"
+    p = 100 * n / of
+    return f"{p:.0f}%" if p >= 1 else f"{p:.2g}%"
+
+
+def _scale_text(lo: float | None, hi: float | None) -> str:
+    if lo is None or hi is None:
+        return "-"
+    return num(lo) if lo == hi else f"{num(lo)} to {num(hi)}"
+
+
+def cast_sentence(r: Record) -> list[Span]:
+    """``proj's input lost 94% of its values to zero in its float8 cast (float8_e4m3fn, tensorwise scale 0.01367
+    from amax 3.277e+04)``."""
+    c = r.cast
+    if c is None:
+        return []
+    what = _OPERANDS.get(c.gemm_input or "", "value")
+    lost = []
+    if c.zeros and (c.zero_share >= c.STORY_SHARE or c.saturated_share < c.STORY_SHARE):
+        lost.append(f"lost {share(c.zeros, c.numel)} of its values to zero")
+    if c.saturated_share >= c.STORY_SHARE:
+        lost.append(f"had {share(c.saturated, c.numel)} at the format's maximum ({num(c.format_max)})")
+    how = [cut(c.format)]  # a report's words, read from a file: bounded like a name
+    scale = _scale_text(c.scale_min, c.scale_max)
+    if scale != "-" or c.recipe:
+        how.append(" ".join(x for x in (cut(c.recipe or ""), "scale", None if scale == "-" else scale) if x))
+    if c.amax is not None:
+        how[-1] += f" from amax {num(c.amax)}"
+    return [Span(label(r.module), r.module is not None),
+            Span(f"'s {what} {' and '.join(lost) or 'lost nothing'} in its float8 cast ({', '.join(how)})")]
+
+
+def cast_rows(occ: Occurrence) -> list[tuple[str, ...]]:
+    """The casts :attr:`Occurrence.casts` names, one row each."""
+    rows: list[tuple[str, ...]] = []
+    for r in occ.casts:
+        c = r.cast
+        if c is None:
+            continue
+        rows.append((operand_name(r), r.phase.value, cut(c.format), cut(c.recipe or "-"), num(c.amax),
+                     _scale_text(c.scale_min, c.scale_max), f"{c.zeros} of {c.numel} ({share(c.zeros, c.numel)})",
+                     f"{c.saturated} ({share(c.saturated, c.numel)})"))
+    return rows

@@ -75,6 +75,16 @@ def _stats_table(occ: Occurrence) -> Table:
     return t
 
 
+def _casts_table(occ: Occurrence) -> Table:
+    t = Table(title=_c.CASTS_TITLE.lower(), title_justify="left", padding=(0, 1), box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True, show_edge=False)
+    for col in _c.CAST_COLUMNS:
+        t.add_column(col, justify="right" if col in ("amax", "scale", "to zero", "at max") else "left")
+    for row in _c.cast_rows(occ):
+        t.add_row(_m(cut(row[0])), *(_m(cell) for cell in row[1:]))
+    return t
+
+
 def _tree(report: Report) -> Tree | None:
     if not report.modules:
         return None
@@ -122,6 +132,8 @@ def render(report: Report) -> RenderableType:
         note = _c.tensor_note(occ)
         if note is not None:
             parts.append(_t(note, style="dim"))
+        if occ.casts:
+            parts.append(_casts_table(occ))
     if report.path:
         path = Text("propagation: ", style="bold")
         for i, r in enumerate(report.path[:12]):

@@ -221,7 +221,19 @@ def _birth_sections(occ: Occurrence) -> list[str]:
     return [f"<section><h2>{c.BORN_TITLE}</h2>", _kv(rows), "</section>",
             f"<section><h2>{c.TENSORS_TITLE}</h2>", _tensor_table(occ),
             '<p class="dim">headroom: how many times larger the largest value could grow before its dtype '
-            "overflows (65504 for float16)." + ("" if note is None else f" {_e(note)}") + "</p></section>"]
+            "overflows (65504 for float16)." + ("" if note is None else f" {_e(note)}") + "</p></section>",
+            *_casts_section(occ)]
+
+
+def _casts_section(occ: Occurrence) -> list[str]:
+    """The float8 casts that fed the op and lost values (none: no section)."""
+    if not occ.casts:
+        return []
+    head = "".join(f'<th class="{"num" if i >= 4 else ""}">{_e(h)}</th>' for i, h in enumerate(c.CAST_COLUMNS))
+    body = "".join("<tr>" + "".join(f'<td class="{"num" if i >= 4 else ""}">{_e(cell)}</td>'
+                                    for i, cell in enumerate(row)) + "</tr>" for row in c.cast_rows(occ))
+    return [f"<section><h2>{_e(c.CASTS_TITLE)}</h2>",
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"]
 
 
 def _headroom(h: HeadroomHistory) -> list[str]:

@@ -137,6 +137,21 @@ def _title(report: Report) -> str:
     return "nanhunt: non-finite step"
 
 
+def _birth(occ: Occurrence) -> list[str]:
+    """Where the first non-finite value was born, the op's tensors against their limits, the float8 casts that
+    fed it."""
+    out = ["", f"#### {c.BORN_TITLE}", ""]
+    out += [f"- **{escape(k)}:** {_spans(v)}" for k, v in c.birth_rows(occ)]
+    out += ["", f"#### {c.TENSORS_TITLE}", ""]
+    out.append(_table(c.TENSOR_COLUMNS, c.tensor_rows(occ), right_from=3))
+    note = c.tensor_note(occ)
+    if note is not None:
+        out += ["", escape(note)]
+    if occ.casts:
+        out += ["", f"#### {c.CASTS_TITLE}", "", _table(c.CAST_COLUMNS, c.cast_rows(occ), right_from=4)]
+    return out
+
+
 def render(report: Report) -> str:
     if report.comparison is not None:
         return _render_comparison(report, report.comparison)
@@ -154,13 +169,7 @@ def render(report: Report) -> str:
         out += _headroom(report.headroom)
     occ = report.first
     if occ is not None:
-        out += ["", f"#### {c.BORN_TITLE}", ""]
-        out += [f"- **{escape(k)}:** {_spans(v)}" for k, v in c.birth_rows(occ)]
-        out += ["", f"#### {c.TENSORS_TITLE}", ""]
-        out.append(_table(c.TENSOR_COLUMNS, c.tensor_rows(occ), right_from=3))
-        note = c.tensor_note(occ)
-        if note is not None:
-            out += ["", escape(note)]
+        out += _birth(occ)
     if report.path:
         items = [f"{i + 1}. {_spans(c.path_label(r))}" for i, r in enumerate(report.path[:_PATH_SHOWN])]
         if len(report.path) > _PATH_SHOWN:

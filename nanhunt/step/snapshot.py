@@ -18,7 +18,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from .._util._dispatch import foreach_copy, fsdp_fresh_buffers, fsdp_modules
+from .._util._dispatch import foreach_copy, fsdp_fresh_buffers, fsdp_modules, is_plain
+from .._util._subclass import subclass_clone, subclass_copy
 from .._util._errors import InputError
 from .._util._interrupt import atomic, deferred_interrupts
 from ..tracing._tensors import storage_key
@@ -152,7 +153,10 @@ class StepState:
             return slot
         mode = self.snapshot
         to_host = mode == "host" or (mode != "memory" and t.device.type not in ("cpu", "meta"))
-        # a tensor subclass (a DTensor shard) is copied as it is: its copy_ takes no plain host tensor
+        # a tensor subclass (a DTensor shard, an NF4 weight) is copied as it is, its copy_ taking no plain host
+        # tensor: rebuilt from copies of its inner tensors (exact), else through its own clone
+        if t.__class__ is not torch.Tensor and not is_plain(t):
+            return subclass_clone(t)
         if not to_host or t.__class__ is not torch.Tensor or t.device.type == "meta":
             return t.clone()
         pin = t.device.type == "cuda"
@@ -564,8 +568,10 @@ def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             if d.__class__ is torch.Tensor and s.__class__ is torch.Tensor and d.device == s.device:
                 same[0].append(d)
                 same[1].append(s)
-            else:
+            elif is_plain(d) and is_plain(s):
                 d.copy_(s, non_blocking=True)  # a host copy is pinned or on the CPU and never changes
+            else:
+                subclass_copy(d, s)  # its own copy_, or inner tensor into inner tensor
         if same[0]:
             foreach_copy(*same)
 

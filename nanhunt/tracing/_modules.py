@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._util import _dispatch
+from .._util._subclass import parts
 from ._ops import OpRecorder
 from ._phases import PhaseTracker
 from ._records_store import Raw, RecordStore
@@ -114,6 +115,9 @@ class ModuleHooks:
                     if role is Role.BUFFER and _dispatch.keeps_running_stats(mod):
                         store.not_masks.add(idx)  # running statistics: a -inf there is no mask
                     store.known[t] = (idx, _version(t))
+                    if not _dispatch.is_plain(t):  # an NF4 weight: its parts are read as its values
+                        for part in parts(t):
+                            store.known[part] = (idx, _version(part))
                     owners[t] = name
                     direct.append(idx)
                     if role is Role.PARAM and t.requires_grad:
@@ -282,7 +286,7 @@ class ModuleHooks:
             ent = store.known.get(g)
             if ent is not None and ent[1] == _version(g):
                 raw = Raw(Phase.BACKWARD, owner, 0, None, Role.GRAD, g, (int(ent[0]),), None, alias_of=int(ent[0]))
-            elif ent is None and self.level == Level.MODULE and _dispatch.local_tensor(g) is not g:
+            elif ent is None and self.level == Level.MODULE and _dispatch.is_dtensor(g):
                 # A sharded (FSDP2) gradient: its hook runs after the reduce-scatter that summed every rank's
                 # part, which module level does not record, so it cannot tell this rank's part from the others'
                 # and does not call it an origin here (level="op" records the collective and tells them apart).

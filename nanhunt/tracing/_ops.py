@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from .._util import _dispatch
+from ._casts import FLOAT8, measure_cast, note_operand, wrapper_links
 from ._phases import NodeContext, PhaseTracker
 from ._records_store import EXACT_CASTS, EXACT_DTYPES, STALE, Raw, RecordStore, Source
 from ._tensors import FLOATISH, MAX_NEST, floatish, input_shapes, storage_key, tensors
+from .._util._subclass import subclass_clone
 from .._util._tree import map_tensors
 from ._watch import NOT_USER, OriginWatch
 from .locate import FACTORS, factor_negative
@@ -286,6 +288,8 @@ class OpRecorder:
         fused = _fused_inputs(args, out, kd) if info.fused else None
         # a negative factor (add's alpha, mul by -2) may turn a -inf input into +inf: said to the origin rule
         negated = info.name in FACTORS and factor_negative(info.name, args, kwargs)
+        # a cast to float8 (torchao's float8 training): what it lost is measured from its input and output
+        cast_from = _cast_source(info, args) if info.copy_of is not None and outs[0].dtype in FLOAT8 else None
         for o in outs:
             oid = id(o)
             alias = copy_of if copy_of is not None and o.dtype in EXACT_DTYPES else None
@@ -297,6 +301,9 @@ class OpRecorder:
             idx = store.add(raw, o)
             if negated:
                 store.negated.add(idx)
+            if cast_from is not None and o.dtype in FLOAT8 and (cast := measure_cast(cast_from, o)) is not None:
+                raw.cast = cast
+                store.casts.append(cast)
             if idx in self._zoom:
                 raw.in_shapes = input_shapes(args, kwargs)
             # A view shares its base's version counter, but only once this mode has returned.
@@ -467,6 +474,11 @@ class OpRecorder:
                 role = Role.UNWRITTEN
                 links = (prior, *writes_since)
             raw = Raw(phase, module, call, None, role, t, links, None)
+        elif not _dispatch.is_plain(t) and (links := wrapper_links(t, self._known)):
+            # A tensor subclass made from values the trace knows, by no op (a float8 wrapper of a cast's data
+            # and its scale): those values are its inputs. Its values are what it stands for.
+            raw = Raw(phase, module, call, None, Role.OUTPUT, t, links, None)
+            note_operand(t, store.raws, self._known)
         elif self._draining is not None:
             # Read by a collective's own wait: a buffer of the collective's, holding what arrived (whatever
             # an earlier, freed tensor at its address was).
@@ -529,6 +541,14 @@ _OVERWRITES = frozenset(f"aten::{n}" for n in (
     "exponential_", "geometric_", "cauchy_", "log_normal_", "fill_diagonal_", "slice_scatter", "select_scatter"))
 
 
+def _cast_source(info: _dispatch.OpInfo, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The tensor a copy op casts from (``_to_copy``'s input, ``copy_``'s source), when it is not float8."""
+    if info.copy_of is None:
+        return None
+    src = args[1] if info.write_only_args and len(args) > 1 else args[0] if args else None
+    return src if isinstance(src, torch.Tensor) and src.dtype in FLOATISH and src.dtype not in FLOAT8 else None
+
+
 def _received_into(store: RecordStore, written: int | None) -> int | None:
     """The collective's record an unknown tensor holds the values of: the last write into its
     storage, or else the last record made, when a collective made it; else ``None``."""
@@ -585,8 +605,9 @@ def read_tensors(info: _dispatch.OpInfo, args: tuple[Any, ...], kwargs: dict[str
 
 
 def _cloned(obj: Any) -> Any:
-    """``obj`` with every tensor inside cloned (detached), containers kept."""
-    return map_tensors(obj, lambda t: t.detach().clone())
+    """``obj`` with every tensor inside cloned (detached), containers kept (a tensor subclass through its own clone
+    or its inner tensors)."""
+    return map_tensors(obj, lambda t: t.detach().clone() if _dispatch.is_plain(t) else subclass_clone(t.detach()))
 
 
 def _fused_inputs(args: tuple[Any, ...], out: Any, kd: dict[int, Any]) -> dict[int, tuple[int, ...]]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ._casts import PendingCast, cast_stats, read_casts
 from ._tensors import DTYPE_NAMES, TensorMap, storage_key
 from ..records import FullStats, Phase, RangeStats, Record, Role
 from .stats import PendingStats, full_stats
@@ -67,7 +68,8 @@ class Raw(RangeStats):
     a :class:`Record` is made only for what a user or a report looks at."""
 
     __slots__ = ("index", "phase", "module", "call_index", "op", "role", "dtype", "shape", "inputs", "source",
-                 "nonfinite_scalar", "alias_of", "full", "blank", "in_shapes", "min", "max", "constant")
+                 "nonfinite_scalar", "alias_of", "full", "blank", "in_shapes", "min", "max", "constant",
+                 "unmeasured", "cast")
 
     def __init__(
         self,
@@ -99,6 +101,9 @@ class Raw(RangeStats):
         self.blank = False  # uninitialised memory: no value to measure, counts as finite
         self.in_shapes: tuple[tuple[int, ...], ...] | None = None
         self.constant = False  # a tensor literal: its non-finite value counts as a scalar argument's
+        # a tensor subclass whose values could not be read: its class name (min/max 0, judged finite)
+        self.unmeasured: str | None = None
+        self.cast: PendingCast | None = None  # a float8 cast's output: what the cast lost (see _casts)
 
 
 class RecordStore:
@@ -113,7 +118,7 @@ class RecordStore:
     """
 
     __slots__ = ("raws", "pending", "zoom", "known", "kd", "writes", "fresh", "made", "last_loss", "not_masks",
-                 "negated", "index_uses", "checked", "classes", "root_outputs", "spans", "calls")
+                 "negated", "index_uses", "checked", "classes", "root_outputs", "spans", "calls", "casts")
 
     def __init__(self, zoom: Iterable[int] = ()) -> None:
         self.raws: list[Raw] = []
@@ -135,6 +140,7 @@ class RecordStore:
         self.root_outputs: set[int] = set()  # records the model returned
         self.spans: dict[int, int] = {}  # module level: a call's output record -> the call's first record
         self.calls: list[tuple[int, int, str, int]] = []  # module level: (start, end, module, call) per call
+        self.casts: list[PendingCast] = []  # the float8 casts measured (their counts read with the statistics)
 
     def add(self, raw: Raw, t: torch.Tensor) -> int:
         """Append ``raw``, the record of ``t``'s values now, and queue their statistics."""
@@ -142,8 +148,8 @@ class RecordStore:
         self.raws.append(raw)
         if raw.blank:
             self.pending.values[idx] = (0.0, 0.0)
-        elif raw.alias_of is None:
-            self.pending.add(idx, t)
+        elif raw.alias_of is None and not self.pending.add(idx, t):
+            raw.unmeasured = type(t).__name__
         if idx in self.zoom:
             raw.full = full_stats(t)
         if raw.phase is _LOSS:
@@ -159,6 +165,7 @@ class RecordStore:
     def read_back(self, start: int = 0) -> None:
         """Read every queued statistic back and put it on the records from ``start`` on."""
         self.fill(self.pending.read(), start)
+        read_casts(self.casts)
 
     def fill(self, values: dict[int, tuple[float, float]], start: int) -> None:
         """Put the read-back statistics on the raw records from ``start`` on (copies derived)."""
@@ -170,6 +177,7 @@ class RecordStore:
                 lo, hi = base.min, base.max
                 if base.dtype != r.dtype:
                     lo, hi = cast_pair(lo, hi, r.dtype)
+                r.unmeasured = base.unmeasured
             else:
                 lo, hi = values.get(i, (math.nan, math.nan))
             r.min, r.max = lo, hi
@@ -185,7 +193,8 @@ class RecordStore:
                 index=i, phase=r.phase, module=r.module, call_index=r.call_index, op=r.op, role=r.role,
                 dtype=r.dtype, shape=tuple(r.shape), min=r.min, max=r.max, inputs=r.inputs,
                 source=format_source(r.source), nonfinite_scalar=r.nonfinite_scalar, full=r.full,
-                input_shapes=r.in_shapes,
+                input_shapes=r.in_shapes, unmeasured=r.unmeasured,
+                cast=None if r.cast is None else cast_stats(r.cast, self.raws),
             )
         return rec
 

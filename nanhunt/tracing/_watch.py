@@ -35,6 +35,7 @@ from ._records_store import RecordStore
 from ._tensors import floatish, input_shapes, tensors
 from .locate import LocateResult, locate, origin_kind
 from ..records import Level, Occurrence
+from ._casts import with_casts
 from .stats import full_stats
 
 __all__ = ["OriginWatch", "WINDOW", "land"]
@@ -218,7 +219,7 @@ class OriginWatch:
         self.held = None  # a stop held when the block raised its own error: the full trace answers
         store.read_back()
         store.made.clear()  # phases may have changed since a stop_at_first check made some
-        return locate(
+        found = locate(
             store.raws,
             level=self.level,
             classes=store.classes,
@@ -232,6 +233,7 @@ class OriginWatch:
             negated=store.negated,
             sinks_seen=sinks_seen,
         )
+        return with_casts(found, store.raws, store.record) if store.casts else found
 
     def _measure_culprit(self, idx: int, new: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
                          outs: list[torch.Tensor]) -> None:

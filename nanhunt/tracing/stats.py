@@ -9,7 +9,9 @@ back once, the way GradScaler reads its found-inf flag once per step.
 Autocast never touches them: ``aminmax`` is on none of its lists, and the stacking
 (``stack``/``cat`` are on its "promote" list, which refuses float16 under a bfloat16
 autocast and bfloat16 under a float16 one) runs with autocast off. Complex tensors
-are measured on their real view (a NaN/Inf in either part shows), float8 in float32.
+are measured on their real view (a NaN/Inf in either part shows), float8 in float32. A tensor subclass
+(a DTensor, a float8 or NF4 tensor) is measured on the plain values it stands for (``_subclass``), or not at
+all when they cannot be read: its slot is in :attr:`PendingStats.unmeasured`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 
 import torch
 
-from .._util._dispatch import local_tensor, no_autocast
+from .._util._dispatch import no_autocast, plain_values
 from ..records import FullStats
 
 __all__ = ["PendingStats", "full_stats", "FP16_MAX", "BF16_MAX", "dtype_max", "dtype_tiny"]
@@ -55,24 +57,31 @@ class PendingStats:
                                                                    list[torch.Tensor]]] = {}
         self.values: dict[int, tuple[float, float]] = {}
 
-    def add(self, slot: int, t: torch.Tensor) -> None:
+    def add(self, slot: int, t: torch.Tensor) -> bool:
         """Queue the statistics of ``t`` under ``slot``; no host synchronisation. A DTensor is
-        measured on this rank's shard (no collective)."""
+        measured on this rank's shard (no collective). False: ``t``'s values cannot be read (a
+        tensor subclass that offers no way to them); the slot reads (0, 0), judged finite."""
+        x = t
+        if x.__class__ is not _TENSOR:  # a subclass (a Parameter, a DTensor, a float8 tensor)
+            got = plain_values(x)
+            if got is None:
+                self.values[slot] = (0.0, 0.0)
+                return False
+            x = got
         # The stats must never join an autograd graph (inside the dispatch mode tensors are
         # below autograd already; detach costs ~20 us, so only when needed).
-        x = t.detach() if t.requires_grad else t
-        if x.__class__ is not _TENSOR:  # a subclass (a Parameter, a DTensor)
-            x = local_tensor(x)
+        if x.requires_grad:
+            x = x.detach()
         if not x.numel():
             self.values[slot] = (0.0, 0.0)
-            return
-        dtype = t.dtype
+            return True
+        dtype = x.dtype
         if dtype in _COMPLEX:  # NaN/Inf in either part: the real view holds both
             x = torch.view_as_real(x)
         elif dtype in _BYTE_FLOATS:  # float8 formats: no aminmax kernel; exact in float32
             x = x.float()
         lo, hi = torch.aminmax(x)
-        key = (t.device, dtype)
+        key = (x.device, dtype)
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = ([], [], [], [])
@@ -85,6 +94,7 @@ class PendingStats:
                 group[3].append(torch.stack([torch.stack(mins), torch.stack(maxs)]))
             mins.clear()
             maxs.clear()
+        return True
 
     def __len__(self) -> int:
         return sum(len(g[0]) for g in self._groups.values())
@@ -105,10 +115,13 @@ class PendingStats:
         return self.values
 
 
-def full_stats(t: torch.Tensor) -> FullStats:
-    """All counts for one tensor (a DTensor: this rank's shard). About 100x the cost of ``aminmax``:
-    use sparingly."""
-    x = local_tensor(t.detach())
+def full_stats(t: torch.Tensor) -> FullStats | None:
+    """All counts for one tensor (a DTensor: this rank's shard; a subclass: the values it stands for; None
+    when they cannot be read). About 100x the cost of ``aminmax``: use sparingly."""
+    x = plain_values(t)
+    if x is None:
+        return None
+    x = x.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     n = x.numel()
