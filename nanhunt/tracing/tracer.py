@@ -33,6 +33,7 @@ from ._modules import ModuleHooks
 from ._ops import OpRecorder
 from ._phases import PhaseTracker
 from ._records_store import RecordStore
+from ._restore import ModelState
 from ._records_store import cast_value as _cast_value  # noqa: F401  (tests import it from here)
 from ._scope import ScopeGate
 from ._watch import OriginWatch
@@ -42,6 +43,15 @@ from ..records import Level, Occurrence, Phase, Record, Role
 __all__ = ["trace", "Trace", "as_level"]
 
 _LEVELS = tuple(lv.value for lv in Level)
+
+
+def _debugging() -> bool:
+    """A debugger (pdb, ``breakpoint()``, an IDE's bdb-based one) is tracing this thread: the block ran at its
+    prompt."""
+    import sys
+
+    bdb = sys.modules.get("bdb")
+    return bdb is not None and isinstance(getattr(sys.gettrace(), "__self__", None), bdb.Bdb)
 
 
 def as_level(level: str) -> Level:
@@ -71,8 +81,11 @@ class Trace:
         scope: Iterable[str] = (),
         full_stats: bool = False,
         distributed: bool | None = None,
+        restore: bool = False,
     ) -> None:
         self.level = as_level(level)
+        self.restore = restore
+        self._saved: ModelState | None = None
         if isinstance(allow, str):
             allow = (allow,)
         if distributed and not _ranks.available():
@@ -151,12 +164,20 @@ class Trace:
             raise TraceStateError("this trace was already started; make a new nanhunt.trace(...) for each step")
         self._state = "running"
         try:
+            if self.restore:
+                self._saved = ModelState(self._model_ref() if self._model_ref is not None else None)
             self._start()
         except BaseException:
             self._teardown()
+            self._put_back()
             self._state = "failed"
             raise
         return self
+
+    def _put_back(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            saved.put_back()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         """Remove everything, then read the statistics back and locate. A failure of nanhunt's own
@@ -168,7 +189,10 @@ class Trace:
         held: NonFiniteError | None = None
         failure: BaseException | None = None
         try:
-            self._teardown()
+            try:
+                self._teardown()
+            finally:
+                self._put_back()  # restore=True: also when the block raised, or the teardown did
         except BaseException as e:
             failure = e
         if failure is None:
@@ -180,6 +204,12 @@ class Trace:
                 failure = e
         if failure is None:
             self._state = "done"
+            if not self.restore and exc is None and self._model_ref is not None and _debugging():
+                warnings.warn("nanhunt: this trace ran the step inside its block, at a debugger's prompt: its random "
+                              "draws and its gradients (and an optimizer step, if it ran one) are the script's now, "
+                              "so continuing runs the script's own step from there; nanhunt.trace(model, "
+                              "restore=True) puts the model and the generators back when the block exits",
+                              stacklevel=2)
             if held is not None:
                 raise held
             if self.compiled and exc is None and self.first is None:
@@ -389,6 +419,7 @@ def trace(
     scope: Iterable[str] = (),
     full_stats: bool = False,
     distributed: bool | None = None,
+    restore: bool = False,
 ) -> Trace:
     """Observe everything run inside the block and find where the first NaN/Inf was born.
 
@@ -426,6 +457,12 @@ def trace(
             exits (one ``all_gather_object``: every rank must leave its block) and ``first_rank``,
             ``ranks`` and ``rank_summary`` name the rank whose origin came first. A value that
             arrived through a collective is never an origin (``received``, ``received_note``).
+        restore: put back, when the block exits (also on an exception), what the step run inside it changed:
+            the random generators (torch's CPU and CUDA ones, Python's, NumPy's), and the model's parameters,
+            their ``.grad`` and its buffers. For tracing a step at a ``breakpoint()``: continuing the script then
+            runs its own step from the state it was about to run from. The optimizer's and the GradScaler's state
+            are not the model's and are not put back (leave ``optimizer.step()`` out of the block, or use
+            :func:`nanhunt.replay`, which restores them too). Costs a copy of the model while the block runs.
 
     Example::
 
@@ -436,4 +473,4 @@ def trace(
         print(t.first)   # e.g. NaN born in phase forward, module encoder.1.fc ...
     """
     return Trace(model, level=level, stop_at_first=stop_at_first, allow=allow, scope=scope, full_stats=full_stats,
-                 distributed=distributed)
+                 distributed=distributed, restore=restore)
