@@ -19,7 +19,7 @@ __all__ = ["Span", "num", "label", "limit_of", "headroom", "sentence", "verdict_
            "environment_rows", "birth_rows", "tensor_rows", "tensor_levels", "tensor_note", "TENSOR_COLUMNS",
            "repro_text", "occurrence_spans",
            "path_label", "ADVICE_TITLE", "ADVICE_INTRO", "GUARD_TITLE", "BORN_TITLE", "TENSORS_TITLE", "PATH_TITLE",
-           "BISECTION_TITLE", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
+           "BISECTION_TITLE", "bisection_title", "SCALER_TITLE", "ENVIRONMENT_TITLE", "REPRODUCE_TITLE", "guard_rows", "guard_text",
            "origin_alone", "HEADROOM_TITLE", "HEADROOM_COLUMNS", "headroom_intro", "headroom_rows",
            "headroom_warnings", "series_label", "limit_name", "HEADROOM_CAPTION", "NOT_MEASURED", "CASTS_TITLE",
            "CAST_COLUMNS", "cast_rows", "cast_sentence", "operand_name", "share"]
@@ -483,6 +483,13 @@ BORN_TITLE = "Where it was born"
 TENSORS_TITLE = "The op's tensors against their dtype's limits"
 PATH_TITLE = "Propagation path"
 BISECTION_TITLE = "Bisection by local float32"
+FLOAT8_BISECTION_TITLE = "Bisection by taking layers out of float8"
+
+
+def bisection_title(report: Report) -> str:
+    """The bisection section's title: what its trials changed (local float32, or layers taken out of float8)."""
+    v = report.verdict
+    return FLOAT8_BISECTION_TITLE if v is not None and v.kind == VerdictKind.FLOAT8_INDUCED else BISECTION_TITLE
 SCALER_TITLE = "GradScaler"
 ENVIRONMENT_TITLE = "Environment"
 REPRODUCE_TITLE = "Reproduce"

@@ -268,7 +268,7 @@ def _step_picture(png: bytes) -> list[str]:
 def _bisection(report: Report) -> list[str]:
     """The bisection by local float32: the verdict, the alternatives tried and the suggested fix."""
     v = report.verdict
-    parts = [f"<section><h2>{c.BISECTION_TITLE}</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
+    parts = [f"<section><h2>{c.bisection_title(report)}</h2>", f"<p>{_spans(c.verdict_text(report))}</p>"]
     alone = None if v is None else c.origin_alone(v)
     if alone is not None:
         parts.append(f"<p>{_e(alone[0])}: <b>{alone[1]}</b>.</p>")

@@ -177,7 +177,7 @@ def render(report: Report) -> str:
         out += ["", f"#### {c.PATH_TITLE}", "", _details(f"{len(report.path)} records, from the origin to the "
                                                            "loss and the gradients", "\n".join(items))]
     if report.status != Status.CLEAN or report.verdict is not None:
-        out += ["", f"#### {c.BISECTION_TITLE}", "", _spans(c.verdict_text(report))]
+        out += ["", f"#### {c.bisection_title(report)}", "", _spans(c.verdict_text(report))]
         v = report.verdict
         alone = None if v is None else c.origin_alone(v)
         if alone is not None:

@@ -193,3 +193,16 @@ def test_float8_verdict_round_trips_through_json_and_reads_in_reports() -> None:
     assert "Float8-induced: running `proj` as nn.Linear on the same weights, out of float8, makes the step finite " \
            "(confirmed;" in md
     assert "With the rowwise recipe (a scale per row) instead, the step is finite too" in md
+
+
+def test_the_bisection_section_says_what_its_trials_changed() -> None:
+    # a float8-induced verdict's section is titled for what the trials did (layers taken out of float8), every
+    # other verdict's for local float32
+    from nanhunt.records import Report, Verdict, VerdictKind
+    from nanhunt.report import html, markdown
+
+    f8 = Report(status="nonfinite", first=None, verdict=Verdict(kind=VerdictKind.FLOAT8_INDUCED, culprits=("proj",)))
+    fp = Report(status="nonfinite", first=None, verdict=Verdict(kind=VerdictKind.PRECISION, culprits=("fc",)))
+    assert "#### Bisection by taking layers out of float8" in markdown.render(f8)
+    assert "<h2>Bisection by taking layers out of float8</h2>" in html.render(f8)
+    assert "#### Bisection by local float32" in markdown.render(fp)
