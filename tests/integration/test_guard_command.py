@@ -113,8 +113,10 @@ def test_a_local_module_and_a_plain_function_are_confirmed_in_the_command(tmp_pa
     # GIVEN the model class in model.py beside the script (not installed) and the loss a plain function there
     (tmp_path / "model.py").write_text("import torch\nfrom torch import nn\nEPS = 1e-6\n" + NET + LOSS)
     event = _train(tmp_path, imports="from model import Net, my_loss", definitions="", loss="my_loss")
-    # THEN both need a confirmation, and the command carries them
-    assert event["command"].endswith(" --model model:Net --loss model:my_loss"), event["command"]
+    # THEN both need a confirmation, and the command carries them, the module named by its file (so that the
+    # command works pasted in another directory, where `model` is no importable name)
+    module = tmp_path / "model.py"
+    assert event["command"].endswith(f" --model {module}:Net --loss {module}:my_loss"), event["command"]
     proc = _run_as_printed(event["command"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[0] == "Inf born in phase forward, in fc1 (Linear, call 0) at aten::_to_copy."
