@@ -26,9 +26,11 @@ class CompareCommand:
         p.add_argument("--model", metavar="PKG.MOD:FACTORY", help="how to build the model (required for plain state_dicts)")
         p.add_argument("--loss", metavar="PKG.MOD:FN", help="loss function called as fn(output, targets)")
         name_options(p)
-        p.add_argument("--dtype", type=_dtypes, metavar="float16[,bfloat16]",
-                       help="autocast dtype(s), comma-separated: each is compared against one float32 reference "
-                            "(default: the capture's, else float16)")
+        p.add_argument("--dtype", type=_dtypes, metavar="float16[,bfloat16][,float8]",
+                       help="autocast dtype(s), comma-separated: each is compared against one float32 reference; "
+                            "float8: the model's torchao float8 layers in float8, as they ran (the other runs take "
+                            "them out of float8) (default: float8,bfloat16 for a model with float8 layers, else the "
+                            "capture's dtype, else float16)")
         p.add_argument("--task", choices=("classify", "regress", "none"),
                        help="classify: top-1 class per sample, flips, near-boundary samples, accuracy; regress: error "
                             "per sample, extremes, mse and max error (default none)")
@@ -69,6 +71,7 @@ class CompareCommand:
         from ..capture.capture import load_step
         from ..comparison._inputs import batch_files, load_set, rule_given
         from ..comparison.engine import History, compare, settle_rule
+        from ..comparison._variant import FLOAT8, asked, float8_autocast
         from ..report import renderer_for, write
         from ..report.console import render_comparison
 
@@ -88,13 +91,16 @@ class CompareCommand:
         step = load_step(
             args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
             trust_names=tuple(args.trust_names), device=args.device,
-            dtype=args.dtype[0] if args.dtype else None, train=args.train, trust_pickle=args.trust_pickle,
+            # with float8 asked, the step keeps the capture's autocast dtype: the float8 run's, as it ran
+            dtype=None if not args.dtype or FLOAT8 in args.dtype else args.dtype[0], train=args.train,
+            trust_pickle=args.trust_pickle,
             eager=True,
         )
         for n in step.notes:
             print(visible(f"warning: {n}"), file=sys.stderr)
-        # A capture taken in float32 has no autocast dtype to compare: float16 then.
-        dtype = args.dtype or ["float16" if dtype_name(step.dtype) == "float32" else dtype_name(step.dtype)]
+        # float8 is refused here, in one line, for a model without float8 layers; a capture taken in float32 has
+        # no autocast dtype to compare: float16 then (a float8 model: its float8 layers and bfloat16)
+        dtype = asked(args.dtype, step.model, step.dtype)
         batches = load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
         # Fixed before the run: printed (stderr: stdout starts with the verdict) and hashed into the report.
         print(visible(f"rule (fixed before the run): {rule.canonical()}"), file=sys.stderr)
@@ -107,6 +113,7 @@ class CompareCommand:
                 step.model, None if is_set else (step.inputs, step.targets), batches=batches, loss_fn=step.loss_fn,
                 dtype=dtype, device_type=step.device_type, rule=rule, metric=args.metric, speed=args.speed or 0,
                 scaler=step.scaler, train=args.train, rng=step.rng, command=command_line(), notes=step.notes,
+                float8_autocast=float8_autocast(step.dtype),
             )
         except NanhuntError:
             raise
@@ -122,10 +129,11 @@ class CompareCommand:
 
 
 def _dtypes(text: str) -> list[str]:
-    """``--dtype float16,bfloat16``: one or more autocast dtypes, each once."""
-    names = [dtype_name(t.strip()) for t in text.split(",")]
-    if not names or any(n not in ("float16", "bfloat16") for n in names) or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r}: give float16, bfloat16 or both (float16,bfloat16)")
+    """``--dtype float16,bfloat16``: one or more autocast dtypes (or float8), each once."""
+    names = [t.strip().lower() if t.strip().lower() == "float8" else dtype_name(t.strip()) for t in text.split(",")]
+    if not names or any(n not in ("float16", "bfloat16", "float8") for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give float16, bfloat16, float8 or several, each once "
+                                         "(float8,bfloat16)")
     return names
 
 

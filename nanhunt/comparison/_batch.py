@@ -15,6 +15,7 @@ from ..records import Comparison, Decision, Quality, Regression, Rule, TensorDif
 from ._defaults import _Rule, _WORST
 from ._measure import _classify, _compare_modules, _measure, _regress
 from ._record import _Run, _first_nonfinite
+from ._variant import Variant
 from ._rule import _Scored, _judge, _nonfinite_rows, _quality, _score, _targets_cpu, _user_metric
 
 
@@ -23,9 +24,10 @@ from ._rule import _Scored, _judge, _nonfinite_rows, _quality, _score, _targets_
 
 @dataclass
 class _Candidate:
-    """One autocast dtype: its tolerances and the rule fields of its comparisons."""
+    """One run compared (an autocast dtype, or float8 layers in float8): its tolerances and the rule fields of its
+    comparisons."""
 
-    dt: torch.dtype
+    variant: Variant
     name: str
     rtol: float
     atol: float
@@ -35,17 +37,21 @@ class _Candidate:
     scored: list[_Scored | None] = field(default_factory=list)
     outputs: list[tuple[torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)  # for a user metric
 
+    @property
+    def run(self) -> str:
+        return self.variant.run_name()
+
 
 def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats: Sequence[torch.Tensor],
                    name: str, targets: Any, ref_allowed: Sequence[str], scale: float,
                    metric_fn: Callable[..., Any] | None, need_quality: bool) -> Comparison:
     """The autocast run of one batch against its reference: errors, decisions, quality, the rule on it alone."""
-    rtol, atol, limit = cand.rtol, cand.atol, cand.limit
+    rtol, atol, limit, rows = cand.rtol, cand.atol, cand.limit, cand.header["per_row"]
     task = rule.task
     amp_loss = float(amp.loss.double().sum())
     amp_bad, amp_allowed = _first_nonfinite(amp, floats, rule.allow_nonfinite)
-    modules, ranking, unmatched = _compare_modules(ref, amp, rtol=rtol, atol=atol, limit=limit)
-    loss_diff = _measure([ref.loss], [amp.loss], rtol, atol).diff(name="<loss>", kind="loss", limit=limit,
+    modules, ranking, unmatched = _compare_modules(ref, amp, rtol=rtol, atol=atol, limit=limit, per_row=rows)
+    loss_diff = _measure([ref.loss], [amp.loss], rtol, atol, rows).diff(name="<loss>", kind="loss", limit=limit,
                                                                   dtype="float32", shape=tuple(ref.loss.shape))
     grads: list[TensorDiff] = []
     for g_name, g in ref.grads.items():
@@ -53,7 +59,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
         if ag is None:
             unmatched.append(f"gradient of {g_name} (float32 run only)")
             continue
-        grads.append(_measure([g], [ag], rtol, atol).diff(name=g_name, kind="grad", limit=limit, dtype="float32",
+        grads.append(_measure([g], [ag], rtol, atol, rows).diff(name=g_name, kind="grad", limit=limit, dtype="float32",
                                                          shape=tuple(g.shape)))
     unmatched += [f"gradient of {n} (autocast run only)" for n in amp.grads if n not in ref.grads]
 
@@ -64,7 +70,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
     decisions: tuple[Decision, ...] = ()
     regression: Regression | None = None
     if ref.output is not None and amp.output is not None:
-        output = _measure([ref.output], [amp.output], rtol, atol).diff(
+        output = _measure([ref.output], [amp.output], rtol, atol, rows).diff(
             name="<output>", kind="output", limit=limit, dtype=amp.output_dtype, shape=tuple(ref.output.shape))
     usable = ref.output is not None and amp.output is not None and ref.output.ndim > 0 \
         and ref.output.shape == amp.output.shape
@@ -103,11 +109,11 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
         return f"{name}:{i}" if name else str(i)
 
     worse = [sample(i) for i in quality.worse] if quality is not None else []
-    failures = _judge(rule, dtype=cand.name, ref_bad=None, amp_bad=amp_bad,
+    failures = _judge(rule, run=cand.run, ref_bad=None, amp_bad=amp_bad,
                       amp_rows=[sample(i) for i in nonfinite] if amp_bad else [],
                       flipped=[sample(i) for i in flipped], max_flips=rule.max_flips, task=task, output=output,
                       loss=loss_diff, quality=quality, worse=worse)
-    allowed = [f"float32 reference: {w}" for w in ref_allowed] + [f"autocast {cand.name}: {w}" for w in amp_allowed]
+    allowed = [f"float32 reference: {w}" for w in ref_allowed] + [f"{cand.run}: {w}" for w in amp_allowed]
     return Comparison(
         **cand.header, accepted=not failures, violations=tuple(f.message for f in failures), reference_finite=True,
         amp_finite=amp_bad is None, amp_first_nonfinite=amp_bad, ref_loss=float(ref.loss.double().sum()),
@@ -119,7 +125,7 @@ def _compare_batch(ref: _Run, amp: _Run, cand: _Candidate, rule: Rule, *, floats
 
 
 def _reference_failed(cand: _Candidate, rule: Rule, *, name: str, ref_bad: str, ref_loss: float) -> Comparison:
-    failures = _judge(rule, dtype=cand.name, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[], max_flips=0,
+    failures = _judge(rule, run=cand.run, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[], max_flips=0,
                       task=rule.task, output=None, loss=None, quality=None, worse=[])
     cand.scored.append(None)
     return Comparison(**cand.header, accepted=False, violations=tuple(f.message for f in failures),
@@ -236,12 +242,12 @@ def _total(cand: _Candidate, rule: Rule, metric_fn: Callable[..., Any] | None) -
     loss_mean = [b.ref_loss for b in bs if b.ref_loss is not None]
     amp_mean = [b.amp_loss for b in done if b.amp_loss is not None]
     amp_rows = [f for b in done for x in b.failures if x.clause == "amp_finite" for f in x.samples]
-    failures = _judge(rule, dtype=cand.name, ref_bad=None, amp_bad=amp_bad, amp_rows=amp_rows,
+    failures = _judge(rule, run=cand.run, ref_bad=None, amp_bad=amp_bad, amp_rows=amp_rows,
                       flipped=[sample(i) for i in flipped], max_flips=rule.max_flips, task=rule.task,
                       output=_merge(outputs) if outputs else None, loss=_merge(losses) if losses else None,
                       quality=quality, worse=[sample(i) for i in quality.worse] if quality is not None else [])
     if ref_bad is not None:
-        failures = _judge(rule, dtype=cand.name, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[],
+        failures = _judge(rule, run=cand.run, ref_bad=ref_bad, amp_bad=None, amp_rows=[], flipped=[],
                           max_flips=0, task=rule.task, output=None, loss=None, quality=None, worse=[]) + failures
     return Comparison(
         **cand.header, accepted=not failures, violations=tuple(f.message for f in failures),

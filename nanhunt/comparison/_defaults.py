@@ -29,6 +29,8 @@ class _Rule(TypedDict):
     max_flips: int
     fail_on_tolerance: bool
     tie_rule: str
+    variant: str
+    per_row: bool
 
 
 def default_tolerances(dtype: torch.dtype) -> tuple[float, float]:

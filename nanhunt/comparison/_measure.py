@@ -31,7 +31,7 @@ class _Measure:
     amp_nonfinite: int = 0
     shape_mismatch: bool = False
 
-    def add(self, ref: torch.Tensor, amp: torch.Tensor, rtol: float, atol: float) -> None:
+    def add(self, ref: torch.Tensor, amp: torch.Tensor, rtol: float, atol: float, per_row: bool = False) -> None:
         if ref.shape != amp.shape:
             self.shape_mismatch = True
             return
@@ -55,7 +55,7 @@ class _Measure:
             max_abs = float(d.max())
             rel_mask = both & (ar > atol)
             max_rel = float((d[rel_mask] / ar[rel_mask]).max()) if bool(rel_mask.any()) else 0.0
-            scaled = max_abs / max(ref_absmax, atol)
+            scaled = _row_scaled(d, ar, fr, ref.shape, atol) if per_row else max_abs / max(ref_absmax, atol)
         self.max_abs = max(self.max_abs, max_abs)
         self.max_rel = max(self.max_rel, max_rel)
         self.scaled = max(self.scaled, scaled)
@@ -81,12 +81,23 @@ class _Measure:
         )
 
 
-def _measure(refs: Sequence[torch.Tensor], amps: Sequence[torch.Tensor], rtol: float, atol: float) -> _Measure:
+def _row_scaled(d: torch.Tensor, ar: torch.Tensor, fr: torch.Tensor, shape: torch.Size, atol: float) -> float:
+    """The largest error of a row (a vector along the last dimension; a tensor of fewer than 2 dimensions is one
+    row) as a fraction of that row's own largest magnitude: a row sent to zero while another row is large has
+    error 1, where the tensor's own largest magnitude would hide it."""
+    width = shape[-1] if len(shape) >= 2 else d.numel()
+    rows_d = d.reshape(-1, width).amax(dim=1)
+    rows_r = torch.where(fr, ar, torch.zeros_like(ar)).reshape(-1, width).amax(dim=1)
+    return float((rows_d / rows_r.clamp(min=atol)).max())
+
+
+def _measure(refs: Sequence[torch.Tensor], amps: Sequence[torch.Tensor], rtol: float, atol: float,
+             per_row: bool = False) -> _Measure:
     m = _Measure()
     if len(refs) != len(amps):
         m.shape_mismatch = True
     for r, a in zip(refs, amps):
-        m.add(r, a, rtol, atol)
+        m.add(r, a, rtol, atol, per_row)
     return m
 
 
@@ -109,7 +120,7 @@ def _introduced(gains: list[float], parents: list[int | None]) -> list[float]:
     return out
 
 
-def _compare_modules(ref: _Run, amp: _Run, *, rtol: float, atol: float, limit: float
+def _compare_modules(ref: _Run, amp: _Run, *, rtol: float, atol: float, limit: float, per_row: bool = False
                      ) -> tuple[list[TensorDiff], tuple[int, ...], list[str]]:
     amp_calls = {(c.name, c.call_index): c for c in amp.calls if c.outputs is not None}
     unmatched: list[str] = []
@@ -128,8 +139,8 @@ def _compare_modules(ref: _Run, amp: _Run, *, rtol: float, atol: float, limit: f
     parents: list[int | None] = []
     for rc, ac in matched:
         assert rc.outputs is not None and ac.outputs is not None
-        m_in = _measure(rc.inputs, ac.inputs, rtol, atol)
-        m_out = _measure(rc.outputs, ac.outputs, rtol, atol)
+        m_in = _measure(rc.inputs, ac.inputs, rtol, atol, per_row)
+        m_out = _measure(rc.outputs, ac.outputs, rtol, atol, per_row)
         if m_in.shape_mismatch or m_out.shape_mismatch:
             unmatched.append(f"module call {rc.name or '<root>'}#{rc.call_index} (tensors differ in number or shape)")
         diffs.append(m_out.diff(name=rc.name, kind="module", call_index=rc.call_index, module_class=rc.module_class,

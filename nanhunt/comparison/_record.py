@@ -175,16 +175,17 @@ def _run(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any
     return _Run(rec.calls, copies[0] if copies else None, dtypes[0] if dtypes else "", loss_copy, grads, weights_bad)
 
 
-def _absorbed(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None, *, dtype: torch.dtype,
-              device_type: str, scale: float, allow: Sequence[str]) -> tuple[str, ...]:
+def _absorbed(model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., Any] | None, *,
+              dtype: torch.dtype | None, device_type: str, scale: float, allow: Sequence[str]) -> tuple[str, ...]:
     """The autocast step once more, traced op by op: its silent origins (a non-finite value born and absorbed before
     the loss and the gradients, as a hand-written RMSNorm's float16 square of a large value: rsqrt(Inf) = 0), one
     line each. Module-level copies cannot see them: every value entering and leaving a module is finite. Harmless
-    origins (feeding only indices) and those inside modules the rule allows are left out."""
+    origins (feeding only indices) and those inside modules the rule allows are left out. ``dtype`` None: autocast
+    off (a float8 run without autocast)."""
     from ..hunt.pipeline import _line_text
 
     with Trace(model, level=Level.OP) as t:
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
             out = _call_model(model, inputs)
             loss = _loss_of(out, targets, loss_fn)
         if loss.requires_grad:

@@ -193,17 +193,18 @@ def _samples_text(ids: Sequence[str]) -> str:
     return f"sample{'s' if len(ids) != 1 else ''} {head}"
 
 
-def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, amp_rows: Sequence[str],
+def _judge(rule: Rule, *, run: str, ref_bad: str | None, amp_bad: str | None, amp_rows: Sequence[str],
            flipped: Sequence[str], max_flips: int, task: str, output: TensorDiff | None, loss: TensorDiff | None,
            quality: Quality | None, worse: Sequence[str]) -> list[Failure]:
-    """The clauses of the rule that the measurements fail, in the rule's order (one :class:`Failure` each)."""
+    """The clauses of the rule that the measurements fail, in the rule's order (one :class:`Failure` each);
+    ``run`` names the compared run (``"autocast float16"``)."""
     out: list[Failure] = []
     if ref_bad is not None:
         out.append(Failure("reference_finite", f"the float32 reference is non-finite, first at {ref_bad}: not a "
                            "precision finding; fix the float32 step first (nanhunt replay --dtype float32 names the op)"))
         return out
     if amp_bad is not None:
-        text = f"the autocast {dtype} run is non-finite, first at {amp_bad}"
+        text = f"the {run} run is non-finite, first at {amp_bad}"
         if amp_rows:
             text += f"; non-finite output in {_samples_text(amp_rows)}"
         out.append(Failure("amp_finite", text, tuple(amp_rows)))
@@ -217,8 +218,8 @@ def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, 
                                                 f"(max abs error {d.max_abs:.3g}, max rel error {d.max_rel:.3g})"))
     if quality is not None:
         m = quality.metric
-        seen = f"{m} {quality.amp:.6g} under autocast {dtype} against {quality.ref:.6g} in float32"
-        which = f"; worse under autocast: {_samples_text(worse)}" if worse else ""
+        seen = f"{m} {quality.amp:.6g} {_under(run)} against {quality.ref:.6g} in float32"
+        which = f"; worse {_under(run, short=True)}: {_samples_text(worse)}" if worse else ""
         if rule.max_quality_drop is not None and not quality.drop() <= rule.max_quality_drop:  # NaN fails too
             out.append(Failure("max_quality_drop", f"{seen}: {quality.drop():.6g} worse (at most "
                                                    f"{rule.max_quality_drop:g} allowed){which}", tuple(worse)))
@@ -226,10 +227,17 @@ def _judge(rule: Rule, *, dtype: str, ref_bad: str | None, amp_bad: str | None, 
         if q is not None and not (quality.amp >= q if quality.higher_is_better else quality.amp <= q):
             ref_ok = quality.ref >= q if quality.higher_is_better else quality.ref <= q
             tail = "" if ref_ok else "; the float32 reference fails it too: not a precision finding"
-            out.append(Failure("min_quality", f"{m} {quality.amp:.6g} under autocast {dtype} "
+            out.append(Failure("min_quality", f"{m} {quality.amp:.6g} {_under(run)} "
                                               f"({'at least' if quality.higher_is_better else 'at most'} {q:g} "
                                               f"required){tail}", tuple(worse)))
     return out
+
+
+def _under(run: str, short: bool = False) -> str:
+    """``under autocast float16`` (``short``: ``under autocast``), or ``in`` a run of another kind."""
+    if run.startswith("autocast "):
+        return "under autocast" if short else f"under {run}"
+    return "in " + (run.split(" ", 1)[0] if short else run)
 
 
 def _nonfinite_rows(ref: torch.Tensor | None, amp: torch.Tensor | None, task: str = "classify") -> list[int]:

@@ -10,6 +10,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -96,19 +97,23 @@ def _peak_meter(device_type: str) -> tuple[Callable[[Callable[[], None]], int] |
     return cpu, "peak RSS growth (Linux VmHWM) above the resident size before each batch"
 
 
-def _speed(step: Step, batches: Sequence[tuple[str, Any, Any, tuple[Any, Any]]], dt: torch.dtype, *,
-           repeats: int, train: bool) -> Speed:
+def _speed(step: Step, batches: Sequence[tuple[str, Any, Any, tuple[Any, Any]]], dt: torch.dtype | None, *,
+           repeats: int, train: bool,
+           runs: Callable[[bool], AbstractContextManager[None]] = lambda amp: contextlib.nullcontext()) -> Speed:
     """The plain step over the set, float32 and autocast interleaved (alternating which goes first), with no
     hook of nanhunt's installed: the median time per pass over the set, the median and quartiles of the
     autocast / float32 ratio per repetition; then one untimed pass of each to measure its peak memory (the
-    largest batch's), so the measuring never slows a timed pass."""
+    largest batch's), so the measuring never slows a timed pass. ``dt`` None: the candidate runs with autocast
+    off; ``runs(amp)`` is entered around each run of the candidate (True) or of float32 (False): a float8
+    model's layers as each runs them."""
     model, device_type, loss_fn = step.model, step.device_type, step.loss_fn
 
     def plain(ins: Any, tgts: Any, amp: bool) -> None:
         with contextlib.ExitStack() as stack:
             if not train:
                 stack.enter_context(torch.no_grad())
-            with torch.autocast(device_type, dtype=dt, enabled=amp):
+            stack.enter_context(runs(amp))
+            with torch.autocast(device_type, dtype=dt or torch.float32, enabled=amp and dt is not None):
                 loss = _loss_of(_call_model(model, ins), tgts, loss_fn)
             if train and loss.requires_grad:
                 _backward(loss)

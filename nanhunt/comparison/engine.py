@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -45,31 +46,19 @@ from .._util._env import environment
 from .._util._text import dtype_name
 from ..step.step import Step, split_batch
 from ._batch import _Candidate, _compare_batch, _reference_failed, _total
-from ._defaults import TASKS, TIE_RULE, _Rule, _as_dtype, default_tolerances
+from ._defaults import TASKS, TIE_RULE, _Rule, default_tolerances
 from ._measure import top_two
 from ._record import _Run, _absorbed, _first_nonfinite, _floats, _run, _upcast
 from ._rule import rule_from, settle_rule
 from ._speed import _speed
+from ._variant import Variant, float8_note, running, variants
+from ..step._float8 import float8_layers
 from .history import HISTORY_FILE, History
 
 __all__ = ["compare", "History", "HISTORY_FILE", "rule_from", "settle_rule", "default_tolerances", "top_two", "TIE_RULE",
            "TASKS"]
 
 # ------------------------------------------------------------------ the entry point
-
-
-def _as_dtypes(dtype: torch.dtype | str | Sequence[torch.dtype | str]) -> list[torch.dtype]:
-    items: list[torch.dtype | str]
-    if isinstance(dtype, str):
-        items = [d.strip() for d in dtype.split(",")]
-    elif isinstance(dtype, torch.dtype):
-        items = [dtype]
-    else:
-        items = list(dtype)
-    out = [_as_dtype(d) for d in items]
-    if not out or len(set(out)) != len(out):
-        raise InputError(f"compare needs one or more different autocast dtypes, not {dtype}")
-    return out
 
 
 def _named(batch: Any, batches: Sequence[Any] | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
@@ -112,15 +101,16 @@ def _batch_sets(named: Sequence[tuple[str, Any]], low: Sequence[str]) -> list[_B
     return sets
 
 
-def _candidates(dts: Sequence[torch.dtype], names: Sequence[str], rule: Rule, device_type: str) -> list[_Candidate]:
+def _candidates(vs: Sequence[Variant], rule: Rule, device_type: str, per_row: bool) -> list[_Candidate]:
     cands: list[_Candidate] = []
-    for dt, dname in zip(dts, names):
-        d_rtol, d_atol = default_tolerances(dt)
+    for v in vs:
+        d_rtol, d_atol = v.tolerances()
         c_rtol = d_rtol if rule.rtol is None else rule.rtol
         c_atol = d_atol if rule.atol is None else rule.atol
-        cands.append(_Candidate(dt, dname, c_rtol, c_atol, float(torch.finfo(dt).max), _Rule(
-            dtype=dname, device_type=device_type, rtol=c_rtol, atol=c_atol, task=rule.task, max_flips=rule.max_flips,
-            fail_on_tolerance=rule.fail_on_tolerance, tie_rule=TIE_RULE if rule.task == "classify" else "")))
+        cands.append(_Candidate(v, v.name, c_rtol, c_atol, v.limit(), _Rule(
+            dtype=v.name, device_type=device_type, rtol=c_rtol, atol=c_atol, task=rule.task, max_flips=rule.max_flips,
+            fail_on_tolerance=rule.fail_on_tolerance, tie_rule=TIE_RULE if rule.task == "classify" else "",
+            variant=v.label, per_row=per_row)))
     return cands
 
 
@@ -137,10 +127,12 @@ def _status(results: Sequence[Comparison]) -> Status:
 class _Comparer:
     """One call of :func:`compare` once its arguments are checked: the step, the rule, the batches, the candidates."""
 
-    def __init__(self, step: Step, rule: Rule, metric_fn: Callable[..., Any] | None, dts: Sequence[torch.dtype],
+    def __init__(self, step: Step, rule: Rule, metric_fn: Callable[..., Any] | None, vs: Sequence[Variant],
                  named: Sequence[tuple[str, Any]], *, loss_fn: Callable[..., Any] | None,
                  scaler: torch.amp.GradScaler | None, train: bool | None, is_set: bool, metric_given: bool) -> None:
-        self.step, self.rule, self.metric_fn, self.dts = step, rule, metric_fn, list(dts)
+        self.step, self.rule, self.metric_fn, self.vs = step, rule, metric_fn, list(vs)
+        # A float8 model's layers leave float8 for the reference and the autocast runs (see ._variant)
+        self.layers = float8_layers(step.model)
         self.model, self.device_type = step.model, step.device_type
         self.loss_fn, self.scaler, self.train = loss_fn, scaler, train
         self.scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
@@ -149,10 +141,10 @@ class _Comparer:
         self.low = sorted({dtype_name(p.dtype) for p in self.model.parameters()
                            if p.is_floating_point() and p.dtype != torch.float32})
         self.sets = _batch_sets(named, self.low)
-        self.names = [dtype_name(d) for d in self.dts]
+        self.names = [v.name for v in self.vs]
 
     def config(self, speed: int) -> ReportConfig:
-        rule, dts, loss_fn = self.rule, self.dts, self.loss_fn
+        rule, vs, loss_fn = self.rule, self.vs, self.loss_fn
         loss_name = getattr(loss_fn, "__qualname__", None) or (type(loss_fn).__name__ if loss_fn is not None else None)
         return {
             "dtype": ",".join(self.names),
@@ -160,8 +152,8 @@ class _Comparer:
             "train": self.model.training if self.train is None else self.train,
             "loss_fn": loss_name,
             "task": rule.task,
-            "rtol": rule.rtol if rule.rtol is not None or len(dts) > 1 else default_tolerances(dts[0])[0],
-            "atol": rule.atol if rule.atol is not None or len(dts) > 1 else default_tolerances(dts[0])[1],
+            "rtol": rule.rtol if rule.rtol is not None or len(vs) > 1 else vs[0].tolerances()[0],
+            "atol": rule.atol if rule.atol is not None or len(vs) > 1 else vs[0].tolerances()[1],
             "max_flips": rule.max_flips,
             "fail_on_tolerance": rule.fail_on_tolerance,
             "scaler_scale": self.scale if self.scaler is not None else None,
@@ -175,19 +167,23 @@ class _Comparer:
         if self.low:
             base_notes += (f"parameters held in {', '.join(self.low)}: the reference runs them as they are, so it is "
                            "float32 arithmetic on rounded weights",)
-        return base_notes
+        note = float8_note(self.layers, self.vs)
+        return base_notes + ((note,) if note is not None else ())
 
-    def _run(self, inputs: Any, targets: Any, dt: torch.dtype, amp: bool) -> _Run:
+    def _run(self, inputs: Any, targets: Any, v: Variant | None) -> _Run:
+        """One recorded run: the float32 reference (``v`` None) or a candidate."""
         self.step.reset()
-        return _run(self.model, inputs, targets, self.loss_fn, dtype=dt, device_type=self.device_type, amp=amp,
-                    scale=self.scale if amp else 1.0)
+        dt = v.autocast if v is not None else None
+        with running(self.layers, v):
+            return _run(self.model, inputs, targets, self.loss_fn, dtype=dt or torch.float32,
+                        device_type=self.device_type, amp=dt is not None, scale=self.scale if dt is not None else 1.0)
 
     def _batch(self, cands: Sequence[_Candidate], name: str, inputs: Any, targets: Any,
                ref_in: Any, ref_tg: Any) -> None:
         """The reference of one batch, then every candidate against it."""
         rule = self.rule
         floats, _ = _floats(inputs)
-        ref = self._run(ref_in, ref_tg, self.dts[0], amp=False)
+        ref = self._run(ref_in, ref_tg, None)
         ref_bad, ref_allowed = _first_nonfinite(ref, floats, rule.allow_nonfinite)
         for cand in cands:
             if ref_bad is not None:
@@ -195,22 +191,25 @@ class _Comparer:
                 cand.batches.append(_reference_failed(cand, rule, name=name, ref_bad=ref_bad,
                                                       ref_loss=float(ref.loss.double().sum())))
                 continue
-            amp = self._run(inputs, targets, cand.dt, amp=True)
+            amp = self._run(inputs, targets, cand.variant)
             result = _compare_batch(ref, amp, cand, rule, floats=floats, name=name, targets=targets,
                                     ref_allowed=ref_allowed, scale=self.scale, metric_fn=self.metric_fn,
                                     need_quality=self.need_quality)
             del amp
             if result.amp_finite:  # a non-finite run already says where it went non-finite first
                 self.step.reset()
-                absorbed = _absorbed(self.model, inputs, targets, self.loss_fn, dtype=cand.dt,
-                                     device_type=self.device_type, scale=self.scale, allow=rule.allow_nonfinite)
-                result = dataclasses.replace(result, absorbed=tuple(f"autocast {cand.name}: {a}" for a in absorbed))
+                dt = cand.variant.autocast
+                with running(self.layers, cand.variant):
+                    absorbed = _absorbed(self.model, inputs, targets, self.loss_fn, dtype=dt,
+                                         device_type=self.device_type, scale=self.scale if dt is not None else 1.0,
+                                         allow=rule.allow_nonfinite)
+                result = dataclasses.replace(result, absorbed=tuple(f"{cand.run}: {a}" for a in absorbed))
             cand.batches.append(result)
         del ref
 
     def execute(self, speed: int) -> tuple[list[_Candidate], list[Comparison], dict[str, Speed]]:
         """Every batch and candidate, then the speed of those accepted; the model is restored afterwards."""
-        cands = _candidates(self.dts, self.names, self.rule, self.device_type)
+        cands = _candidates(self.vs, self.rule, self.device_type, per_row=bool(self.layers))
         speeds: dict[str, Speed] = {}
         with self.step.isolated():  # restored on leaving, also on Ctrl-C (held until the restore is complete)
             for name, inputs, targets, (ref_in, ref_tg) in self.sets:
@@ -220,8 +219,13 @@ class _Comparer:
                 mode = self.model.training if self.train is None else self.train
                 for c, r in zip(cands, results):
                     if r.accepted:  # only after the numbers pass
-                        speeds[c.name] = _speed(self.step, self.sets, c.dt, repeats=speed, train=mode)
+                        speeds[c.name] = _speed(self.step, self.sets, c.variant.autocast, repeats=speed, train=mode,
+                                                runs=self._runs(c.variant))
         return cands, results, speeds
+
+    def _runs(self, v: Variant) -> Callable[[bool], AbstractContextManager[None]]:
+        """The float8 layers as the candidate (True) or the reference (False) runs them, for the timed steps."""
+        return lambda amp: running(self.layers, v if amp else None)
 
     def finish(self, cands: Sequence[_Candidate], results: Sequence[Comparison], speeds: Mapping[str, Speed],
                speed: int) -> tuple[Status, Comparison, list[str]]:
@@ -231,7 +235,7 @@ class _Comparer:
         for c, r in zip(cands, results):
             bad = r.amp_first_nonfinite
             if bad is not None and "the gradient" in bad and scale != 1.0:
-                extra.append(f"autocast {c.name}: only the gradients went non-finite, with the loss scaled by "
+                extra.append(f"{c.run}: only the gradients went non-finite, with the loss scaled by "
                              f"{scale:g}: GradScaler would skip this step and lower the scale; nanhunt replay tells "
                              "whether it is scale-induced")
         refused = Speed(reason="not measured: the candidate failed the rule (speed is measured only after the "
@@ -247,12 +251,12 @@ class _Comparer:
 
 def compare(
     model: nn.Module, batch: Any = None, *, batches: Sequence[Any] | Mapping[str, Any] | None = None,
-    loss_fn: Callable[..., Any] | None = None, dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float16,
+    loss_fn: Callable[..., Any] | None = None, dtype: torch.dtype | str | Sequence[torch.dtype | str] | None = None,
     device_type: str | None = None, rtol: float | None = None, atol: float | None = None, task: str = "none",
     max_flips: int = 0, fail_on_tolerance: bool = False, rule: Rule | None = None,
     metric: str | Callable[..., Any] | None = None, speed: int = 0, scaler: torch.amp.GradScaler | None = None,
     train: bool | None = None, rng: Mapping[str, Any] | None = None, command: str | None = None,
-    notes: Sequence[str] = (),
+    notes: Sequence[str] = (), float8_autocast: torch.dtype | str | None = None,
 ) -> Report:
     """Run one step in float32 and under autocast from the same state; say where error is introduced.
 
@@ -281,7 +285,9 @@ def compare(
     ``dtype`` may list several autocast dtypes (``"float16,bfloat16"``): the reference runs once per
     batch, each candidate after it; ``report.comparison`` is the first's and
     ``report.comparison.alternatives`` the others'. ``speed=N`` then times the plain step (no hook
-    of nanhunt's) N times interleaved, for the candidates that passed only.
+    of nanhunt's) N times interleaved, for the candidates that passed only. ``dtype`` defaults to float16, and
+    to ``"float8,bfloat16"`` for a model holding torchao float8 layers: ``"float8"`` runs them in float8 under
+    autocast ``float8_autocast`` (None: off), every other run as ``nn.Linear`` (see :mod:`._variant`).
 
     ``task="classify"``: the model's output holds class scores (classes on dim 1, or a 1-D
     output for one sample); the top-1 class is taken per sample in both runs, ties going to
@@ -305,17 +311,16 @@ def compare(
                                  dtype="float16,bfloat16", rule=rule, speed=10)
         print([(c.dtype, c.accepted, [f.clause for f in c.failures]) for c in report.comparison.candidates()])
     """
-    dts = _as_dtypes(dtype)
-    rule = _rule_of_args(rule, rtol=rtol, atol=atol, task=task, max_flips=max_flips,
-                         fail_on_tolerance=fail_on_tolerance)
+    vs = variants(dtype, model, float8_autocast=float8_autocast)
+    rule = _rule_of_args(rule, rtol=rtol, atol=atol, task=task, max_flips=max_flips, fail_on_tolerance=fail_on_tolerance)
     rule, metric_fn = settle_rule(rule, metric)
     if speed < 0:
         raise InputError(f"speed must be >= 0 repetitions, not {speed}")
     named = _named(batch, batches)
     # no optimizer: the comparison runs forward, loss and backward (the scaler only gives its scale)
-    step = Step.of(model, named[0][1], loss_fn=loss_fn, dtype=dts[0], device_type=device_type, scaler=scaler,
-                   train=train, rng=rng)
-    run = _Comparer(step, rule, metric_fn, dts, named, loss_fn=loss_fn, scaler=scaler, train=train,
+    step = Step.of(model, named[0][1], loss_fn=loss_fn, dtype=vs[0].autocast or torch.float32,
+                   device_type=device_type, scaler=scaler, train=train, rng=rng)
+    run = _Comparer(step, rule, metric_fn, vs, named, loss_fn=loss_fn, scaler=scaler, train=train,
                     is_set=batches is not None, metric_given=metric is not None)
     config = run.config(speed)
     module_classes = {name: type(m).__name__ for name, m in run.model.named_modules()}

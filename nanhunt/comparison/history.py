@@ -39,7 +39,7 @@ def _file_sha256(path: str) -> str:
 
 def _failed_clauses(c: Comparison) -> list[str]:
     """``clause (autocast dtype)`` for every clause a candidate failed, in order, each once."""
-    return list(dict.fromkeys(f"{f.clause} (autocast {x.dtype})" for x in c.candidates() for f in x.failures))
+    return list(dict.fromkeys(f"{f.clause} ({x.run_name()})" for x in c.candidates() for f in x.failures))
 
 
 @dataclass(frozen=True)

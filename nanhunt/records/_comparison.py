@@ -22,7 +22,7 @@ class TensorDiff(JSONData):
     (a parameter's gradient). Errors: ``max_abs`` = max |amp - ref|; ``max_rel`` = max
     |amp - ref| / |ref| over the elements with |ref| > atol; ``scaled`` = max_abs /
     max(max |ref|, atol), the error as a fraction of the tensor's own magnitude (what the
-    ranking compares); ``out_of_tol`` the fraction of elements with |amp - ref| > atol +
+    ranking compares; per row, the largest over its rows, when the comparison's ``per_row``); ``out_of_tol`` the fraction of elements with |amp - ref| > atol +
     rtol * |ref|. A non-finite value where the other run has a different one counts as an
     infinite error. ``headroom`` = the autocast dtype's max / the largest finite magnitude
     in either run (inf when all zero; None when the autocast value is non-finite).
@@ -234,6 +234,12 @@ class Comparison(JSONData):
     max_flips: int = 0
     fail_on_tolerance: bool = False
     tie_rule: str = ""
+    # A run other than plain autocast, by name: "float8 (tensorwise) on proj, text_proj" for a model's torchao
+    # float8 layers run in float8 (``dtype`` "float8"); "" for autocast ``dtype``. Written only when set.
+    variant: str = ""
+    # Errors measured per row (each vector along the last dimension) rather than per tensor: a comparison of a
+    # model holding float8 layers, whose tensorwise scaling can zero every row but the largest. Written only when set.
+    per_row: bool = False
     accepted: bool = True
     violations: tuple[str, ...] = ()
     reference_finite: bool = True
@@ -276,6 +282,10 @@ class Comparison(JSONData):
     alternatives: tuple[Comparison, ...] = ()
     speed: Speed | None = None
 
+    def run_name(self) -> str:
+        """The compared run as the report names it: ``"autocast float16"``, or the variant's name."""
+        return self.variant or f"autocast {self.dtype}"
+
     def candidates(self) -> tuple[Comparison, ...]:
         """Every autocast dtype compared: this one and its alternatives."""
         return (self, *self.alternatives)
@@ -292,8 +302,12 @@ class Comparison(JSONData):
     def rule_text(self) -> str:
         """The acceptance rule in one sentence, printed with every result."""
         runs = self.candidates()
-        dtypes = f"{self.dtype}" if len(runs) == 1 else f"({', '.join(r.dtype for r in runs)})"
-        parts = ["float32 reference finite", f"autocast {dtypes} run finite"]
+        if any(r.variant for r in runs):
+            names = [r.run_name() for r in runs]
+            ran = f"{names[0]} run finite" if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]} runs finite"
+        else:
+            ran = f"autocast {runs[0].dtype if len(runs) == 1 else '(' + ', '.join(r.dtype for r in runs) + ')'} run finite"
+        parts = ["float32 reference finite", ran]
         rule = self.acceptance
         if rule is not None and rule.allow_nonfinite:
             parts[-1] += (f" but for values introduced inside {', '.join(rule.allow_nonfinite)} "
@@ -314,6 +328,6 @@ class Comparison(JSONData):
         return ", ".join(parts) + tail
 
     def to_dict(self) -> dict[str, Any]:
-        items = [(k, v) for k, v in _serial.to_dict(self).items() if k != "absorbed" or v]
+        items = [(k, v) for k, v in _serial.to_dict(self).items() if k not in ("absorbed", "variant", "per_row") or v]
         at = [k for k, _ in items].index("tie_rule") + 1
         return dict(items[:at] + [("rule", self.rule_text())] + items[at:])  # written for readers; never read

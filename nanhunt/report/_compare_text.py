@@ -10,7 +10,7 @@ from ..records import Comparison, Decision, Quality, Regression, Report, Speed, 
 from ._common import Span, num
 
 __all__ = ["compare_verdict", "compare_summary", "compare_title", "RULE_LABEL", "NOTHING_COMPARED",
-           "ERROR_DEFINITION", "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows",
+           "ERROR_DEFINITION", "error_definition", "error_scale", "NO_RANKING", "pct", "diff_headroom", "indices", "amp_state", "run_rows",
            "RANKING_COLUMNS", "ranking_cells", "carrier", "carrier_text", "decisions_head", "decisions_counts",
            "decision_columns", "decision_cells", "DIFF_COLUMNS", "diff_cells", "diff_text", "extremes_text",
            "worst_text", "gradients_head", "ordered_grads", "module_class_text", "RULE_HASH_LABEL",
@@ -37,6 +37,18 @@ RULE_LABEL = "rule (fixed before the run)"
 NOTHING_COMPARED = "nothing was compared: a non-finite float32 run is no reference for precision"
 ERROR_DEFINITION = ("err = max |amp - ref| / max |ref| of a value; introduced = output err - input err - what the "
                     "call's sub-calls introduced")
+_ROW_DEFINITION = ("err = the largest over a value's rows (vectors along its last dimension) of max |amp - ref| / "
+                   "max |ref| in the row; introduced = output err - input err - what the call's sub-calls introduced")
+
+
+def error_definition(c: Comparison) -> str:
+    """How ``err`` is measured: against the value's largest magnitude, or per row (a float8 model's comparison)."""
+    return _ROW_DEFINITION if c.per_row else ERROR_DEFINITION
+
+
+def error_scale(c: Comparison) -> str:
+    """What an error is a fraction of, in words."""
+    return "the largest float32 magnitude of its row" if c.per_row else "the value's largest float32 magnitude"
 NO_RANKING = "no module call introduces error"
 RANKING_COLUMNS = ("#", "module call", "introduced", "output err", "input err", "max abs", "max rel", "out of tol",
                    "headroom", "underflow")
@@ -73,12 +85,13 @@ def compare_summary(report: Report) -> str:
     assert c is not None, "not a comparison report"
     if not c.reference_finite:
         return f"REFERENCE NON-FINITE: the float32 reference is non-finite, first at {c.reference_first_nonfinite}"
+    named = any(x.variant for x in c.candidates())  # a float8 run: every run by its name
     if c.alternatives:
-        each = ", ".join(f"{x.dtype} {_verdict(x)}" + ("" if x.accepted else f" ({_violations(x)})")
-                         for x in c.candidates())
-        return f"{compare_verdict(c)}: autocast {each} against the float32 reference{_set_text(c)}"
+        each = ", ".join(f"{x.run_name() if named else x.dtype} {_verdict(x)}"
+                         + ("" if x.accepted else f" ({_violations(x)})") for x in c.candidates())
+        return f"{compare_verdict(c)}: {'' if named else 'autocast '}{each} against the float32 reference{_set_text(c)}"
     tail = "" if c.accepted else f" ({_violations(c)})"
-    return f"{compare_verdict(c)}: autocast {c.dtype} against the float32 reference{tail}{_set_text(c)}"
+    return f"{compare_verdict(c)}: {c.run_name()} against the float32 reference{tail}{_set_text(c)}"
 
 
 RULE_HASH_LABEL = "rule sha256"
@@ -100,7 +113,7 @@ def violation_lines(c: Comparison) -> list[str]:
     """Every violation of every candidate, with the clause it fails (and the dtype, for several candidates)."""
     out: list[str] = []
     for x in c.candidates():
-        head = f"autocast {x.dtype}: " if c.alternatives else ""
+        head = f"{x.run_name()}: " if c.alternatives else ""
         if x.failures:
             out += [f"{head}{f.message} (clause {f.clause})" for f in x.failures]
         else:
@@ -127,7 +140,7 @@ def _absorbed_text(c: Comparison) -> str:
 
 def candidate_head(c: Comparison) -> str:
     """The heading of one candidate's details, when there are several."""
-    return f"autocast {c.dtype}: {_verdict(c)}" + ("" if c.accepted else f" ({_violations(c)})")
+    return f"{c.run_name()}: {_verdict(c)}" + ("" if c.accepted else f" ({_violations(c)})")
 
 
 CANDIDATE_COLUMNS = ("candidate", "verdict", "failed clauses", "samples", "quality float32", "quality autocast",
@@ -174,12 +187,12 @@ def quality_text(c: Comparison) -> str | None:
         return None
     drop = q.drop()
     how = "no worse" if drop <= 0 else f"{num(drop)} worse"
-    text = (f"quality ({q.metric}, {_quality_sense(q)}) on {q.n} samples: float32 {num(q.ref)}, autocast {c.dtype} "
+    text = (f"quality ({q.metric}, {_quality_sense(q)}) on {q.n} samples: float32 {num(q.ref)}, {c.run_name()} "
             f"{num(q.amp)}: {how}")
     if q.ref_max_error is not None or q.amp_max_error is not None:
         text += f"; largest error float32 {num(q.ref_max_error)}, {c.dtype} {num(q.amp_max_error)}"
     if q.worse:
-        text += f"; worse under autocast: {sample_list(c, q.worse)}"
+        text += f"; worse {'in ' + c.dtype if c.variant else 'under autocast'}: {sample_list(c, q.worse)}"
     return text
 
 
@@ -208,7 +221,7 @@ def speed_rows(c: Comparison) -> tuple[list[tuple[str, ...]], list[str]]:
     for x in c.candidates():
         if x.speed is not None:
             if x.speed.reason:
-                untimed.append(f"speed of autocast {x.dtype} {x.speed.reason}")
+                untimed.append(f"speed of {x.run_name()} {x.speed.reason}")
             else:
                 rows.append(speed_cells(x, x.speed))
     return rows, untimed
@@ -262,9 +275,9 @@ def run_rows(c: Comparison) -> list[tuple[str, str]]:
     ref = "finite" if c.reference_finite else f"NON-FINITE (first at {c.reference_first_nonfinite})"
     rows = [("float32 reference", f"{ref}, loss {num(c.ref_loss)}")]
     if c.amp_finite is None:
-        rows.append((f"autocast {c.dtype}", "not run"))
+        rows.append((c.run_name(), "not run"))
     else:
-        rows.append((f"autocast {c.dtype}", f"{amp_state(c)}, loss {num(c.amp_loss)}"))
+        rows.append((c.run_name(), f"{amp_state(c)}, loss {num(c.amp_loss)}"))
     return rows
 
 

@@ -301,7 +301,7 @@ def compare_summary(report: Report) -> str:
 
 
 def _ranking_table(c: Comparison, limit: int) -> Table:
-    t = Table(title=f"where the error is introduced: {_ct.ERROR_DEFINITION}", title_justify="left")
+    t = Table(title=f"where the error is introduced: {_ct.error_definition(c)}", title_justify="left")
     for col in _ct.RANKING_COLUMNS:
         t.add_column(col, justify="left" if col == "module call" else "right")
     for rank, i in enumerate(c.ranking[:limit], 1):
@@ -352,7 +352,7 @@ def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
         parts.append(_t(f"runs: float32 reference NON-FINITE (first at {c.reference_first_nonfinite}); the other "
                         "batches compared", style="red"))
     else:
-        runs = _t(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · autocast {c.dtype} ")
+        runs = _t(f"runs: float32 reference finite, loss {_c.num(c.ref_loss)} · {c.run_name()} ")
         runs.append(visible(_ct.amp_state(c)), style="green" if c.amp_finite else "bold red")
         runs.append(f", loss {_c.num(c.amp_loss)}")
         parts.append(runs)
@@ -386,7 +386,9 @@ def _candidate(c: Comparison, limit: int) -> list[RenderableType]:
     if c.grads:
         worst = _ct.ordered_grads(c)[:5]
         line = _t(_ct.gradients_head(c) + "; largest errors: ")
-        line.append_text(_t("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x max |ref|)" for d in worst)))
+        ref = "max |ref| of its row" if c.per_row else "max |ref|"
+        line.append_text(_t("; ".join(f"{d.name} (max abs {_c.num(d.max_abs)} = {_c.num(d.scaled)} x {ref})"
+                                      for d in worst)))
         parts.append(line)
     if c.unmatched:
         parts.append(_t("not compared: " + "; ".join(c.unmatched[:5]), style="yellow"))

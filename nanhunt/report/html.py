@@ -460,11 +460,11 @@ def _candidate(cmp: Comparison, *, png: bytes | None) -> list[str]:
                   f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">',
                   "<figcaption>One row per module call, in the order the calls started. Bars: the error the call "
                   "introduces (red above the relative tolerance); dots: the error of its output; both as a fraction "
-                  "of the value's largest float32 magnitude, on a log scale. Dashed line: rtol. Infinite errors sit "
+                  f"of {_e(ct.error_scale(cmp))}, on a log scale. Dashed line: rtol. Infinite errors sit "
                   "in a column of their own at the right.</figcaption></figure></section>"]
     if cmp.modules:
         parts += [f"<section><h2>{ct.INTRODUCED_TITLE}</h2>",
-                  f'<p class="dim">{_e(ct.ERROR_DEFINITION)}.</p>']
+                  f'<p class="dim">{_e(ct.error_definition(cmp))}.</p>']
         if cmp.ranking:
             parts.append(_ranking_table(cmp))
             if len(cmp.ranking) > _RANK_SHOWN:

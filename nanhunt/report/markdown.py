@@ -284,7 +284,7 @@ def _candidate(cmp: Comparison) -> list[str]:
     if q is not None:
         out += ["", f"#### {ct.QUALITY_TITLE}", "", f"**{escape(q[0].upper() + q[1:])}.**"]
     if cmp.modules:
-        out += ["", f"#### {ct.INTRODUCED_TITLE}", "", f"Columns: {escape(ct.ERROR_DEFINITION)}.", ""]
+        out += ["", f"#### {ct.INTRODUCED_TITLE}", "", f"Columns: {escape(ct.error_definition(cmp))}.", ""]
         if cmp.ranking:
             out.append(_ranking_table(cmp))
             if len(cmp.ranking) > _RANK_SHOWN:
