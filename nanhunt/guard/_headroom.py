@@ -35,6 +35,7 @@ from .._util._text import dtype_name
 from .._util._wrappers import user_modules
 from ..records import HeadroomNote, HeadroomSeries
 from ..tracing._tensors import tensors
+from ._tracker import GuardTracker
 
 __all__ = ["Finding", "Headroom", "READ_STEPS", "HISTORY", "PICTURED", "AUTO_EVERY", "AUTO_MAX", "AUTO_BUDGET"]
 
@@ -54,6 +55,8 @@ _SPIKE_Z = 8.0  # robust z-score of a spike (median, 1.4826 * MAD), and at least
 _SCALE_WINDOW = 200  # steps in which a GradScaler scale that backed off 4 times more than it grew is warned;
 _SCALE_FALLS = 4  # a run of consecutive backoffs (the scale finding its level at the start) counts once
 PICTURED = 6  # series a capture's picture holds: the modules nearest their limit
+_OWN = 1024  # steps of loss, gradient norm and scale kept for its tracks
+_TRACK_POINTS = 120  # ... drawn at most per track: longer ones in runs of consecutive steps
 _NOTES = 20  # warnings it holds (each is given once per module and condition: the first ones say most)
 _NOTE_TEXT = 500  # characters kept of each (a capture's event is read back bounded)
 
@@ -159,6 +162,11 @@ class Headroom:
         self._scales: deque[tuple[int, float]] = deque()  # (step, scale) of the last _SCALE_WINDOW steps
         self._moves: deque[tuple[int, int]] = deque()  # (step, -1 a separate backoff or +1 a growth) in the window
         self._fell_last = False  # the last step's scale was a backoff
+        # (step, loss, gradient norm, scale) of the last _OWN steps, NaN where unknown: the picture's tracks (from
+        # the first step of its series, _since), the tracker's numbers
+        self._own: deque[tuple[float, float, float, float]] = deque(maxlen=_OWN)
+        self._since = 0
+        self.tracker: GuardTracker | None = None  # the run's tracker, given each window's numbers (guard.py)
 
     # ---------------------------------------------------------------- sampled steps
     def sampled(self, index: int) -> bool:
@@ -223,6 +231,8 @@ class Headroom:
             findings = self._given(index, self.read())  # the picture redrawn there when it warned
             if not findings:
                 self._picture()
+            if self.tracker is not None:
+                self._tracked(index)
         self._timed(sampled=True)
         return findings
 
@@ -384,20 +394,33 @@ class Headroom:
                 growth=None if fit is None else _per_100(fit[0]),
                 forecast_step=None if left is None else int(h[-1][0] + max(left, 0.0))).to_dict())
         self._pictured = tuple(series)
+        self._since = min((s["steps"][0] for s in series), default=0)
 
     def picture(self, step: int) -> dict[str, Any] | None:
         """What a capture at ``step`` holds of the history, as plain JSON (``HeadroomHistory.to_dict()``): the
-        ``PICTURED`` series nearest their limit as the host holds them, and the warnings given; None when there
-        is neither. No device read: the samples taken since the last read-back are not in it. Kept up as the
+        ``PICTURED`` series nearest their limit as the host holds them, and the warnings given, with the tracks of
+        the loss, gradient norm and scale up to ``step``; None when there is neither series nor warning. No device
+        read: the samples taken since the last read-back are not in it. Kept up as the
         history changes, so that a capture (on the failure path, which Ctrl-C tests replay line by line) builds
         one dict whatever the history holds."""
+        tracks = _tracks(self._own, self._since)  # up to this step: host numbers; the same lines whatever they hold
         kept = self._pictured or self._notes
-        return {"step": step, "series": self._pictured, "warnings": self._notes} if kept else None
+        return {"step": step, "series": self._pictured, "warnings": self._notes, "tracks": tracks} if kept else None
+
+    def _tracked(self, index: int) -> None:
+        """The window just read, to the run's tracker: the pictured series and the step's own numbers."""
+        assert self.tracker is not None
+        at, loss, norm, scale = self._own[-1] if self._own else (-1.0, math.nan, math.nan, math.nan)
+        if at != index:  # no numbers of this step (observe runs before each window read)
+            loss = norm = scale = math.nan
+        self.tracker.window(index, self._pictured, loss=loss, grad_norm=norm, scale=scale)
 
     # ---------------------------------------------------------------- every step
     def observe(self, index: int, *, loss: float | None, grad_norm: float | None,
                 scale: float | None) -> list[Finding]:
         """The step's own numbers (host floats the Guard read anyway): spikes, and a scale falling steadily."""
+        self._own.append((index, math.nan if loss is None else loss, math.nan if grad_norm is None else grad_norm,
+                          math.nan if scale is None else scale))
         out: list[Finding] = []
         for cond, robust, x in (("loss", self._loss, loss), ("gradient norm", self._norm, grad_norm)):
             spike = robust.spike(x)
@@ -451,6 +474,27 @@ def _fit(h: deque[tuple[int, float, float]]) -> tuple[float, float | None] | Non
         return slope, None
     fitted = float(np.median(y - slope * x)) + slope * x[-1]
     return slope, (math.log2(h[-1][2]) - max(fitted, float(y[-1]))) / slope
+
+
+def _tracks(own: deque[tuple[float, float, float, float]], since: int) -> tuple[dict[str, Any], ...]:
+    """The loss, gradient norm and scale of the steps in ``own`` from step ``since`` on, as ``HeadroomTrack`` dicts
+    (their finite values; over ``_TRACK_POINTS`` of them, that many runs of consecutive steps, each its last step
+    and its largest value, a scale its smallest: a spike or a backoff stays in the picture). Array operations
+    only: on a capture's path it runs the same lines whatever the history holds."""
+    rows = np.array(own, dtype=np.float64).reshape(-1, 4)
+    made = (_track(rows, k, name, since) for k, name in ((1, "loss"), (2, "gradient norm"), (3, "scale")))
+    return tuple(t for t in made if t is not None)
+
+
+def _track(rows: np.ndarray[Any, Any], k: int, name: str, since: int) -> dict[str, Any] | None:
+    keep = (rows[:, 0] >= since) & np.isfinite(rows[:, k])
+    steps, values = rows[keep, 0].astype(np.int64), rows[keep, k]
+    n = len(values)
+    starts = np.linspace(0, n, min(n, _TRACK_POINTS), endpoint=False).astype(np.int64)
+    ends = np.append(starts[1:], n).astype(np.int64) - 1
+    thin = (np.minimum if name == "scale" else np.maximum).reduceat(values, starts) if n else values
+    # HeadroomTrack's dict, written directly: its checks would loop over the values in Python
+    return {"name": name, "steps": tuple(steps[ends].tolist()), "values": tuple(thin.tolist())} if n else None
 
 
 def _per_100(slope: float) -> float:

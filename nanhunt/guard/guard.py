@@ -30,6 +30,7 @@ from ._headroom import Finding, Headroom
 from ._part import Part as _Part
 from ._rollback import Plan, Rollback, check_indices, host_rng
 from ._skip_policy import SkipPolicy
+from ._tracker import GuardTracker
 from ..capture.capture import rng_state
 from ..records import GuardEvent
 
@@ -147,6 +148,9 @@ class Guard:
             or raise :class:`nanhunt.GuardError` with the warning's event (``"stop"``). Under torch.distributed
             ``"log"`` only: each rank judges its own history, and a rank that stopped alone would leave the
             others waiting.
+        tracker: the run's experiment tracker, given the headroom history at each window's read and every warning
+            and detection (docs/guard.md, "In your tracker"): a TensorBoard ``SummaryWriter``, a W&B run, the
+            ``mlflow`` module or an MLflow run, a Lightning logger, a callable ``(dict, step)``, or a list of them.
 
     The batch is kept by reference until the next step: don't modify it in place during the step.
     """
@@ -175,6 +179,7 @@ class Guard:
         headroom_every: int | Literal["auto"] | None = "auto",
         warn_horizon: int = 1000,
         on_warn: OnWarn = "log",
+        tracker: Any = None,
     ) -> None:
         _check_options(model, on_fail=on_fail, on_warn=on_warn, max_rollbacks=max_rollbacks,
                        snapshot_every=snapshot_every)
@@ -198,6 +203,8 @@ class Guard:
         self._watch = Headroom(self._capture.module, optimizer, every=None if compiled else headroom_every,
                                horizon=warn_horizon, device_type=self._capture.device_type)
         self._capture.headroom = self._watch  # a capture's event file holds its picture
+        self._tracker = GuardTracker(tracker, GuardWarning)
+        self._watch.tracker = self._tracker if tracker is not None else None
         self._warn_captured = False
         for problem in self._capture.replay_problems:  # the replay command it would print fails: said now
             warnings.warn(f"nanhunt.Guard: {problem}", GuardWarning, stacklevel=2)
@@ -590,6 +597,7 @@ class Guard:
             replay_args=replay_args, replay_notes=replay_notes, last_checkpoint=self.last_checkpoint,
         )
         self.events.append(event)
+        self._tracker.event(event.step, kind, event.describe())
         self._rollback.plan = Plan(event, cur, bad_update, live)
         if written.checkpoint is not None:
             self._capture.write_event(event, self.scale_history, self._write_failed)
@@ -637,6 +645,7 @@ class Guard:
     def _record(self, event: GuardEvent) -> None:
         """Append ``event`` to ``events`` and to ``dump_dir/rollbacks.jsonl`` (a failed write warns)."""
         self.events.append(event)
+        self._tracker.event(event.step, event.kind, event.describe())
         try:
             self._capture.write_log(event)
         except OSError as e:

@@ -75,7 +75,9 @@ class NanhuntCallback(_Callback):
     Args:
         dump_dir: where captures go.
         guard_options: :class:`nanhunt.Guard`'s keyword options (``on_fail``, ``max_consecutive_skips``,
-            ``snapshot_every``, ``check_params``, ``model_factory``, ``model_kwargs``, ...).
+            ``snapshot_every``, ``check_params``, ``model_factory``, ``model_kwargs``, ...). By default
+            ``tracker`` is ``trainer.loggers``: the headroom history and the Guard's events go to every logger
+            under ``nanhunt/`` (``tracker=None``: nowhere).
 
     Checkpoints: after a detection (``on_fail="dump"`` or ``"warn"``, the run goes on) no ``ModelCheckpoint``
     saves until a step is clean, so ``save_top_k`` never rotates the last good checkpoint out; the event names it
@@ -108,6 +110,7 @@ class NanhuntCallback(_Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed's GradScaler
         options = dict(self.guard_options)
         options.setdefault("dtype", _AUTOCAST.get(str(trainer.precision), torch.float32))
+        options.setdefault("tracker", list(trainer.loggers) or None)  # the run's loggers: CSV, TensorBoard, W&B, ...
         if "model_factory" not in options and "model_kwargs" not in options:
             options["model_kwargs"] = _hyperparameters(pl_module)
         try:

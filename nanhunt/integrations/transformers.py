@@ -15,6 +15,7 @@ micro-batches of an optimizer step share.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from .._util._rng import rng_preserved
+from ..guard._tracker import Sink
 from ..guard.guard import Guard
 from ._run import GuardedRun, Unwatchable, check_options, output_loss
 
@@ -49,7 +51,9 @@ class NanhuntCallback(TrainerCallback):
         dump_dir: where captures go.
         guard_options: :class:`nanhunt.Guard`'s keyword options (``on_fail``, ``max_consecutive_skips``,
             ``snapshot_every``, ``check_params``, ``dtype``, ...). The autocast dtype is by default the one the
-            model's forward really ran in (``fp16=True`` on the CPU runs in float32 with accelerate 1.x).
+            model's forward really ran in (``fp16=True`` on the CPU runs in float32 with accelerate 1.x). By
+            default ``tracker`` is the run's ``report_to`` integrations: the headroom history and the Guard's
+            events go to its TensorBoard, W&B, MLflow, ... under ``train/nanhunt/`` (``tracker=None``: nowhere).
 
     Gradient accumulation: each micro-batch is a guard step; the capture holds the micro-batch that went bad.
     Checkpoints: after a detection (``on_fail="dump"`` or ``"warn"``, the run goes on) no checkpoint is saved
@@ -80,6 +84,8 @@ class NanhuntCallback(TrainerCallback):
             inner = inner.optimizer  # accelerate's AcceleratedOptimizer: the torch optimizer inside
         scaler = getattr(optimizer, "scaler", None)  # the GradScaler of fp16 training (accelerate), or None
         options = dict(self.guard_options)
+        if "tracker" not in options:  # the run's report_to integrations, as the Trainer's own logs reach them
+            options["tracker"] = _Integrations.of(self, args, state, control)
         try:
             guard = Guard(model, inner, scaler, dump_dir=self.dump_dir, **options)
         except ValueError as e:  # the model: its options were judged when the callback was made
@@ -144,3 +150,43 @@ class NanhuntCallback(TrainerCallback):
         loss = output_loss(output)
         if isinstance(loss, torch.Tensor):
             run.loss(loss)
+
+
+class _Integrations(Sink):
+    """The Trainer's ``report_to`` integrations (its TensorBoard, W&B, MLflow, ... callbacks) as a tracker: the
+    Guard's numbers go to each one's ``on_log`` as the Trainer's own logs do (under ``train/``, at the step
+    ``state.global_step``); an event's text to those that take text (TensorBoard, W&B), its count to all."""
+
+    _TEXT = ("TensorBoardCallback", "WandbCallback")
+
+    def __init__(self, callbacks: list[Any], args: Any, state: Any, control: Any) -> None:
+        self.callbacks, self.args, self.state, self.control = callbacks, args, state, control
+
+    @classmethod
+    def of(cls, callback: TrainerCallback, args: Any, state: Any, control: Any) -> _Integrations | None:
+        """The integrations among the callbacks of the Trainer that called ``callback``'s ``on_train_begin``;
+        None without any. A callback is given no handle on its Trainer: its ``CallbackHandler`` is the caller up
+        the stack (``call_event``) whose callbacks hold this one."""
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+        from transformers.trainer_callback import CallbackHandler
+
+        kinds = tuple(INTEGRATION_TO_CALLBACK.values())
+        frame = sys._getframe(1)
+        for _ in range(16):  # the decorators and nanhunt run's wrapper between this and call_event
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, CallbackHandler) and any(c is callback for c in owner.callbacks):
+                found = [c for c in owner.callbacks if isinstance(c, kinds)]
+                return cls(found, args, state, control) if found else None
+            if frame.f_back is None:
+                break
+            frame = frame.f_back
+        return None
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        for cb in self.callbacks:
+            cb.on_log(self.args, self.state, self.control, logs=dict(values))
+
+    def event(self, text: str, step: int, *, kind: str) -> None:
+        for cb in self.callbacks:
+            if type(cb).__name__ in self._TEXT:
+                cb.on_log(self.args, self.state, self.control, logs={"nanhunt/event": text})

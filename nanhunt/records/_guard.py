@@ -164,15 +164,37 @@ class HeadroomNote(JSONData):
 
 
 @dataclass(frozen=True)
+class HeadroomTrack(JSONData):
+    """One of the step's own numbers over a Guard's headroom history: ``name`` is ``"loss"``, ``"gradient norm"``
+    or ``"scale"`` (the GradScaler's); ``values`` its finite values at ``steps``. Every step the Guard saw, or,
+    over more than 120 steps, 120 runs of consecutive steps, each as its last step and its largest value (a
+    scale's smallest: a spike or a backoff is never thinned away)."""
+
+    name: str = field(metadata=absent(""))
+    steps: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # read from files, as a series is: the chart scales and draws what it is given
+        if len(self.steps) != len(self.values) or not self.steps:
+            raise ValueError(f"headroom track {self.name!r}: {len(self.steps)} steps, {len(self.values)} values")
+        _check_steps(*self.steps)
+        if not all(math.isfinite(v) for v in self.values):
+            raise ValueError(f"headroom track {self.name!r}: a value is not a finite number")
+
+
+@dataclass(frozen=True)
 class HeadroomHistory(JSONData):
     """What a Guard's capture says of the run before it: the ``series`` of the modules nearest their dtype's
     limit (those warned about first), as the Guard kept them, and the ``warnings`` it gave (the first 20), up to
-    ``step``, the step of the capture's event. Written into the capture's ``-event.json`` (key ``headroom``) and
-    carried into the replay's :class:`Report`."""
+    ``step``, the step of the capture's event; the ``tracks`` of the loss, the gradient norm and the scale beside
+    them (none in a file from before they were kept). Written into the capture's ``-event.json`` (key
+    ``headroom``) and carried into the replay's :class:`Report`."""
 
     step: int = field(metadata=absent(0))
     series: tuple[HeadroomSeries, ...] = ()
     warnings: tuple[HeadroomNote, ...] = ()
+    tracks: tuple[HeadroomTrack, ...] = ()
 
     def __post_init__(self) -> None:
         _check_steps(self.step)

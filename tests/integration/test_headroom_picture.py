@@ -162,8 +162,8 @@ def test_module_names_from_a_file_are_escaped_in_every_format() -> None:
     report = dataclasses.replace(Report.from_dict({}), headroom=HeadroomHistory(16, (series,), (note,)))
     # THEN the page holds it only as text, in the chart and in the table
     page = render_html(report, draw=False)
-    # the legend, the two samples' and the warning's tooltips, the table, the warnings' list
-    assert "<script>" not in page and page.count("&lt;/svg&gt;&lt;script&gt;") == 6
+    # the legend, the two samples', the forecast's and the warning's tooltips, the table, the warnings' list
+    assert "<script>" not in page and page.count("&lt;/svg&gt;&lt;script&gt;") == 7
     # AND Markdown keeps it in one table cell, pinging nobody
     md = render_md(report)
     assert "| `</svg><script>alert(1)</script>\\|@everyone` | output | 2.32e+04 | 2.83x to float16 | 2x | step 40 |" in md
