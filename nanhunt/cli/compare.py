@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._util._errors import InputError, NanhuntError, visible
+from .._util._errors import InputError, visible
 from .._util._text import dtype_name
 from ._common import (EXIT_CLEAN, EXIT_NONFINITE, check_writable, command_line, name_options, print_rich,
                       step_failed, warn_trust_pickle)
@@ -68,10 +68,7 @@ class CompareCommand:
         p.add_argument("--trust-pickle", action="store_true", help="allow weights_only=False loads (runs code from the files!)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..capture.capture import load_step
-        from ..comparison._inputs import batch_files, load_set, rule_given
-        from ..comparison.engine import History, compare, settle_rule
-        from ..comparison._variant import FLOAT8, asked, float8_autocast
+        from ..comparison._files import compare_files
         from ..report import renderer_for, write
         from ..report.console import render_comparison
 
@@ -80,47 +77,18 @@ class CompareCommand:
             check_writable(args.report)
         if args.speed is not None and args.speed < 1:
             raise InputError("--speed needs at least 1 repetition")
-        files, is_set = batch_files(args.batch)
         flags = {k: getattr(args, k) for k in _RULE_FLAGS if getattr(args, k) is not None}
         if args.fail_on_tolerance:
             flags["fail_on_tolerance"] = True
-        rule = rule_given(args.rule, flags, task=args.task, metric=args.metric)
         if args.trust_pickle:
             warn_trust_pickle()
-        rule, _ = settle_rule(rule, args.metric)
-        step = load_step(
-            args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss, optimizer=args.optimizer,
-            trust_names=tuple(args.trust_names), device=args.device,
-            # with float8 asked, the step keeps the capture's autocast dtype: the float8 run's, as it ran
-            dtype=None if not args.dtype or FLOAT8 in args.dtype else args.dtype[0], train=args.train,
-            trust_pickle=args.trust_pickle,
-            eager=True,
-        )
-        for n in step.notes:
-            print(visible(f"warning: {n}"), file=sys.stderr)
-        # float8 is refused here, in one line, for a model without float8 layers; a capture taken in float32 has
-        # no autocast dtype to compare: float16 then (a float8 model: its float8 layers and bfloat16)
-        dtype = asked(args.dtype, step.model, step.dtype)
-        batches = load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
-        # Fixed before the run: printed (stderr: stdout starts with the verdict) and hashed into the report.
-        print(visible(f"rule (fixed before the run): {rule.canonical()}"), file=sys.stderr)
-        print(f"rule sha256: {rule.sha256()}", file=sys.stderr)
-        history = History.beside(args.report, args.checkpoint, [n for n, _ in files]) if args.report else None
-        for w in history.warnings(rule.sha256()) if history is not None else ():
-            print(visible(f"warning: {w}"), file=sys.stderr)
-        try:
-            report = compare(
-                step.model, None if is_set else (step.inputs, step.targets), batches=batches, loss_fn=step.loss_fn,
-                dtype=dtype, device_type=step.device_type, rule=rule, metric=args.metric, speed=args.speed or 0,
-                scaler=step.scaler, train=args.train, rng=step.rng, command=command_line(), notes=step.notes,
-                float8_autocast=float8_autocast(step.dtype),
-            )
-        except NanhuntError:
-            raise
-        except Exception as e:  # the user's model failed on this batch: an input problem, not ours
-            raise step_failed("running the step", e) from e
-        if history is not None:
-            report = history.record(report)
+        # what it says goes to stderr: stdout starts with the verdict
+        report = compare_files(
+            args.checkpoint, args.batch, model=args.model, loss=args.loss, optimizer=args.optimizer,
+            trust_names=args.trust_names, device=args.device, dtype=args.dtype, train=args.train,
+            trust_pickle=args.trust_pickle, rule_file=args.rule, rule_flags=flags, task=args.task,
+            metric=args.metric, speed=args.speed or 0, report=args.report, command=command_line(),
+            say=lambda line: print(visible(line), file=sys.stderr), failed=step_failed)
         print_rich(render_comparison(report))
         if args.report:
             write(report, args.report)

@@ -9,7 +9,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from .._util._errors import InputError, NanhuntError
+from .._util._errors import InputError
 from .._util._text import dtype_name
 from ._agent import Answer, check_report_path, headline, step_failed
 
@@ -53,9 +53,11 @@ class CompareArgs:
             object.__setattr__(self, name, tuple(getattr(self, name)))  # a list from a caller: still frozen
         if not self.batches:
             raise InputError("compare needs at least one batch file (or a directory of them)")
-        names = [dtype_name(d) for d in self.dtype]
-        if any(n not in ("float16", "bfloat16") for n in names) or len(set(names)) != len(names):
-            raise InputError(f"dtype {list(self.dtype)}: give float16, bfloat16 or both, each once")
+        names = [d if d == "float8" else dtype_name(d) for d in self.dtype]
+        if any(n not in ("float16", "bfloat16", "float8") for n in names) or len(set(names)) != len(names):
+            raise InputError(f"dtype {list(self.dtype)}: give float16, bfloat16, float8 (the model's float8 layers "
+                             "as they ran) or several, each once")
+        object.__setattr__(self, "dtype", tuple(names))
         if self.speed is not None and self.speed < 1:
             raise InputError("--speed needs at least 1 repetition")
 
@@ -88,38 +90,20 @@ class CompareArgs:
 
 
 def compare(args: CompareArgs) -> Answer:
-    """``nanhunt compare``: the verdict of each autocast dtype against float32 under the rule, as its report."""
-    from ..capture.capture import load_step
-    from ..comparison._inputs import batch_files, load_set, rule_given
-    from ..comparison.engine import History, compare as run_compare, settle_rule
+    """``nanhunt compare``: the verdict of each run (autocast dtype, float8) against float32 under the rule, as its
+    report."""
+    from ..comparison._files import compare_files
     from ..report import write
 
     if args.report is not None:
         check_report_path(args.report)
-    files, is_set = batch_files(list(args.batches))
-    rule = rule_given(args.rule, args.rule_flags(), task=args.task, metric=args.metric)
-    rule, _ = settle_rule(rule, args.metric)
-    step = load_step(args.checkpoint, files[0][1], model_factory=args.model, loss=args.loss,
-                     optimizer=args.optimizer, trust_names=args.trust_names, device=args.device,
-                     dtype=args.dtype[0] if args.dtype else None, train=args.train, trust_pickle=args.trust_pickle)
-    said = [f"warning: {n}" for n in step.notes]
-    # A capture taken in float32 has no autocast dtype to compare: float16 then.
-    dtype = list(args.dtype) or ["float16" if dtype_name(step.dtype) == "float32" else dtype_name(step.dtype)]
-    batches = load_set(files, step, trust_pickle=args.trust_pickle) if is_set else None
-    said.append(f"rule (fixed before the run, sha256 {rule.sha256()}): {rule.canonical()}")
-    history = History.beside(args.report, args.checkpoint, [n for n, _ in files]) if args.report else None
-    said += [f"warning: {w}" for w in (history.warnings(rule.sha256()) if history is not None else ())]
-    try:
-        report = run_compare(
-            step.model, None if is_set else (step.inputs, step.targets), batches=batches, loss_fn=step.loss_fn,
-            dtype=dtype, device_type=step.device_type, rule=rule, metric=args.metric, speed=args.speed or 0,
-            scaler=step.scaler, train=args.train, rng=step.rng, command=args.command(), notes=step.notes)
-    except NanhuntError:
-        raise
-    except Exception as e:  # the user's model failed on this batch: an input problem, not ours
-        raise step_failed("running the step", e) from e
-    if history is not None:
-        report = history.record(report)
+    said: list[str] = []
+    report = compare_files(
+        args.checkpoint, args.batches, model=args.model, loss=args.loss, optimizer=args.optimizer,
+        trust_names=args.trust_names, device=args.device, dtype=args.dtype or None, train=args.train,
+        trust_pickle=args.trust_pickle, rule_file=args.rule, rule_flags=args.rule_flags(), task=args.task,
+        metric=args.metric, speed=args.speed or 0, report=args.report, command=args.command(), say=said.append,
+        failed=step_failed)
     if args.report is not None:
         said.append(f"report: {', '.join(write(report, args.report))}")
     assert report.comparison is not None
