@@ -349,11 +349,17 @@ def _learning_rate(report: Report) -> Advice | None:
     lr_text = (f"lr={_num(lr)}" if _real(lr) else f"lr per group {lr}" if isinstance(lr, list) else "its lr")
     v = report.verdict
     not_precision = v is not None and v.kind == VerdictKind.NOT_PRECISION
-    because = (f"{name}'s last update ({u.get('how', 'from its state')}) moved {u.get('at', '?')} by "
-               f"{_num(float(u['ratio']))} times its own norm at {lr_text} (median over {u.get('params', '?')} "
-               f"parameters: {_num(float(u.get('median', math.nan)))})")
+    moved = (f"by {_num(float(u['ratio']))} times its own norm" if math.isfinite(u["ratio"])
+             else "by a non-finite amount (its state holds Inf or NaN)")
+    because = (f"{name}'s last update ({u.get('how', 'from its state')}) moved {u.get('at', '?')} {moved} at "
+               f"{lr_text} (median over {u.get('params', '?')} parameters: {_num(float(u.get('median', math.nan)))})")
     if not_precision:
         because += "; the step fails in float32 too, so no precision change fixes it"
+    for t in report.headroom.tracks if report.headroom is not None else ():
+        if t.name in ("loss", "gradient norm") and len(t.values) >= 2:  # the run's own history, as the Guard kept it
+            median = sorted(t.values)[len(t.values) // 2]
+            because += (f"; the {t.name} before it, as the Guard kept it: {_num(t.values[-1])} at step {t.steps[-1]}, "
+                        f"against a median of {_num(median)} over steps {t.steps[0]}-{t.steps[-1]}")
     # a tenth as a start: the state that made the update grew with the learning rate too (the gradients of weights
     # it inflated), so no single measurement gives the lr that would have been safe
     rate = f"{_num(lr / 10)}" if _real(lr) and lr > 0 else "lr / 10"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import nanhunt
-from nanhunt.capture.capture import load_step
+from nanhunt.capture._options import LoadOptions
+from nanhunt.capture.capture import load_replay, load_step
 from nanhunt.hunt.pipeline import hunt
 from nanhunt.records import Status, VerdictKind
 from nanhunt.report import markdown
@@ -16,11 +17,12 @@ from tests._support.guard import batch, guard_for, mlp_setup, train_step
 
 
 def _diverged(tmp_path: Path, lr: float) -> nanhunt.GuardEvent:
-    """A float32 MLP loop with SGD (momentum 0.9) at ``lr`` until its loss goes non-finite."""
+    """A float32 MLP loop with SGD (momentum 0.9) at ``lr`` until its loss goes non-finite, its headroom history
+    sampled every step."""
     model, opt, _ = mlp_setup(scaler=False, lr=lr, optimizer="sgd")
-    guard = guard_for(model, opt, None, tmp_path, on_fail="raise", headroom_every=None)
+    guard = guard_for(model, opt, None, tmp_path, on_fail="raise", headroom_every=1)
     with pytest.raises(nanhunt.GuardError):
-        for i in range(50):
+        for i in range(200):
             train_step(guard, model, opt, None, batch(i), dtype=torch.float32)
     return guard.events[-1]
 
@@ -28,9 +30,9 @@ def _diverged(tmp_path: Path, lr: float) -> nanhunt.GuardEvent:
 def test_a_learning_rate_failure_names_the_learning_rate_and_the_update_it_measured(tmp_path: Path) -> None:
     # GIVEN the capture of a float32 run whose SGD learning rate (10) blew the weights up within a few steps
     ev = _diverged(tmp_path, lr=10.0)
-    step = load_step(str(ev.checkpoint), str(ev.batch), model_factory="fixtures.models:MLP")
-    # WHEN it is replayed and bisected
-    report = hunt(step, prove=True)
+    loaded = load_replay(str(ev.checkpoint), str(ev.batch), LoadOptions(model_factory="fixtures.models:MLP"))
+    # WHEN it is replayed and bisected, with the Guard's event beside the capture
+    report = hunt(loaded.step, prove=True, event=loaded.event)
     # THEN it fails in float32 too (no precision change fixes it), and the report holds what explains it instead:
     # the learning rate and the last update, which moved some weight by far more than its own norm
     assert report.status == Status.NONFINITE
@@ -46,6 +48,20 @@ def test_a_learning_rate_failure_names_the_learning_rate_and_the_update_it_measu
     # the report a ticket reader gets says it too
     text = markdown.render(report)
     assert "learning rate" in text.lower() and "lr=10" in text
+
+
+def test_the_advice_quotes_the_runs_own_loss_and_gradient_norm_where_the_guard_kept_them(tmp_path: Path) -> None:
+    # GIVEN a run at lr=0.11 that diverges more slowly (non-finite at step 105), its history read back at step 64
+    ev = _diverged(tmp_path, lr=0.11)
+    assert ev.step == 105
+    loaded = load_replay(str(ev.checkpoint), str(ev.batch), LoadOptions(model_factory="fixtures.models:MLP"))
+    report = hunt(loaded.step, event=loaded.event)
+    # THEN the learning-rate advice says the update's size (its momentum buffer already overflowed) and quotes the
+    # loss before the failure against its median, from the Guard's history
+    lr = {a.pattern: a for a in report.advice}["learning-rate"]
+    assert "by a non-finite amount (its state holds Inf or NaN) at lr=0.11 " in lr.because
+    assert "; the loss before it, as the Guard kept it: " in lr.because and " at step 104, against a median of " in \
+        lr.because
 
 
 def test_a_healthy_learning_rate_gets_no_such_advice(tmp_path: Path) -> None:
