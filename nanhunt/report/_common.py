@@ -523,8 +523,11 @@ HEADROOM_TITLE = "Headroom before the Guard's event"
 HEADROOM_COLUMNS = ("module", "condition", "last max", "headroom", "growth per 100 steps", "overflow forecast")
 HEADROOM_CAPTION = ("x: the training steps the Guard sampled; y: the largest magnitude of each module's output or "
                     "output gradient (unscaled), on a log scale. Dashed lines: the float16 and bfloat16 maxima where "
-                    "they fall in range. Triangles at the top: the steps of the Guard's warnings (hover for the "
-                    "text); the dotted line: the step of this capture's event.")
+                    "they fall in range. A rising series goes on, dashed, from its last sample to the step its "
+                    "trend meets the limit (its overflow forecast). Triangles at the top: the steps of the Guard's "
+                    "warnings (hover for the text); the dotted line: the step of this capture's event. Under the "
+                    "chart, where the Guard kept them: the loss, the gradient norm and the GradScaler's scale on the "
+                    "same steps.")
 
 
 def limit_name(limit: float) -> str:
