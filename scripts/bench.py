@@ -6,6 +6,7 @@
     ./.venv/bin/python scripts/bench.py --only replay --threads 1   # the replay-at-scale section alone
     ./.venv/bin/python scripts/bench.py --only run --threads 1      # what `nanhunt run` costs a clean run
     ./.venv/bin/python scripts/bench.py --only warn --threads 1     # does the Guard warn before the NaN?
+    ./.venv/bin/python scripts/bench.py --only guard --threads 1    # the Guard's clean step, small and ~13 ms
     ./.venv/bin/python scripts/bench.py --reps 60 --workloads gpt
     ./.venv/bin/python scripts/bench.py --profile nanhunt-op --workloads gpt   # cProfile one variant
     ./.venv/bin/python scripts/bench.py --threads 1 --clock thread --busy-cores 1.5   # busy machine
@@ -736,6 +737,33 @@ def _workload_dtype(device: str) -> tuple[str, str]:
     return "float32", f" (this CPU's bfloat16 matmul is {ratio:.0f}x slower than float32: float32 steps)"
 
 
+# The Guard's ~13 ms step: fixtures.models.MLP 64 -> GUARD_WIDTH -> 8 on GUARD_BATCH rows, about 13 ms a step in
+# float32 on one thread of a 2-core Xeon VM (the small step is bench_guard's MLP default, about 1 ms in float16).
+GUARD_WIDTH, GUARD_BATCH = 3584, 256
+
+
+def bench_guard_steps(args: argparse.Namespace) -> int:
+    """``--only guard``: scripts/bench_guard.py on the MLP loop twice, each run ``--rounds`` times alternating the
+    variants (median of the rounds): small steps in float16 with a GradScaler, and ~13 ms steps in the workloads'
+    dtype (bfloat16, or float32 where this CPU's bfloat16 matmul is slow: the title says which) with a GradScaler
+    too, so that the Guard does the same work on both. ``--threads 1`` times each step by the thread's CPU time."""
+    import bench_guard
+
+    common = ["--model", "mlp", "--device", args.device]
+    if args.threads:
+        common += ["--threads", str(args.threads)]
+    if args.threads == 1 and args.device == "cpu":
+        common += ["--clock", "thread"]
+    rounds = ["--rounds", "2" if args.quick else "5"]
+    print("small steps", flush=True)
+    rc = bench_guard.main([*common, *rounds, "--dtype", "float16", "--steps", "100" if args.quick else "400"])
+    dtype, why = _workload_dtype(args.device)
+    print(f"\n~13 ms steps{why}", flush=True)
+    return rc or bench_guard.main([*common, *rounds, "--dtype", dtype, "--scaler", "--width", str(GUARD_WIDTH),
+                                   "--batch", str(GUARD_BATCH), "--steps", "20" if args.quick else "60",
+                                   "--warmup", "5"])
+
+
 def _pick_dtype(kind: str, n: int) -> tuple[torch.dtype, dict[str, Any]]:
     """float16 unless this CPU runs the case's float16 step more than HALF_SLOWDOWN_LIMIT x slower."""
     times: dict[str, float] = {}
@@ -1119,12 +1147,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="thread: time each step by the CPU time of the main thread (needs --threads 1; "
                          "robust on a busy machine, since time spent preempted does not count)")
     ap.add_argument("--no-replay", action="store_true", help="skip the replay-at-scale section")
-    ap.add_argument("--only", choices=("replay", "run", "warn"), default=None,
+    ap.add_argument("--only", choices=("replay", "run", "warn", "guard"), default=None,
                     help="replay: run only the replay-at-scale section (replay + bisection on N blocks and GPT-2, "
                          "memory, op-level cost on GPT-2); run: what `nanhunt run` costs a clean run (a plain "
                          "loop, a transformers.Trainer, a Lightning Trainer: scripts/bench_callbacks.py --via run); "
                          "warn: the Guard's warnings before the NaN on failing and healthy runs "
-                         "(scripts/bench_warn.py)")
+                         "(scripts/bench_warn.py); guard: what nanhunt.Guard costs a clean step of an MLP loop, "
+                         "small and at ~13 ms a step (scripts/bench_guard.py)")
     ap.add_argument("--scale-cap-s", type=float, default=None,
                     help="seconds for the replay-at-scale cases; a case that does not fit is skipped and says so "
                          "(default 420, quick 60)")
@@ -1140,6 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_callbacks.main(["--via", "run", *(["--threads", str(args.threads)] if args.threads else []),
                                      *(["--rounds", "3"] if args.quick else [])])
+    if args.only == "guard":
+        return bench_guard_steps(args)
     if args.only == "warn":
         import bench_warn
 

@@ -14,13 +14,14 @@ from .._util._dispatch import local_tensor
 from .._util._wrappers import user_modules
 
 __all__ = ["LOSS", "GRADS", "PARAMS", "SKIP", "Detector", "nonfinite", "nonfinite_weights", "any_set", "scalars",
-           "seen"]
+           "seen", "free_read", "scaler_entry"]
 
 # The four flags of one check, in this order, as bits of a rank's answer. On the device each flag is a
 # float scalar that is 0 when fine and non-zero (1 or NaN) otherwise, so one all_reduce(SUM) of a
 # (world, 4) matrix tells every rank what every rank saw.
 LOSS, GRADS, PARAMS, SKIP = 1, 2, 4, 8
 _N_FLAGS = 4
+_EXACT = (torch.float16, torch.bfloat16, torch.float32)  # a loss of these reads into a float32 as it is
 
 
 class Detector:
@@ -74,31 +75,70 @@ class Detector:
         ids = {id(p) for p in weights}
         return nonfinite(weights + [p for p in self.params if id(p) not in ids], self.device)
 
-    def read(self, flags: list[torch.Tensor | None], extra: list[torch.Tensor]) -> tuple[list[int], list[float]]:
-        """Every rank's flag bits and this rank's extra scalars, in one host read (and one all_reduce)."""
-        parts = [self._zero if f is None else f for f in flags] + extra
-        dev, f32 = self.device, torch.float32
-        # Convert only what needs it: each tensor op costs microseconds, attribute checks don't.
-        vec = torch.stack([t if t.dtype is f32 and t.device == dev and t.dim() == 0 else t.reshape(()).to(dev, f32)
-                           for t in parts])
-        world = self.world
-        if world > 1:
-            import torch.distributed as dist
+    def read(self, flags: list[torch.Tensor | None], extra: list[torch.Tensor],
+             loss: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+        """Every rank's flag bits and this rank's extra scalars, in one host read (and one all_reduce); scalars
+        whose read waits for nothing (:func:`free_read`) are read one by one instead.
 
-            mat = torch.zeros((world, _N_FLAGS), device=self._comm_device)
-            mat[self.rank or 0] = vec[:_N_FLAGS].to(self._comm_device)
-            dist.all_reduce(mat, group=self._pg)
-            values = torch.cat([mat.reshape(-1), vec[_N_FLAGS:].to(self._comm_device)]).tolist()
+        ``loss``: the step's loss, for its bit (LOSS): read as it is where its value alone tells (one process, one
+        value, a dtype a float32 read holds exactly: it is non-finite exactly when it reads so), else its flag."""
+        given = len(extra)
+        at: int | None = None  # where the loss's own value is among the values read
+        if loss is not None:
+            loss = local_tensor(loss)
+            if self.world == 1 and loss.numel() == 1 and loss.dtype in _EXACT:
+                at = next((k for k, t in enumerate(extra) if t is loss), given)  # there already (scalars)
+                extra = extra if at < given else [*extra, loss]
+            else:
+                flags = [self.loss_flag(loss), *flags[1:]]
+        world = self.world
+        if world == 1 and all(f is None or free_read(f) for f in flags) and all(map(free_read, extra)):
+            values: list[Any] = [0 if f is None else f.item() for f in flags] + [t.item() for t in extra]
         else:
-            values = vec.tolist()
+            parts = [self._zero if f is None else f for f in flags] + extra
+            dev, f32 = self.device, torch.float32
+            # Convert only what needs it: each tensor op costs microseconds, attribute checks don't.
+            vec = torch.stack([t if t.dtype is f32 and t.device == dev and t.dim() == 0
+                               else t.reshape(()).to(dev, f32) for t in parts])
+            if world > 1:
+                import torch.distributed as dist
+
+                mat = torch.zeros((world, _N_FLAGS), device=self._comm_device)
+                mat[self.rank or 0] = vec[:_N_FLAGS].to(self._comm_device)
+                dist.all_reduce(mat, group=self._pg)
+                values = torch.cat([mat.reshape(-1), vec[_N_FLAGS:].to(self._comm_device)]).tolist()
+            else:
+                values = vec.tolist()
         n = world * _N_FLAGS
         # NaN != 0 is True: a NaN flag (a NaN that reached the reduction) counts as set.
         per_rank = [sum(1 << i for i in range(_N_FLAGS) if values[r * _N_FLAGS + i] != 0) for r in range(world)]
-        return per_rank, [float(v) for v in values[n:]]
+        out = [float(v) for v in values[n:]]
+        if at is not None and not math.isfinite(out[at]):
+            per_rank[0] |= LOSS
+        return per_rank, out[:given]
 
     def own(self, per_rank: list[int]) -> int:
         """This rank's bits."""
         return per_rank[self.rank or 0]
+
+
+def free_read(t: torch.Tensor) -> bool:
+    """Reading ``t``'s value waits for nothing: it is on the CPU. Such scalars are read one by one (``item()``, a
+    microsecond), which costs less than the ops that gather them into one tensor (a stack, a dtype conversion, a
+    copy: some 10 us each after a step's work has left the caches cold); a device's are gathered into one read,
+    since each read waits for the device to finish."""
+    return t.is_cpu
+
+
+def scaler_entry(scaler: torch.amp.GradScaler) -> tuple[torch.Tensor | float | None, torch.Tensor | int | None]:
+    """The GradScaler's scale and growth tracker as a step begins (None: not made yet): their numbers where a read
+    waits for nothing (:func:`free_read`), else copies on their device."""
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    if scale is None or tracker is None:
+        return None, None
+    if free_read(scale) and free_read(tracker):
+        return scale.item(), int(tracker.item())
+    return scale.detach().clone(), tracker.detach().clone()
 
 
 def any_set(per_rank: list[int]) -> int:
@@ -144,7 +184,7 @@ def scalars(extra: list[torch.Tensor], loss: torch.Tensor | None, grad_norm: tor
     def slot(x: torch.Tensor | None) -> int | None:
         if x is None or x.numel() != 1:
             return None
-        extra.append(local_tensor(x.detach()))
+        extra.append(local_tensor(x.detach() if x.requires_grad else x))  # the loss itself: read() finds it there
         return len(extra) - 1 - start
 
     at_loss = slot(loss)

@@ -25,7 +25,8 @@ from .._util._dispatch import tensor_version
 from .._util._errors import GuardError
 from .._util._rng import keep_rng, rng_preserved
 from ._guard_capture import CaptureWriter, StepEntry
-from ._guard_flags import GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite_weights, scalars, seen
+from ._guard_flags import (GRADS, LOSS, PARAMS, SKIP, Detector, any_set, nonfinite_weights, scaler_entry, scalars,
+                           seen)
 from ._headroom import Finding, Headroom
 from ._part import Part as _Part
 from ._rollback import Plan, Rollback, check_indices, host_rng
@@ -285,14 +286,15 @@ class Guard:
         grads_flag = self._detect.grads_flag(self.optimizer, self.scaler if scaling else None)
         extra: list[torch.Tensor] = []
         if scaling and self.scaler is not None and self.scaler._scale is not None \
-                and self.scaler._growth_tracker is not None:
+                and self.scaler._growth_tracker is not None and not isinstance(cur.scale_before, float):
             extra = [self.scaler._scale, self.scaler._growth_tracker]  # still the state the step began with
         n_scaler = len(extra)
         watched = scalars(extra, cur.loss, grad_norm)  # the headroom history's numbers, in the same read
-        per_rank, values = self._detect.read([self._detect.loss_flag(cur.loss), grads_flag, None, None], extra)
+        per_rank, values = self._detect.read([None, grads_flag, None, None], extra, loss=cur.loss)
         if n_scaler:
-            self._note_scale(cur, values[0])
             cur.scale_before, cur.tracker_before = values[0], int(values[1])
+        if isinstance(cur.scale_before, float):
+            self._note_scale(cur, cur.scale_before)
         any_bits = any_set(per_rank)
         cur.grads_ok = not any_bits & (LOSS | GRADS)
         reason = None
@@ -422,9 +424,7 @@ class Guard:
             cur.scaler_unset = self.scaler._scale is None
             # Copied at every entry, whether or not the loop calls check_grads (a gradient-accumulation
             # micro-batch does not): to tell a skipped step at exit and to capture the scale the step ran with.
-            if self.scaler._scale is not None and self.scaler._growth_tracker is not None:
-                cur.scale_before = self.scaler._scale.detach().clone()
-                cur.tracker_before = self.scaler._growth_tracker.detach().clone()
+            cur.scale_before, cur.tracker_before = scaler_entry(self.scaler)
         self._capture.begin(cur, first=self.iterations == 0)
         self._watch.begin(cur.index)
         self._rollback.begin(cur, indices)
@@ -476,6 +476,9 @@ class Guard:
                 # update() backs the scale off exactly when it skipped the step; a step that did not call
                 # update() (a gradient-accumulation micro-batch) leaves it as it was.
                 skip_flag, extra = scale_now < before.to(scale_now.device), [before]
+            elif isinstance(before, float):  # read at entry (on the CPU)
+                skip_flag = scale_now < before
+                self._note_scale(cur, before)
         need_skip = skip_flag is not None
         need_loss = cur.loss is not None and not cur.checked
         touched = cur.update_ran and not cur.local_skip
@@ -489,9 +492,7 @@ class Guard:
         if self.check_params and cur.update_ran:  # a skipped update wrote nothing (the read still happens:
             # every rank must join the same collectives whatever its own step did)
             flags[2] = self._detect.params_flag()
-        if need_loss:
-            flags[0] = self._detect.loss_flag(cur.loss)
-        per_rank, values = self._detect.read(flags, extra)
+        per_rank, values = self._detect.read(flags, extra, loss=cur.loss if need_loss else None)
         if n_extra:
             self._note_scale(cur, values[0])
         any_bits = any_set(per_rank)
@@ -531,7 +532,7 @@ class Guard:
         if cur.tripped or cur.checked or cur.loss is None:
             return
         try:
-            per_rank, _ = self._detect.read([self._detect.loss_flag(cur.loss), None, None, None], [])
+            per_rank, _ = self._detect.read([None, None, None, None], [], loss=cur.loss)
             if not per_rank[0] & LOSS:
                 return
             touched = cur.update_ran and not cur.local_skip

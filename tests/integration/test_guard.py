@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import nanhunt
 from nanhunt.capture.capture import load_step
 from nanhunt.cli import main as cli_main
+from nanhunt.guard import _guard_flags
 
 from tests._support.guard import batch, guard_for, mlp_setup, train_step
 
@@ -361,6 +362,8 @@ def test_check_grads_reads_back_once_and_clean_loop_writes_nothing(tmp_path: Pat
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    # (as on a GPU, where each read waits for the device: on the CPU the Guard reads its scalars one by one)
+    monkeypatch.setattr(_guard_flags, "free_read", lambda t: False)
     model, opt, scaler = mlp_setup()
     assert scaler is not None
     guard = guard_for(model, opt, scaler, tmp_path, check_params=check_params)

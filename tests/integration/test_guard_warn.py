@@ -15,7 +15,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt.capture.capture import load_step
-from nanhunt.guard import _headroom
+from nanhunt.guard import _guard_flags, _headroom
 from nanhunt.guard._headroom import AUTO_EVERY, AUTO_MAX, HISTORY, READ_STEPS, Headroom
 from nanhunt.guard.guard import HeadroomWarning
 from nanhunt.records import GuardEvent
@@ -123,6 +123,8 @@ def test_unsampled_steps_add_no_host_read_and_no_hook(tmp_path: Path, monkeypatc
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    # (as on a GPU, where each read waits for the device: on the CPU the Guard reads its scalars one by one)
+    monkeypatch.setattr(_guard_flags, "free_read", lambda t: False)
     model, opt, scaler = mlp_setup()
     assert scaler is not None
     guard = guard_for(model, opt, scaler, tmp_path, headroom_every=16)
