@@ -78,9 +78,10 @@ _FIX_STATE = ("usual fixes: weight decay or a lower learning rate; keep the para
 @dataclass(frozen=True)
 class Finding:
     """One warning: ``condition`` is ``"output"``, ``"output gradient"``, ``"scale"``, ``"loss"``,
-    ``"gradient norm"``, ``"weights"`` or ``"optimizer state"``; ``module`` the module (or parameter) it is
-    about, None for the step's own numbers; ``value`` what was measured, ``limit`` the dtype's largest finite
-    value, ``forecast_step`` where the trend meets it."""
+    ``"gradient norm"``, ``"weights"``, ``"optimizer state"`` or ``"float8 underflow"`` (the share of a float8
+    layer's cast sent to zero, :mod:`._float8_headroom`); ``module`` the module (or parameter) it is about, None
+    for the step's own numbers; ``value`` what was measured, ``limit`` the dtype's largest finite value (for float8
+    underflow, the share that warns), ``forecast_step`` where the trend meets it."""
 
     condition: str
     module: str | None

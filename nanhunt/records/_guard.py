@@ -33,7 +33,8 @@ class GuardEvent(JSONData):
 
     Kind ``"warning"``: a finite step whose headroom history warned (``on_warn``), before any non-finite value.
     ``condition`` says what was judged (``"output"``, ``"output gradient"``, ``"scale"``, ``"loss"``,
-    ``"gradient norm"``, ``"weights"`` or ``"optimizer state"``), ``module`` the module or tensor it is about,
+    ``"gradient norm"``, ``"weights"``, ``"optimizer state"`` or ``"float8 underflow"``), ``module`` the module or
+    tensor it is about,
     ``measured`` the largest magnitude (or the loss, norm or scale), ``limit`` the dtype's largest finite value and
     ``forecast_step`` the step where the trend meets it; with ``on_warn="capture"`` the capture holds that step.
     """
