@@ -128,7 +128,8 @@ def test_compare_answers_the_verdict_and_its_report(tmp_path: Path) -> None:
     # THEN a dtype given twice is refused in one line; the comparison says the rule did not hold (float16
     # overflows), with the comparison's report
     assert twice.is_error and twice.content[0].text == (
-        "nanhunt: error: dtype ['float16', 'float16']: give float16, bfloat16 or both, each once")
+        "nanhunt: error: dtype ['float16', 'float16']: give float16, bfloat16, float8 (the model's float8 layers as they "
+        "ran) or several, each once")
     assert not compared.is_error, compared.content[0].text
     lines = compared.content[0].text.splitlines()
     assert lines[0].startswith("REJECTED: autocast float16 against the float32 reference"), lines

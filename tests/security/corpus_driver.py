@@ -18,7 +18,6 @@ import io
 import json
 import os
 import random
-import resource
 import socket
 import sys
 import textwrap
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import nanhunt  # noqa: E402
 from nanhunt.cli import main  # noqa: E402
+from tests._support.peak import own_peak_bytes  # noqa: E402
 from tests.security import hostile  # noqa: E402
 
 WORK = Path(sys.argv[1]).resolve()
@@ -273,7 +273,7 @@ def run() -> None:
     os.chdir(WORK / "cwd")
     results = [_run(*case) for case in cases]
     (WORK / "running").unlink()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    peak = own_peak_bytes()  # since this process exec'd: its rusage would start at pytest's size
     (WORK / "results.json").write_text(json.dumps({"seed": SEED, "peak_bytes": peak, "out": str(OUT), "results": results}, indent=1))
 
 

@@ -52,10 +52,11 @@ def test_a_forged_name_is_one_visible_line(tmp_path: Path, factory: str, shown: 
 
 
 def test_a_name_megabytes_long_is_cut(tmp_path: Path) -> None:
-    # GIVEN a capture naming a model factory of 100,000 characters (the library's message quotes it twice)
+    # GIVEN a capture naming a model factory of 100,000 characters, longer than any importable name
     ck, bt = _capture(tmp_path, "nhsec_mcp." + "a" * 100_000 + ":Net")
-    # WHEN the agent replays it THEN the refusal is cut with its length said, not 200 kB of an agent's context
+    # WHEN the agent replays it THEN the refusal is one short line saying its length, not 200 kB of an agent's
+    # context, and offers no confirmation of it
     text = _mcp.replay(ck, bt).content[0].text
-    assert len(text) < 4200 and text.endswith("aaa... (200,191 characters) (in this tool: --model is the argument "
-                                              "model)"), text[-200:]
+    assert len(text) < 400 and text.endswith("... of 100,014 characters, longer than any name Python imports or path "
+                                             "a file has: the capture is damaged or forged"), text[-200:]
     assert text.startswith("nanhunt: error: the file names model factory 'nhsec_mcp.aaaa")

@@ -5,9 +5,7 @@ where a crash or the peak memory is what is checked."""
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 from nanhunt.cli import main
+from tests._support.peak import run_nanhunt
 
 from . import hostile
 
@@ -44,28 +43,12 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return _one_line(code, capsys.readouterr().err)
 
 
-# ``python -m nanhunt`` that writes its peak resident memory (VmHWM, since exec) to a file as it exits. Not the
-# child's rusage: a spawned child's ru_maxrss starts at the size of the process it was spawned from (pytest's).
-_MEASURED = """import atexit, runpy, sys
-peak_file = sys.argv.pop(1)
-def peak():
-    with open("/proc/self/status") as status, open(peak_file, "w") as out:
-        out.write(next(line.split()[1] for line in status if line.startswith("VmHWM:")))  # kB
-atexit.register(peak)
-sys.argv[0] = "nanhunt"
-runpy.run_module("nanhunt", run_name="__main__", alter_sys=True)
-"""
-
-
 def _child(argv: list[str], tmp_path: Path) -> tuple[str, int]:
     """``python -m nanhunt ARGV`` in a child process: its one error line and its peak resident memory in bytes
     (Linux). A crash (a negative exit code, 139 from a shell) fails the exit-code check."""
-    peak = tmp_path / "peak"
-    p = subprocess.run([sys.executable, "-c", _MEASURED, str(peak), *argv], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert "Traceback" not in p.stderr, p.stderr
-    line = _one_line(p.returncode, p.stderr)
-    return line, int(peak.read_text()) * 1024
+    code, err, peak = run_nanhunt(argv, tmp_path)
+    assert "Traceback" not in err, err
+    return _one_line(code, err), peak
 
 
 def _write(tmp_path: Path, name: str, data: bytes) -> str:
