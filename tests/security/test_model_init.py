@@ -14,22 +14,7 @@ from torch import nn
 
 from nanhunt._util._errors import InputError
 from nanhunt.capture._construction import arguments
-
-HERE = __name__  # this module plays the user's model.py, confirmed with --model
-
-
-@dataclasses.dataclass
-class Cfg:
-    width: int = 4
-    n_layer: int = 2
-    dropout: float = 0.0
-
-
-class Net(nn.Module):
-    def __init__(self, config: Cfg) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList([nn.Linear(config.width, config.width) for _ in range(config.n_layer)])
+from tests._support.config_models import HERE, Cfg, Net
 
 
 def _sd(model: nn.Module) -> dict[str, torch.Tensor]:

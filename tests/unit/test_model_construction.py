@@ -4,7 +4,6 @@ the model, checked on the meta device, and rebuilt only from the module the user
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import random
 import weakref
@@ -18,31 +17,7 @@ from nanhunt._util._errors import InputError
 from nanhunt.capture import _construction
 from nanhunt.capture._construction import ConstructionLog, arguments, how_built
 from nanhunt.step._run import _loss_of, loss_position
-
-HERE = __name__  # this module plays the user's model.py
-
-
-@dataclasses.dataclass
-class Cfg:
-    width: int = 4
-    n_layer: int = 2
-    dropout: float = 0.0
-
-
-class Net(nn.Module):
-    """The config-dataclass pattern: ``Net(Cfg(...))``, the config kept as ``self.config``."""
-
-    def __init__(self, config: Cfg) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList([nn.Linear(config.width, config.width) for _ in range(config.n_layer)])
-        self.drop = nn.Dropout(config.dropout)
-        print("number of parameters:", sum(p.numel() for p in self.parameters()))  # as nanoGPT's does
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        for layer in self.layers:
-            x = self.drop(layer(x))
-        return x, nn.functional.mse_loss(x, y)
+from tests._support.config_models import HERE, Cfg, Net
 
 
 class Positional(nn.Module):
